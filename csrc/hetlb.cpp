@@ -1,0 +1,173 @@
+// hetlb._C: pybind11 bindings of the host algorithms (NumPy in, NumPy out) and the TORCH_LIBRARY
+// schemas of the tensor kernels. Kernels are implemented per dispatch key in csrc/cpu and csrc/cuda.
+#include <torch/library.h>
+#include <torch/extension.h>
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <sstream>
+#include <stdexcept>
+
+#include "solve/solve.h"
+
+namespace py = pybind11;
+using f64_array = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using i64_array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+namespace {
+
+py::array_t<int64_t> to_numpy(const std::vector<int64_t>& v) {
+  py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+std::vector<int64_t> to_vec(const i64_array& a) { return {a.data(), a.data() + a.size()}; }
+
+void require_1d(const py::array& a, const char* name) {
+  if (a.ndim() != 1) {
+    std::ostringstream msg;
+    msg << name << " must be 1-D, got " << a.ndim() << " dimensions";
+    throw std::invalid_argument(msg.str());
+  }
+}
+
+// Models arrive packed: kinds[n], params (flat) with offsets[n+1], cands (flat) with cand_offsets[n+1].
+std::vector<hetlb::ModelSpec> unpack_models(const i64_array& kinds, const f64_array& params,
+                                            const i64_array& offsets, const i64_array& cands,
+                                            const i64_array& cand_offsets) {
+  const int64_t n = kinds.size();
+  if (offsets.size() != n + 1 || cand_offsets.size() != n + 1)
+    throw std::invalid_argument("packed models: offsets must have n+1 entries");
+  std::vector<hetlb::ModelSpec> out(n);
+  const int64_t* off = offsets.data();
+  const int64_t* coff = cand_offsets.data();
+  for (int64_t i = 0; i < n; ++i) {
+    if (off[i] < 0 || off[i + 1] < off[i] || off[i + 1] > params.size() || coff[i] < 0 ||
+        coff[i + 1] < coff[i] || coff[i + 1] > cands.size())
+      throw std::invalid_argument("packed models: offsets out of range");
+    out[i] = {static_cast<int>(kinds.data()[i]), params.data() + off[i], off[i + 1] - off[i],
+              cands.data() + coff[i], coff[i + 1] - coff[i]};
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hetlb native core: host algorithms (pybind11) and tensor kernels (torch.ops.hetlb)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def(
+      "allocate",
+      [](const i64_array& kinds, const f64_array& params, const i64_array& offsets,
+         const i64_array& cands, const i64_array& cand_offsets, int64_t total, const i64_array& lower,
+         const i64_array& upper) {
+        auto models = unpack_models(kinds, params, offsets, cands, cand_offsets);
+        std::vector<int64_t> lo = to_vec(lower), hi = to_vec(upper), out;
+        {
+          py::gil_scoped_release nogil;
+          out = hetlb::allocate(models, total, lo, hi);
+        }
+        return to_numpy(out);
+      },
+      py::arg("kinds"), py::arg("params"), py::arg("offsets"), py::arg("cands"),
+      py::arg("cand_offsets"), py::arg("total"), py::arg("lower"), py::arg("upper"),
+      "Exact integer min-max allocation over packed time models (use hetlb.allocate).");
+
+  m.def(
+      "effective_time",
+      [](int64_t kind, const f64_array& params, const i64_array& cands, const i64_array& b) {
+        hetlb::ModelSpec spec{static_cast<int>(kind), params.data(), params.size(), cands.data(),
+                              cands.size()};
+        auto t = hetlb::effective_time(spec, to_vec(b));
+        py::array_t<double> out(static_cast<py::ssize_t>(t.size()));
+        std::copy(t.begin(), t.end(), out.mutable_data());
+        return out;
+      },
+      py::arg("kind"), py::arg("params"), py::arg("cands"), py::arg("b"),
+      "Running maximum of one packed model at integer batch sizes, as the solvers see it.");
+
+  m.def(
+      "allocate_proportional",
+      [](const f64_array& speeds, int64_t total, const i64_array& lower, const i64_array& upper) {
+        require_1d(speeds, "speeds");
+        std::vector<double> v(speeds.data(), speeds.data() + speeds.size());
+        std::vector<int64_t> lo = to_vec(lower), hi = to_vec(upper), out;
+        {
+          py::gil_scoped_release nogil;
+          out = hetlb::allocate_proportional(v, total, lo, hi);
+        }
+        return to_numpy(out);
+      },
+      py::arg("speeds"), py::arg("total"), py::arg("lower"), py::arg("upper"),
+      "Shares proportional to speed with largest-remainder rounding inside bounds.");
+
+  m.def(
+      "schedule",
+      [](const f64_array& sizes, const f64_array& slope, const f64_array& intercept) {
+        require_1d(sizes, "sizes");
+        require_1d(slope, "slope");
+        require_1d(intercept, "intercept");
+        if (slope.size() != intercept.size())
+          throw std::invalid_argument("slope and intercept differ in length: " +
+                                      std::to_string(slope.size()) + " vs " +
+                                      std::to_string(intercept.size()));
+        std::vector<int64_t> out;
+        {
+          py::gil_scoped_release nogil;
+          out = hetlb::schedule(sizes.data(), sizes.size(), slope.data(), intercept.data(),
+                                slope.size());
+        }
+        return to_numpy(out);
+      },
+      py::arg("sizes"), py::arg("slope"), py::arg("intercept"),
+      "Rank of each sample of one step (CHRONICA data scheduler).");
+
+  m.def(
+      "rebalance",
+      [](const i64_array& owner, const f64_array& sizes, const f64_array& slope,
+         const f64_array& intercept) {
+        require_1d(owner, "owner");
+        require_1d(sizes, "sizes");
+        if (owner.size() != sizes.size())
+          throw std::invalid_argument("owner and sizes differ in length: " +
+                                      std::to_string(owner.size()) + " vs " +
+                                      std::to_string(sizes.size()));
+        if (slope.size() != intercept.size())
+          throw std::invalid_argument("slope and intercept differ in length: " +
+                                      std::to_string(slope.size()) + " vs " +
+                                      std::to_string(intercept.size()));
+        std::vector<int64_t> out;
+        {
+          py::gil_scoped_release nogil;
+          out = hetlb::rebalance(owner.data(), sizes.data(), sizes.size(), slope.data(),
+                                 intercept.data(), slope.size());
+        }
+        return to_numpy(out);
+      },
+      py::arg("owner"), py::arg("sizes"), py::arg("slope"), py::arg("intercept"),
+      "New owner of each sample of a sharded dataset (CHRONICA data shuffler).");
+
+#ifdef HETLB_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+}
+
+// Tensor kernels. Weights are host floats: batch sizes are decided on the host, so no sync is needed.
+TORCH_LIBRARY(hetlb, m) {
+  m.def("scale_(Tensor(a!)[] tensors, float weight) -> ()");
+  m.def("flatten_scaled(Tensor[] tensors, float weight, Tensor? extra=None) -> Tensor");
+  m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
+  m.def("delay_compensate_(Tensor(a!) grad, Tensor param, Tensor prev_param, float lam) -> ()");
+}

@@ -1,0 +1,109 @@
+// Argument checks and layout helpers shared by the CPU (csrc/cpu) and CUDA (csrc/cuda) kernels of
+// the torch.ops.hetlb tensor ops. Host-only code, but included from .cu files, so it must stay
+// nvcc-clean: no CPU vector headers here.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace hetlb::kernels {
+
+// Below this many elements per thread, at::parallel_for's fork/join costs more than it saves on
+// a memory-bound loop (the issue asks for ~32K).
+constexpr int64_t kGrainSize = 32768;
+
+// "Float[2, 3] cpu strides=[1, 2]": enough to tell which argument of a list is wrong and why.
+inline std::string describe(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.scalar_type() << t.sizes() << " on " << t.device();
+  if (!t.is_contiguous()) s << " strides=" << t.strides();
+  return s.str();
+}
+
+inline bool is_supported_dtype(at::ScalarType st) {
+  return st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16;
+}
+
+inline void check_dtype(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
+  TORCH_CHECK(is_supported_dtype(t.scalar_type()), op, ": ", name,
+              " must be float32, float64, float16 or bfloat16, got ", describe(t));
+}
+
+// Every tensor of a call must match the first one: mixed dtypes would need a cast per element and
+// mixed devices cannot be reached by one kernel. The message names the offending index.
+inline void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref) {
+  check_dtype(op, name, t);
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type() && t.device() == ref.device(), op,
+              ": all tensors must share dtype and device; ", ref_name, " is ", describe(ref),
+              " but ", name, " is ", describe(t));
+}
+
+inline void check_list(const char* op, const char* list_name, at::TensorList tensors) {
+  if (tensors.empty()) return;
+  check_dtype(op, (std::string(list_name) + "[0]").c_str(), tensors[0]);
+  const std::string ref = std::string(list_name) + "[0]";
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    const std::string name = std::string(list_name) + "[" + std::to_string(i) + "]";
+    check_same(op, name.c_str(), tensors[i], ref.c_str(), tensors[0]);
+  }
+}
+
+inline int64_t total_numel(at::TensorList tensors) {
+  int64_t n = 0;
+  for (const auto& t : tensors) n += t.numel();
+  return n;
+}
+
+inline void check_scale(at::TensorList tensors) { check_list("hetlb::scale_", "tensors", tensors); }
+
+inline void check_flatten_scaled(at::TensorList tensors, const std::optional<at::Tensor>& extra) {
+  const char* op = "hetlb::flatten_scaled";
+  check_list(op, "tensors", tensors);
+  if (extra.has_value() && extra->defined()) {
+    TORCH_CHECK(extra->dim() == 1, op, ": extra must be 1-D, got ", describe(*extra));
+    // extra is cast to the output dtype, so only its device has to agree.
+    if (!tensors.empty())
+      TORCH_CHECK(extra->device() == tensors[0].device(), op,
+                  ": extra must be on the device of tensors[0] (", tensors[0].device(),
+                  "), got ", describe(*extra));
+  }
+}
+
+inline void check_unflatten(const at::Tensor& flat, at::TensorList tensors) {
+  const char* op = "hetlb::unflatten_";
+  check_dtype(op, "flat", flat);
+  TORCH_CHECK(flat.dim() == 1, op, ": flat must be 1-D, got ", describe(flat));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string name = "tensors[" + std::to_string(i) + "]";
+    check_same(op, name.c_str(), tensors[i], "flat", flat);
+  }
+  const int64_t need = total_numel(tensors);
+  TORCH_CHECK(flat.numel() >= need, op, ": flat has ", flat.numel(),
+              " elements but the tensors need ", need, " (", tensors.size(), " tensors)");
+}
+
+inline void check_delay_compensate(const at::Tensor& grad, const at::Tensor& param,
+                                   const at::Tensor& prev) {
+  const char* op = "hetlb::delay_compensate_";
+  check_dtype(op, "grad", grad);
+  check_same(op, "param", param, "grad", grad);
+  check_same(op, "prev_param", prev, "grad", grad);
+  TORCH_CHECK(param.sizes() == grad.sizes() && prev.sizes() == grad.sizes(), op,
+              ": grad, param and prev_param must have the same shape, got grad ", describe(grad),
+              ", param ", describe(param), ", prev_param ", describe(prev));
+}
+
+// The output of flatten_scaled for an empty list: the (unscaled) extra alone, or an empty float32
+// tensor when there is nothing at all. A copy, never extra itself: the schema returns a fresh tensor.
+inline at::Tensor flatten_scaled_empty(const std::optional<at::Tensor>& extra) {
+  if (extra.has_value() && extra->defined()) return extra->clone(at::MemoryFormat::Contiguous);
+  return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+}
+
+}  // namespace hetlb::kernels

@@ -1,0 +1,44 @@
+// Host algorithms of hetlb: exact min-max batch allocation, proportional rounding, size-aware
+// step scheduling and epoch rebalancing. Plain C++ on raw arrays; hetlb.cpp binds them to NumPy.
+// Every routine has a plain Python twin in hetlb/reference.py that the tests compare against.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace hetlb {
+
+// One time model T(b) for b >= 1 in a packed form (see hetlb/models.py, `_native`):
+//   kind 0 linear    params = {a0, a1}
+//   kind 1 poly      params = coefficients, highest degree first (numpy.polyval order)
+//   kind 2 piecewise params = {x_0..x_{k-1}, t_0..t_{k-1}} with x strictly increasing
+// `cands` are the integer points where the running maximum of T can be attained besides 1 and b
+// (floor/ceil of the real critical points or knots), sorted ascending.
+struct ModelSpec {
+  int kind;
+  const double* params;
+  int64_t nparams;
+  const int64_t* cands;
+  int64_t ncands;
+};
+
+// Minimal integer makespan allocation (LBB Eq. 3 with memory limits); see allocate.cpp.
+std::vector<int64_t> allocate(const std::vector<ModelSpec>& models, int64_t total,
+                              const std::vector<int64_t>& lower, const std::vector<int64_t>& upper);
+
+// Effective (non-decreasing, non-negative) time of model m at batch sizes b; tau(0) = 0.
+std::vector<double> effective_time(const ModelSpec& m, const std::vector<int64_t>& b);
+
+// LB-BSP CPU rule: shares proportional to speed inside [lower, upper], largest-remainder rounding.
+std::vector<int64_t> allocate_proportional(const std::vector<double>& speeds, int64_t total,
+                                           const std::vector<int64_t>& lower,
+                                           const std::vector<int64_t>& upper);
+
+// CHRONICA step scheduler: rank of every sample (largest first, earliest predicted finish).
+std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slope,
+                              const double* intercept, int64_t ranks);
+
+// CHRONICA epoch shuffler: new owner of every sample, moving few samples.
+std::vector<int64_t> rebalance(const int64_t* owner, const double* sizes, int64_t n,
+                               const double* slope, const double* intercept, int64_t ranks);
+
+}  // namespace hetlb

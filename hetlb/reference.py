@@ -1,0 +1,274 @@
+"""Plain Python/torch versions of every native routine: the oracle the tests compare against.
+
+Nothing here is fast; everything here is meant to be obviously right. The float arithmetic of the
+time models follows the same operation order as ``csrc/`` so results can be compared exactly.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .models import TimeModel
+
+__all__ = [
+    "raw_time", "effective_times", "allocate", "proportional_shares", "allocate_proportional",
+    "schedule", "rebalance", "ref_scale_", "ref_flatten_scaled", "ref_unflatten_", "ref_delay_compensate_",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Time models and allocation
+# ----------------------------------------------------------------------------------------------
+
+def raw_time(model: TimeModel, b: int) -> float:
+    """The model at one integer batch size, with the native core's arithmetic."""
+    kind, p, _ = model._native
+    x = float(b)
+    if kind == 0:
+        return p[0] + p[1] * x
+    if kind == 1:
+        y = 0.0
+        for c in p:
+            y = y * x + c
+        return y
+    k = p.size // 2
+    xs, ts = p[:k], p[k:]
+    if k == 1:
+        return ts[0] * (x / xs[0])
+    j = min(max(int(np.searchsorted(xs, x, side="right")) - 1, 0), k - 2)
+    return ts[j] + (ts[j + 1] - ts[j]) * ((x - xs[j]) / (xs[j + 1] - xs[j]))
+
+
+def effective_times(model: TimeModel, bmax: int) -> np.ndarray:
+    """``tau[0..bmax]``: 0 at 0, else the running maximum of the model over 1..b, clamped at 0."""
+    tau = np.zeros(bmax + 1)
+    run = 0.0
+    for b in range(1, bmax + 1):
+        run = max(run, float(raw_time(model, b)))
+        tau[b] = run
+    return tau
+
+
+def allocate(models: Sequence[TimeModel], total: int, lower: Optional[Sequence[int]] = None,
+             upper: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Reference for :func:`hetlb.allocate`, written from the definition with whole tables.
+
+    1. ``M*`` = least value ``v`` such that every ``tau_i(lower_i) <= v`` and the largest sizes
+       ``c_i(v) = max{b in [lower_i, upper_i] : tau_i(b) <= v}`` sum to at least ``total``.
+    2. ``L*`` = largest value ``L > 0`` such that every worker with ``c_i(M*) >= 1`` has a size in
+       ``[lower_i, c_i(M*)]`` with ``tau >= L`` and the least such sizes ``l_i`` sum to at most
+       ``total`` (else ``L* = 0`` and ``l_i = lower_i``).
+    3. Water level ``X`` = least value with ``sum clip(cap_i(X), l_i, c_i) >= total``; each worker
+       gets ``clip(largest b with tau < X, l_i, c_i)`` and what is left goes in index order.
+    """
+    n = len(models)
+    lo = np.zeros(n, np.int64) if lower is None else np.asarray(lower, np.int64)
+    hi = np.full(n, total, np.int64) if upper is None else np.minimum(np.asarray(upper, np.int64), total)
+    hi = np.maximum(hi, lo)
+    if lo.sum() > total or hi.sum() < total:
+        raise ValueError("infeasible bounds")
+    if total == 0:
+        return np.zeros(n, np.int64)
+    tau = [effective_times(m, int(h)) for m, h in zip(models, hi)]
+    values = sorted({0.0}.union(*[set(t.tolist()) for t in tau]))
+
+    def cap(i: int, v: float, strict: bool = False) -> int:
+        ok = [b for b in range(int(hi[i]) + 1) if (tau[i][b] < v if strict else tau[i][b] <= v)]
+        return max(ok, default=0)
+
+    clip = lambda v, a, z: min(max(v, a), z)
+    mstar = next(v for v in values
+                 if all(tau[i][lo[i]] <= v for i in range(n))
+                 and sum(clip(cap(i, v), lo[i], hi[i]) for i in range(n)) >= total)
+    c = [clip(cap(i, mstar), lo[i], hi[i]) for i in range(n)]
+
+    def floors(L: float) -> Optional[List[int]]:
+        out = []
+        for i in range(n):
+            if c[i] == 0:
+                out.append(0)
+                continue
+            ok = [b for b in range(lo[i], c[i] + 1) if tau[i][b] >= L]
+            if not ok:
+                return None
+            out.append(min(ok))
+        return out if sum(out) <= total else None
+
+    feasible = [L for L in values if 0 < L <= mstar and floors(L) is not None]
+    l = floors(max(feasible)) if feasible else [0 if c[i] == 0 else int(lo[i]) for i in range(n)]
+
+    x = next(v for v in values if v <= mstar and sum(clip(cap(i, v), l[i], c[i]) for i in range(n)) >= total)
+    out = [clip(cap(i, x, strict=True), l[i], c[i]) for i in range(n)]
+    for i in range(n):
+        add = min(clip(cap(i, x), l[i], c[i]) - out[i], total - sum(out))
+        out[i] += add
+    return np.asarray(out, np.int64)
+
+
+def makespan(models: Sequence[TimeModel], sizes: Sequence[int]) -> float:
+    """``max_i tau_i(b_i)`` (0 for ``b_i = 0``)."""
+    return max(float(effective_times(m, int(b))[int(b)]) for m, b in zip(models, sizes))
+
+
+def proportional_shares(speeds: Sequence[float], total: int, lower: Optional[Sequence[int]] = None,
+                        upper: Optional[Sequence[int]] = None) -> List[Fraction]:
+    """Exact continuous shares ``clip(lambda * v_i, lower_i, upper_i)`` summing to ``total``."""
+    n = len(speeds)
+    vmax = Fraction(max(float(s) for s in speeds))
+    v = [max(Fraction(float(s)) / vmax, Fraction(1e-200)) if s > 0 else Fraction(0) for s in speeds]
+    lo = [0] * n if lower is None else [int(x) for x in lower]
+    hi = [min(total, int(x)) for x in ([total] * n if upper is None else upper)]
+    hi = [max(a, z) for a, z in zip(lo, hi)]
+    if sum(hi[i] if v[i] > 0 else lo[i] for i in range(n)) < total:
+        # The others full, speed-0 workers share the rest as if equally fast.
+        lo = [hi[i] if v[i] > 0 else lo[i] for i in range(n)]
+        v = [Fraction(0) if v[i] > 0 else Fraction(1) for i in range(n)]
+
+    def shares(lam: Fraction) -> List[Fraction]:
+        return [min(max(lam * v[i], Fraction(lo[i])), Fraction(hi[i])) for i in range(n)]
+
+    # The sum is piecewise linear in lambda with breakpoints lo/v and hi/v: find the piece.
+    bps = sorted({Fraction(0)} | {Fraction(b) / v[i] for i in range(n) if v[i] > 0 for b in (lo[i], hi[i])})
+    lam = bps[-1]
+    for a, z in zip(bps, bps[1:]):
+        sa, sz = sum(shares(a)), sum(shares(z))
+        if sa >= total:
+            lam = a
+            break
+        if sz >= total:
+            lam = a + (z - a) * (total - sa) / (sz - sa)
+            break
+    return shares(lam)
+
+
+def allocate_proportional(speeds: Sequence[float], total: int, lower: Optional[Sequence[int]] = None,
+                          upper: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Reference for :func:`hetlb.allocate_proportional`, in exact rational arithmetic."""
+    n = len(speeds)
+    hi = [min(total, int(x)) for x in ([total] * n if upper is None else upper)]
+    hi = [max(a, z) for a, z in zip([0] * n if lower is None else lower, hi)]
+    x = proportional_shares(speeds, total, lower, upper)
+    out = [int(xi) for xi in x]  # floor: shares are >= 0
+    rest = total - sum(out)
+    order = sorted(range(n), key=lambda i: (-(x[i] - out[i]), i))
+    for i in order:
+        if rest == 0:
+            break
+        if out[i] < hi[i]:
+            out[i] += 1
+            rest -= 1
+    return np.asarray(out, np.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Size-aware scheduling (CHRONICA)
+# ----------------------------------------------------------------------------------------------
+
+def _eft(sizes: Sequence[float], items: Sequence[int], slope: Sequence[float], intercept: Sequence[float],
+         load: List[float], dest: List[int]) -> None:
+    order = sorted(items, key=lambda i: (-sizes[i], i))
+    for i in order:
+        s = float(sizes[i])
+        finish = [intercept[r] + slope[r] * (load[r] + s) for r in range(len(slope))]
+        r = int(np.argmin(finish))  # first minimum: lowest rank on ties
+        dest[i] = r
+        load[r] += s
+
+
+def schedule(sizes: Sequence[float], slope: Sequence[float], intercept: Sequence[float]) -> np.ndarray:
+    """Reference for :func:`hetlb.schedule`: largest first, each to the earliest finish."""
+    sizes = [float(s) for s in sizes]
+    slope = [float(a) for a in slope]
+    intercept = [float(b) for b in intercept]
+    dest = [-1] * len(sizes)
+    _eft(sizes, range(len(sizes)), slope, intercept, [0.0] * len(slope), dest)
+    return np.asarray(dest, np.int64)
+
+
+def rebalance(owner: Sequence[int], sizes: Sequence[float], slope: Sequence[float],
+              intercept: Sequence[float]) -> np.ndarray:
+    """Reference for :func:`hetlb.rebalance` (CHRONICA Algorithm 3 with an equal-time target)."""
+    sizes = [float(s) for s in sizes]
+    slope = [float(a) for a in slope]
+    intercept = [float(b) for b in intercept]
+    R = len(slope)
+    load = [0.0] * R
+    total = 0.0
+    for i, r in enumerate(owner):
+        load[r] += sizes[i]
+        total += sizes[i]
+    # Level T with sum_r max(0, (T - b_r) / a_r) = total: add ranks by increasing intercept.
+    by_b = sorted(range(R), key=lambda r: (intercept[r], r))
+    inv = wsum = 0.0
+    level = intercept[by_b[0]]
+    for k, r in enumerate(by_b):
+        inv += 1.0 / slope[r]
+        wsum += intercept[r] / slope[r]
+        level = (total + wsum) / inv
+        if k + 1 == R or level <= intercept[by_b[k + 1]]:
+            break
+    dest = [int(r) for r in owner]
+    storage: List[int] = []
+    for r in range(R):
+        excess = load[r] - max(0.0, (level - intercept[r]) / slope[r])
+        if not excess > 0:
+            continue
+        mine = sorted((i for i in range(len(sizes)) if owner[i] == r and sizes[i] > 0), key=lambda i: (sizes[i], i))
+        while excess > 0:
+            fits = [i for i in mine if sizes[i] <= excess]
+            if fits:
+                i = fits[-1]  # the largest that fits (last in order)
+                mine.remove(i)
+                storage.append(i)
+                excess -= sizes[i]
+                load[r] -= sizes[i]
+                continue
+            if mine and sizes[mine[0]] < 2 * excess:
+                storage.append(mine[0])
+                load[r] -= sizes[mine[0]]
+            break
+    _eft(sizes, storage, slope, intercept, load, dest)
+    return np.asarray(dest, np.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor kernels (torch.ops.hetlb): one tensor at a time, in float32 (float64 for float64)
+# ----------------------------------------------------------------------------------------------
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def ref_scale_(tensors: Sequence[Tensor], weight: float) -> None:
+    for t in tensors:
+        t.copy_(t.to(_opmath(t.dtype)) * weight)
+
+
+def ref_flatten_scaled(tensors: Sequence[Tensor], weight: float,
+                       extra: Optional[Tensor] = None) -> Tensor:
+    tensors = list(tensors)
+    if not tensors:
+        return extra.clone() if extra is not None else torch.empty(0, dtype=torch.float32)
+    dtype = tensors[0].dtype
+    parts: List[Tensor] = [(t.reshape(-1).to(_opmath(dtype)) * weight).to(dtype) for t in tensors]
+    if extra is not None:
+        parts.append(extra.reshape(-1).to(dtype))
+    return torch.cat(parts) if parts else tensors[0].new_empty(0)
+
+
+def ref_unflatten_(flat: Tensor, tensors: Sequence[Tensor], scale: float) -> None:
+    off = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_((flat[off:off + n].to(_opmath(flat.dtype)) * scale).view(t.shape))
+        off += n
+
+
+def ref_delay_compensate_(grad: Tensor, param: Tensor, prev_param: Tensor, lam: float) -> None:
+    m = _opmath(grad.dtype)
+    g, p, q = grad.to(m), param.to(m), prev_param.to(m)
+    grad.copy_(g + lam * g * g * (p - q))

@@ -1,0 +1,172 @@
+"""Host algorithms: batch allocation and size-aware scheduling (thin wrappers over ``hetlb._C``).
+
+All functions take and return NumPy arrays, check their arguments and raise ``ValueError`` with a
+message that says what is wrong. The native core re-checks values (NaN, negative coefficients,
+infeasible bounds) so no input can reach it unchecked.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import _C
+from .models import TimeModel
+
+__all__ = ["allocate", "allocate_proportional", "schedule", "rebalance"]
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer, float, np.floating)):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    if isinstance(value, (float, np.floating)) and not float(value).is_integer():
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    v = int(value)
+    if v < 0:
+        raise ValueError(f"{what} must be >= 0, got {v}")
+    return v
+
+
+def _vector(x: Any, what: str, dtype: Any, n: Optional[int] = None) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    if n is not None and arr.size != n:
+        raise ValueError(f"{what} has {arr.size} entries, expected {n}")
+    if dtype is np.int64:
+        if arr.size and arr.dtype.kind == "f":
+            if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
+                raise ValueError(f"{what} must hold integers, got {arr.tolist()}")
+        elif arr.size and arr.dtype.kind not in "iu":
+            raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
+    elif arr.size and arr.dtype.kind not in "iuf":
+        raise ValueError(f"{what} must be numeric, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def _bounds(lower: Any, upper: Any, n: int, total: int) -> tuple:
+    lo = np.zeros(n, np.int64) if lower is None else _vector(lower, "lower", np.int64, n)
+    hi = np.full(n, total, np.int64) if upper is None else _vector(upper, "upper", np.int64, n)
+    return lo, hi
+
+
+def allocate(models: Sequence[TimeModel], total: int, lower: Any = None, upper: Any = None) -> np.ndarray:
+    """Exact integer min-max allocation of ``total`` samples over workers (LBB Eq. 3).
+
+    Args:
+        models: one :class:`~hetlb.TimeModel` per worker (n of them).
+        total: global batch size ``B >= 0``.
+        lower, upper: optional per-worker bounds, shape ``[n]`` (``upper`` is LBB's memory limit
+            ``B_lim``); defaults 0 and ``total``.
+
+    Returns:
+        ``int64[n]`` with ``sum == total`` and ``lower <= b <= upper`` whose makespan
+        ``max_i T_i(b_i)`` over workers with ``b_i > 0`` (effective times) is the least of all
+        integer allocations. Among those it has the smallest spread: the least time among workers
+        that can take part is as large as possible. Remaining ties are filled level by level, the
+        lowest-indexed worker first. A worker given 0 samples costs 0 (it sits the step out).
+
+    Raises:
+        ValueError: empty ``models``, a non-model entry, NaN/negative coefficients, negative
+            ``total``, or bounds that cannot reach ``total``.
+    """
+    models = list(models)
+    if not models:
+        raise ValueError("allocate: no workers (empty model list)")
+    for i, m in enumerate(models):
+        if not isinstance(m, TimeModel):
+            raise ValueError(f"allocate: models[{i}] is {type(m).__name__}, not a hetlb time model")
+    total = _count(total, "total")
+    n = len(models)
+    lo, hi = _bounds(lower, upper, n, total)
+    specs = [m._native for m in models]
+    kinds = np.fromiter((s[0] for s in specs), np.int64, n)
+    plen = np.fromiter((s[1].size for s in specs), np.int64, n)
+    clen = np.fromiter((s[2].size for s in specs), np.int64, n)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(plen, out=offsets[1:])
+    cand_offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(clen, out=cand_offsets[1:])
+    params = np.concatenate([s[1] for s in specs])
+    cands = np.concatenate([s[2] for s in specs]) if cand_offsets[-1] else np.zeros(0, np.int64)
+    return _C.allocate(kinds, params, offsets, cands, cand_offsets, total, lo, hi)
+
+
+def allocate_proportional(speeds: Any, total: int, lower: Any = None, upper: Any = None) -> np.ndarray:
+    """LB-BSP's CPU rule ``x_i = v_i / sum(v) * total``, rounded by largest remainder.
+
+    Args:
+        speeds: ``float[n]``, samples per second of each worker (finite, >= 0).
+        total: samples to share out.
+        lower, upper: optional per-worker integer bounds, shape ``[n]``.
+
+    Returns:
+        ``int64[n]`` summing exactly to ``total`` within the bounds: the floors of the
+        water-filled shares ``clip(lambda * v_i, lower_i, upper_i)``, topped up by the largest
+        fractional parts (ties: lower index).
+
+    Workers of speed 0 keep their lower bound unless the others, full to their upper bounds,
+    cannot take the rest; then they share the rest equally (so all-zero speeds, i.e. no
+    measurement yet, give equal shares). Speeds below ``1e-200`` of the fastest count as
+    ``1e-200`` of it.
+    """
+    v = _vector(speeds, "speeds", np.float64)
+    if v.size == 0:
+        raise ValueError("allocate_proportional: no workers (empty speeds)")
+    total = _count(total, "total")
+    lo, hi = _bounds(lower, upper, v.size, total)
+    return _C.allocate_proportional(v, total, lo, hi)
+
+
+def _rates(slope: Any, intercept: Any) -> tuple:
+    a = _vector(slope, "slope", np.float64)
+    b = _vector(intercept, "intercept", np.float64)
+    if a.size != b.size:
+        raise ValueError(f"slope and intercept differ in length: {a.size} vs {b.size}")
+    if a.size == 0:
+        raise ValueError("no ranks (empty slope)")
+    return a, b
+
+
+def schedule(sizes: Any, slope: Any, intercept: Any) -> np.ndarray:
+    """Rank of every sample of one step (CHRONICA's data scheduler).
+
+    Rank ``r`` is predicted to take ``intercept[r] + slope[r] * (sum of sizes it gets)``. Samples
+    go largest first (first-fit-decreasing / LPT), each to the rank that would finish earliest with
+    it (ties: lower rank).
+
+    Args:
+        sizes: ``float[N]`` data amount of each sample (>= 0).
+        slope, intercept: ``float[R]`` per-rank time model (>= 0).
+
+    Returns:
+        ``int64[N]``, values in ``[0, R)``.
+    """
+    a, b = _rates(slope, intercept)
+    return _C.schedule(_vector(sizes, "sizes", np.float64), a, b)
+
+
+def rebalance(owner: Any, sizes: Any, slope: Any, intercept: Any) -> np.ndarray:
+    """New owner of every sample of a sharded dataset (CHRONICA's data shuffler, Algorithm 3).
+
+    Predicted epoch time of rank ``r`` is ``intercept[r] + slope[r] * (sum of sizes it owns)``.
+    Each rank above the continuous equal-time level gives up samples, largest fitting in its excess
+    first (so few samples move); those are then placed largest first on the rank that would finish
+    earliest. A balanced sharding is left as it is.
+
+    Args:
+        owner: ``int64[N]`` current rank of each sample, in ``[0, R)``.
+        sizes: ``float[N]`` data amount of each sample (>= 0).
+        slope: ``float[R]`` per-rank time per unit of data (> 0).
+        intercept: ``float[R]`` per-rank fixed time (>= 0).
+
+    Returns:
+        ``int64[N]`` new owners.
+    """
+    a, b = _rates(slope, intercept)
+    own = _vector(owner, "owner", np.int64)
+    s = _vector(sizes, "sizes", np.float64)
+    if own.size != s.size:
+        raise ValueError(f"owner and sizes differ in length: {own.size} vs {s.size}")
+    return _C.rebalance(own, s, a, b)

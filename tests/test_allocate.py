@@ -1,0 +1,251 @@
+"""hetlb.allocate against the reference, brute force and scipy's MILP; time models; bad input."""
+import itertools
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import hetlb
+from hetlb import reference as ref
+
+
+
+# -- strategies --------------------------------------------------------------------------------
+
+coef = st.floats(0, 10, allow_nan=False, allow_infinity=False)
+linear = st.builds(hetlb.LinearModel, coef, coef)
+poly = st.lists(st.floats(-3, 3, allow_nan=False), min_size=1, max_size=4).map(hetlb.PolyModel)
+
+
+@st.composite
+def piecewise(draw):
+    k = draw(st.integers(1, 4))
+    xs = sorted(draw(st.sets(st.integers(1, 40), min_size=k, max_size=k)))
+    ts = draw(st.lists(st.floats(0, 20, allow_nan=False), min_size=k, max_size=k))
+    return hetlb.PiecewiseModel(xs, ts)
+
+
+model = st.one_of(linear, poly, piecewise())
+
+
+@st.composite
+def problem(draw, max_n=5, max_total=30):
+    n = draw(st.integers(1, max_n))
+    models = draw(st.lists(model, min_size=n, max_size=n))
+    total = draw(st.integers(0, max_total))
+    lower = upper = None
+    if draw(st.booleans()):
+        upper = draw(st.lists(st.integers(0, max_total), min_size=n, max_size=n))
+        if sum(upper) < total:
+            upper[draw(st.integers(0, n - 1))] += total - sum(upper)
+        lower = [draw(st.integers(0, u)) for u in upper]
+        while sum(lower) > total:
+            j = int(np.argmax(lower))
+            lower[j] -= 1
+    return models, total, lower, upper
+
+
+def tau(m, b):
+    return float(m.effective_time(np.array([b]))[0])
+
+
+def brute_force(models, total, lower, upper):
+    """Every integer allocation: the least makespan, then the largest floor over takers-part."""
+    n = len(models)
+    lo = lower or [0] * n
+    hi = [min(u, total) for u in upper] if upper else [total] * n
+    best, allocs = None, []
+    for b in itertools.product(*[range(a, z + 1) for a, z in zip(lo, hi)]):
+        if sum(b) != total:
+            continue
+        ms = max(tau(m, x) for m, x in zip(models, b))
+        if best is None or ms < best:
+            best, allocs = ms, [b]
+        elif ms == best:
+            allocs.append(b)
+    part = [i for i in range(n) if any(b[i] >= 1 for b in allocs)]
+    floor = max(min([tau(models[i], b[i]) for i in part], default=0.0) for b in allocs)
+    return best, floor, part
+
+
+def objectives(models, b, part):
+    return (max(tau(m, x) for m, x in zip(models, b)),
+            min([tau(models[i], b[i]) for i in part], default=0.0))
+
+
+# -- correctness -------------------------------------------------------------------------------
+
+@given(problem())
+def test_matches_reference(prob):
+    models, total, lower, upper = prob
+    got = hetlb.allocate(models, total, lower, upper)
+    want = ref.allocate(models, total, lower, upper)
+    np.testing.assert_array_equal(got, want)
+
+
+@given(problem(max_n=3, max_total=9))
+def test_brute_force_optimal(prob):
+    models, total, lower, upper = prob
+    b = hetlb.allocate(models, total, lower, upper)
+    assert b.dtype == np.int64 and b.sum() == total
+    if lower:
+        assert np.all(b >= lower) and np.all(b <= upper)
+    best, floor, part = brute_force(models, total, lower, upper)
+    got_ms, got_floor = objectives(models, b, part)
+    assert got_ms == best
+    assert got_floor == floor
+
+
+def test_effective_time_is_running_max():
+    m = hetlb.PolyModel([-0.01, 0.5, 1.0, 2.0])  # rises, then falls past b ~ 34
+    b = np.arange(0, 120)
+    eff = m.effective_time(b)
+    raw = np.maximum.accumulate(np.maximum(m.time(np.maximum(b, 1)), 0))
+    raw[0] = 0.0
+    np.testing.assert_allclose(eff, raw, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(eff, ref.effective_times(m, 119))
+
+
+@pytest.mark.parametrize("n,total", [(4, 64), (8, 300), (16, 1000)])
+def test_linear_optimal_against_milp(n, total):
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    rng = np.random.default_rng(n + total)
+    a0, a1 = rng.uniform(0, 5, n), rng.uniform(0.1, 3, n)
+    upper = rng.integers(total // n, total, n)
+    models = [hetlb.LinearModel(x, y) for x, y in zip(a0, a1)]
+    b = hetlb.allocate(models, total, upper=upper)
+    got = max(a0[i] + a1[i] * b[i] for i in range(n) if b[i] > 0)
+    # Variables: b (n integers), y (n binaries: takes part), M. Minimise M.
+    c = np.r_[np.zeros(2 * n), 1.0]
+    rows = [np.r_[np.ones(n), np.zeros(n), 0.0]]
+    lb, ub = [total], [total]
+    for i in range(n):
+        r = np.zeros(2 * n + 1); r[i], r[n + i], r[-1] = a1[i], a0[i], -1.0
+        rows.append(r); lb.append(-np.inf); ub.append(0.0)  # a0*y + a1*b <= M
+        r = np.zeros(2 * n + 1); r[i], r[n + i] = 1.0, -upper[i]
+        rows.append(r); lb.append(-np.inf); ub.append(0.0)  # b <= upper*y
+    res = milp(c, constraints=LinearConstraint(np.array(rows), lb, ub),
+               integrality=np.r_[np.ones(2 * n), 0.0],
+               bounds=Bounds(np.zeros(2 * n + 1), np.r_[upper, np.ones(n), np.inf]))
+    assert res.success
+    assert got <= res.fun + 1e-6 * max(1.0, res.fun)
+
+
+def test_nonlinear_optimal_against_milp():
+    """Cubic and piecewise models, one-hot MILP over every batch size (tiny B)."""
+    from scipy.optimize import LinearConstraint, milp
+
+    models = [hetlb.PolyModel([0.002, -0.05, 1.0, 3.0]), hetlb.PiecewiseModel([1, 10, 20], [4, 6, 30]),
+              hetlb.LinearModel(2.0, 0.7), hetlb.PolyModel([0.01, 0.3, 1.0])]
+    total, n = 40, len(models)
+    T = [m.effective_time(np.arange(total + 1)) for m in models]
+    nv = n * (total + 1) + 1
+    c = np.zeros(nv); c[-1] = 1.0
+    A, lb, ub = [], [], []
+    for i in range(n):
+        r = np.zeros(nv); r[i * (total + 1):(i + 1) * (total + 1)] = 1
+        A.append(r); lb.append(1); ub.append(1)  # exactly one size per worker
+        r = np.zeros(nv); r[i * (total + 1):(i + 1) * (total + 1)] = T[i]; r[-1] = -1
+        A.append(r); lb.append(-np.inf); ub.append(0)  # T_i(b_i) <= M
+    r = np.zeros(nv)
+    for i in range(n):
+        r[i * (total + 1):(i + 1) * (total + 1)] = np.arange(total + 1)
+    A.append(r); lb.append(total); ub.append(total)
+    res = milp(c, constraints=LinearConstraint(np.array(A), lb, ub), integrality=np.r_[np.ones(nv - 1), 0])
+    b = hetlb.allocate(models, total)
+    assert max(T[i][b[i]] for i in range(n)) == pytest.approx(res.fun, rel=1e-9)
+
+
+def test_large_instance_fast_and_valid():
+    rng = np.random.default_rng(0)
+    n, total = 1024, 1 << 20
+    models = [hetlb.LinearModel(a, s) for a, s in zip(rng.uniform(0, 0.01, n), rng.uniform(1e-5, 4e-5, n))]
+    upper = np.full(n, 4096)
+    b = hetlb.allocate(models, total, upper=upper)
+    assert b.sum() == total and b.max() <= 4096 and b.min() >= 0
+    times = np.array([m.time(x) for m, x in zip(models, b)])
+    # Continuous relaxation is a lower bound; integer optimum is within one sample of it.
+    assert times.max() <= max(m.time(x + 1) for m, x in zip(models, b)) + 1e-12
+
+
+def test_zero_samples_cost_nothing():
+    # A worker whose start-up cost exceeds what the others need sits out.
+    models = [hetlb.LinearModel(0, 1), hetlb.LinearModel(100, 0.001)]
+    np.testing.assert_array_equal(hetlb.allocate(models, 10), [10, 0])
+    assert hetlb.allocate(models, 0).tolist() == [0, 0]
+
+
+def test_upper_bound_is_memory_limit():
+    models = [hetlb.LinearModel(0, 1), hetlb.LinearModel(0, 10)]
+    np.testing.assert_array_equal(hetlb.allocate(models, 100, upper=[30, 100]), [30, 70])
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: hetlb.allocate([], 10), "no workers"),
+    (lambda: hetlb.allocate([hetlb.LinearModel(1, 1)], -1), ">= 0"),
+    (lambda: hetlb.allocate([hetlb.LinearModel(1, 1)], 2.5), "integer"),
+    (lambda: hetlb.allocate([hetlb.LinearModel(1, 1)] * 2, 10, upper=[3, 3]), "upper bounds sum to 6"),
+    (lambda: hetlb.allocate([hetlb.LinearModel(1, 1)] * 2, 10, lower=[6, 6]), "lower bounds sum to 12"),
+    (lambda: hetlb.allocate([hetlb.LinearModel(1, 1)] * 2, 10, lower=[1, 2, 3]), "expected 2"),
+    (lambda: hetlb.allocate([hetlb.LinearModel(1, 1)] * 2, 10, lower=[5, 0], upper=[4, 10]), "lower <= upper"),
+    (lambda: hetlb.allocate([hetlb.LinearModel(1, 1), "fast"], 10), "not a hetlb time model"),
+    (lambda: hetlb.LinearModel(float("nan"), 1), "finite"),
+    (lambda: hetlb.LinearModel(-1, 1), ">= 0"),
+    (lambda: hetlb.PolyModel([1.0, float("inf")]), "finite"),
+    (lambda: hetlb.PolyModel([]), "at least one"),
+    (lambda: hetlb.PiecewiseModel([4, 2], [1, 2]), "increase strictly"),
+    (lambda: hetlb.PiecewiseModel([1, 2], [1]), "differ in length"),
+    (lambda: hetlb.PiecewiseModel([0, 2], [1, 2]), "positive"),
+    (lambda: hetlb.PolyModel.fit([1, 2], [1, 2], degree=3), "distinct"),
+])
+def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_native_rejects_bad_packed_models():
+    from hetlb import _C
+
+    z = np.zeros(0, np.int64)
+    with pytest.raises(ValueError, match="non-finite"):
+        _C.allocate(np.array([0]), np.array([np.nan, 1.0]), np.array([0, 2]), z, np.array([0, 0]),
+                    5, np.array([0]), np.array([5]))
+    with pytest.raises(ValueError, match="negative coefficient"):
+        _C.allocate(np.array([0]), np.array([-1.0, 1.0]), np.array([0, 2]), z, np.array([0, 0]),
+                    5, np.array([0]), np.array([5]))
+    with pytest.raises(ValueError, match="offsets"):
+        _C.allocate(np.array([0]), np.array([1.0, 1.0]), np.array([0, 9]), z, np.array([0, 0]),
+                    5, np.array([0]), np.array([5]))
+
+
+# -- models ------------------------------------------------------------------------------------
+
+def test_fits_recover_models():
+    b = np.array([2, 4, 8, 16, 32, 64], float)
+    lin = hetlb.LinearModel.fit(b, 3.0 + 0.5 * b)
+    assert lin.a0 == pytest.approx(3.0) and lin.a1 == pytest.approx(0.5)
+    cub = hetlb.PolyModel.fit(b, 1e-4 * b**3 - 0.01 * b**2 + b + 2)
+    np.testing.assert_allclose(cub.coeffs, [1e-4, -0.01, 1, 2], atol=1e-8)
+    pw = hetlb.PiecewiseModel.fit([2, 2, 4], [1.0, 3.0, 5.0])
+    np.testing.assert_array_equal(pw.times, [2.0, 5.0])
+    assert pw.time(3) == pytest.approx(3.5) and pw.time(6) == pytest.approx(8.0)
+    # Noisy data that pulls the intercept negative stays non-negative.
+    neg = hetlb.LinearModel.fit([1, 2, 3], [0.0, 2.0, 4.0])
+    assert neg.a0 >= 0 and neg.a1 > 0
+
+
+@pytest.mark.parametrize("m", [hetlb.LinearModel(1, 2), hetlb.PolyModel([1, 2, 3]),
+                               hetlb.PiecewiseModel([1, 5], [2, 3])])
+def test_model_roundtrip(m):
+    from hetlb.models import model_from_dict
+
+    again = model_from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again == m
+    np.testing.assert_array_equal(again.time(np.arange(1, 9)), m.time(np.arange(1, 9)))
+    for b in range(1, 9):
+        assert ref.raw_time(m, b) == pytest.approx(float(m.time(b)), rel=1e-15)

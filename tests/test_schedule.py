@@ -1,0 +1,210 @@
+"""allocate_proportional, schedule and rebalance against the reference, brute force and bounds."""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import hetlb
+from hetlb import reference as ref
+
+rate = st.floats(0.01, 10, allow_nan=False)
+size = st.floats(0, 100, allow_nan=False)
+
+
+# -- allocate_proportional ---------------------------------------------------------------------
+
+@st.composite
+def prop_problem(draw):
+    n = draw(st.integers(1, 8))
+    speeds = draw(st.lists(st.floats(0, 1e3, allow_nan=False), min_size=n, max_size=n))
+    if sum(speeds) == 0:
+        speeds[0] = 1.0
+    total = draw(st.integers(0, 500))
+    lower = upper = None
+    if draw(st.booleans()):
+        upper = draw(st.lists(st.integers(0, 500), min_size=n, max_size=n))
+        if sum(upper) < total:
+            upper[int(np.argmax(speeds))] += total - sum(upper)
+        lower = [draw(st.integers(0, u)) // 4 for u in upper]
+        while sum(lower) > total:
+            lower[int(np.argmax(lower))] -= 1
+    return speeds, total, lower, upper
+
+
+@given(prop_problem())
+def test_proportional_matches_exact_reference(prob):
+    speeds, total, lower, upper = prob
+    got = hetlb.allocate_proportional(speeds, total, lower, upper)
+    want = ref.allocate_proportional(speeds, total, lower, upper)
+    assert got.sum() == total
+    if lower:
+        assert np.all(got >= lower) and np.all(got <= upper)
+    # Doubles may break a near-tie in fractional parts differently from exact arithmetic; then the
+    # results differ by moving one sample between workers whose exact shares are within 1e-9.
+    diff = got - want
+    assert np.abs(diff).max(initial=0) <= 1
+    if np.any(diff):
+        exact = ref.proportional_shares(speeds, total, lower, upper)
+        fr = [float(x - int(x)) for x in exact]
+        moved = np.flatnonzero(diff)
+        assert max(fr[i] for i in moved) - min(fr[i] for i in moved) < 1e-9
+
+
+def test_proportional_examples():
+    assert hetlb.allocate_proportional([1, 2, 3, 4], 101).tolist() == [10, 20, 30, 41]
+    assert hetlb.allocate_proportional([1, 1, 1], 10).tolist() == [4, 3, 3]
+    # Bounds: the fast worker is capped and the rest is shared in proportion.
+    assert hetlb.allocate_proportional([1, 1, 8], 100, upper=[100, 100, 50]).tolist() == [25, 25, 50]
+    assert hetlb.allocate_proportional([0, 1], 10, lower=[3, 0]).tolist() == [3, 7]
+    # Speed-0 workers take only what the others cannot hold, shared equally.
+    assert hetlb.allocate_proportional([1, 0, 0], 10, upper=[4, 10, 10]).tolist() == [4, 3, 3]
+    assert hetlb.allocate_proportional([0, 0, 0], 10).tolist() == [4, 3, 3]
+    assert hetlb.allocate_proportional([1.0, 1e-308], 6, upper=[3, 6]).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: hetlb.allocate_proportional([], 3), "no workers"),
+    (lambda: hetlb.allocate_proportional([1, float("nan")], 3), "finite"),
+    (lambda: hetlb.allocate_proportional([1, -2], 3), "finite and >= 0"),
+    (lambda: hetlb.allocate_proportional([1, 1], 3, upper=[1, 1]), "upper bounds sum to 2"),
+    (lambda: hetlb.allocate_proportional([1, 1], -3), ">= 0"),
+    (lambda: hetlb.allocate_proportional([[1, 1]], 3), "1-D"),
+])
+def test_proportional_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# -- schedule ----------------------------------------------------------------------------------
+
+@st.composite
+def sched_problem(draw, max_n=60, max_r=8):
+    r = draw(st.integers(1, max_r))
+    n = draw(st.integers(0, max_n))
+    sizes = draw(st.lists(st.one_of(size, st.integers(0, 5).map(float)), min_size=n, max_size=n))
+    slope = draw(st.lists(rate, min_size=r, max_size=r))
+    intercept = draw(st.lists(st.floats(0, 50, allow_nan=False), min_size=r, max_size=r))
+    return sizes, slope, intercept
+
+
+def finish(sizes, dest, slope, intercept):
+    load = np.zeros(len(slope))
+    np.add.at(load, np.asarray(dest, np.int64), np.asarray(sizes, float))
+    return np.asarray(intercept) + np.asarray(slope) * load
+
+
+@given(sched_problem())
+def test_schedule_matches_reference(prob):
+    sizes, slope, intercept = prob
+    got = hetlb.schedule(sizes, slope, intercept)
+    np.testing.assert_array_equal(got, ref.schedule(sizes, slope, intercept))
+    assert got.shape == (len(sizes),) and (got.size == 0 or (got.min() >= 0 and got.max() < len(slope)))
+
+
+@given(sched_problem(max_n=7, max_r=3))
+def test_schedule_against_brute_force(prob):
+    sizes, slope, intercept = prob
+    got = finish(sizes, hetlb.schedule(sizes, slope, intercept), slope, intercept).max()
+    best = min(finish(sizes, d, slope, intercept).max()
+               for d in itertools.product(range(len(slope)), repeat=len(sizes)))
+    assert best <= got + 1e-9
+    # Earliest-finish LPT on related machines is within a factor 2 of the optimum.
+    assert got <= 2 * best + 1e-9
+
+
+def continuous_bound(total, slope, intercept):
+    """Least T with sum_r max(0, (T - b_r) / a_r) >= total (fractional samples)."""
+    lo, hi = min(intercept), max(intercept) + total * max(slope) + 1
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        cap = sum(max(0.0, (mid - b) / a) for a, b in zip(slope, intercept))
+        lo, hi = (lo, mid) if cap >= total else (mid, hi)
+    return max(hi, max(intercept))
+
+
+def test_schedule_close_to_bound_at_scale():
+    rng = np.random.default_rng(1)
+    sizes = rng.lognormal(3, 1, 4096)
+    slope = rng.uniform(0.5, 2, 256)
+    intercept = rng.uniform(0, 1, 256)
+    got = finish(sizes, hetlb.schedule(sizes, slope, intercept), slope, intercept).max()
+    assert got <= 1.05 * continuous_bound(sizes.sum(), slope, intercept)
+
+
+def test_schedule_examples():
+    # CHRONICA Fig. 5 in spirit: equal workers get equal load.
+    assert sorted(finish([4, 3, 3, 2], hetlb.schedule([4, 3, 3, 2], [1, 1], [0, 0]), [1, 1], [0, 0])) == [6, 6]
+    # A rank three times faster takes three times the data.
+    d = hetlb.schedule([1.0] * 8, [1, 3], [0, 0])
+    assert np.bincount(d).tolist() == [6, 2]
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: hetlb.schedule([1], [], []), "no ranks"),
+    (lambda: hetlb.schedule([1], [1, 1], [0]), "differ in length"),
+    (lambda: hetlb.schedule([-1], [1], [0]), "size of sample 0"),
+    (lambda: hetlb.schedule([float("nan")], [1], [0]), "size of sample 0"),
+    (lambda: hetlb.schedule([1], [-1], [0]), "slope of rank 0"),
+    (lambda: hetlb.schedule([1], [1], [float("nan")]), "intercept of rank 0"),
+])
+def test_schedule_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# -- rebalance ---------------------------------------------------------------------------------
+
+@st.composite
+def shard_problem(draw, max_n=60, max_r=6):
+    sizes, slope, intercept = draw(sched_problem(max_n, max_r))
+    owner = draw(st.lists(st.integers(0, len(slope) - 1), min_size=len(sizes), max_size=len(sizes)))
+    return owner, sizes, slope, intercept
+
+
+@given(shard_problem())
+def test_rebalance_matches_reference(prob):
+    owner, sizes, slope, intercept = prob
+    got = hetlb.rebalance(owner, sizes, slope, intercept)
+    np.testing.assert_array_equal(got, ref.rebalance(owner, sizes, slope, intercept))
+
+
+@given(shard_problem())
+def test_rebalance_improves(prob):
+    owner, sizes, slope, intercept = prob
+    new = hetlb.rebalance(owner, sizes, slope, intercept)
+    before = finish(sizes, owner, slope, intercept).max() if sizes else max(intercept)
+    after = finish(sizes, new, slope, intercept).max() if sizes else max(intercept)
+    assert after <= before + 1e-9
+    # Within one largest sample's time of the continuous level.
+    big = max(sizes, default=0.0) * max(slope)
+    assert after <= continuous_bound(sum(sizes), slope, intercept) + big + 1e-9
+
+
+def test_rebalance_moves_few():
+    rng = np.random.default_rng(2)
+    sizes = rng.lognormal(2, 1, 2000)
+    owner = np.arange(2000) % 4
+    slope, intercept = np.array([1.0, 1.0, 1.0, 2.0]), np.zeros(4)
+    new = hetlb.rebalance(owner, sizes, slope, intercept)
+    moved = np.count_nonzero(new != owner)
+    t = finish(sizes, new, slope, intercept)
+    assert t.max() / t.min() < 1.02
+    # The slow rank holds ~1/4 of the data and should keep ~1/7 of the work: ~ (1/4 - 1/7) of
+    # the samples must move; moving largest-first does it with fewer.
+    assert moved < 0.5 * (1 / 4 - 1 / 7) * 2000
+    # A balanced sharding stays put.
+    again = hetlb.rebalance(new, sizes, slope, intercept)
+    assert np.count_nonzero(again != new) <= 0.01 * 2000
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: hetlb.rebalance([0, 2], [1, 1], [1, 1], [0, 0]), "owner of sample 1"),
+    (lambda: hetlb.rebalance([0], [1, 1], [1, 1], [0, 0]), "differ in length"),
+    (lambda: hetlb.rebalance([0], [1], [0, 1], [0, 0]), "> 0"),
+    (lambda: hetlb.rebalance([0.5], [1], [1], [0]), "integers"),
+])
+def test_rebalance_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
