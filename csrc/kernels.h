@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <optional>
+#include <utility>
 #include <vector>
 
 namespace hetlb::kernels {
@@ -104,6 +106,90 @@ inline void check_delay_compensate(const at::Tensor& grad, const at::Tensor& par
 inline at::Tensor flatten_scaled_empty(const std::optional<at::Tensor>& extra) {
   if (extra.has_value() && extra->defined()) return extra->clone(at::MemoryFormat::Contiguous);
   return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+}
+
+// One "dst = src * w" span of a multi-tensor op; dst == src for in-place scaling.
+struct Segment {
+  void* dst;
+  const void* src;
+  int64_t numel;
+};
+
+// The device-specific part of scale_, flatten_scaled and unflatten_: run every segment.
+using RunSegments = void (*)(at::ScalarType, const std::vector<Segment>&, double);
+
+// The three multi-tensor ops differ per device only in how segments run, so their argument checks,
+// layout and non-contiguous handling live here once. Non-contiguous tensors go through a
+// contiguous copy (written back after the run, on the same stream for CUDA): gradients and
+// parameters are contiguous in practice, and the kernels stay free of stride arithmetic.
+inline void scale_with(at::TensorList tensors, double weight, RunSegments run) {
+  check_scale(tensors);
+  if (tensors.empty()) return;
+  std::vector<Segment> segs;
+  segs.reserve(tensors.size());
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
+  for (const auto& t : tensors) {
+    if (t.numel() == 0) continue;
+    at::Tensor c = t;
+    if (!t.is_contiguous()) {
+      c = t.contiguous();
+      write_back.emplace_back(t, c);
+    }
+    segs.push_back({c.data_ptr(), c.data_ptr(), c.numel()});
+  }
+  run(tensors[0].scalar_type(), segs, weight);
+  for (auto& [t, c] : write_back) t.copy_(c);
+}
+
+inline at::Tensor flatten_scaled_with(at::TensorList tensors, double weight,
+                                      const std::optional<at::Tensor>& extra, RunSegments run) {
+  check_flatten_scaled(tensors, extra);
+  if (tensors.empty()) return flatten_scaled_empty(extra);
+  const bool has_extra = extra.has_value() && extra->defined();
+  const int64_t body = total_numel(tensors);
+  at::Tensor out = at::empty({body + (has_extra ? extra->numel() : 0)}, tensors[0].options());
+  std::vector<Segment> segs;
+  std::vector<at::Tensor> keep;  // contiguous copies must outlive the run
+  const auto elem = out.element_size();
+  auto* base = static_cast<char*>(out.data_ptr());
+  int64_t off = 0;
+  for (const auto& t : tensors) {
+    if (t.numel() > 0) {
+      at::Tensor c = t.contiguous();
+      segs.push_back({base + off * elem, c.const_data_ptr(), c.numel()});
+      keep.push_back(std::move(c));
+    }
+    off += t.numel();
+  }
+  run(out.scalar_type(), segs, weight);
+  // extra (telemetry: sizes, times) is short and unscaled: copy_ handles the cast.
+  if (has_extra && extra->numel() > 0) out.narrow(0, body, extra->numel()).copy_(*extra);
+  return out;
+}
+
+inline void unflatten_with(const at::Tensor& flat, at::TensorList tensors, double scale,
+                           RunSegments run) {
+  check_unflatten(flat, tensors);
+  if (tensors.empty()) return;
+  const at::Tensor src = flat.contiguous();
+  const auto elem = src.element_size();
+  const auto* base = static_cast<const char*>(src.const_data_ptr());
+  std::vector<Segment> segs;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
+  int64_t off = 0;
+  for (const auto& t : tensors) {
+    if (t.numel() > 0) {
+      at::Tensor c = t;
+      if (!t.is_contiguous()) {
+        c = at::empty(t.sizes(), t.options());  // every element is overwritten: no copy in
+        write_back.emplace_back(t, c);
+      }
+      segs.push_back({c.data_ptr(), base + off * elem, t.numel()});
+    }
+    off += t.numel();
+  }
+  run(flat.scalar_type(), segs, scale);
+  for (auto& [t, c] : write_back) t.copy_(c);
 }
 
 }  // namespace hetlb::kernels

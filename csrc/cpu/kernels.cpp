@@ -12,8 +12,7 @@
 // ~15-30x slower for float16 on one core. There, plain loops that GCC auto-vectorises at -O3 are
 // used instead; they are memory-bound like torch's kernels.
 //
-// Non-contiguous tensors go through a contiguous copy (and copy_ back for outputs): gradients and
-// parameters are contiguous in practice, and this keeps the fast path free of stride arithmetic.
+// Argument checks, layout and non-contiguous handling are shared with CUDA (csrc/kernels.h).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -141,12 +140,6 @@ inline void delay_span(scalar_t* g, const scalar_t* p, const scalar_t* q, int64_
   }
 }
 
-struct Segment {
-  void* dst;
-  const void* src;
-  int64_t numel;
-};
-
 // dst[i] = src[i] * w over every segment; dst == src is allowed (in-place scale).
 template <typename scalar_t>
 void scale_segments(const std::vector<Segment>& segs, double weight) {
@@ -176,75 +169,15 @@ void run_segments(at::ScalarType st, const std::vector<Segment>& segs, double we
                                   [&] { scale_segments<scalar_t>(segs, weight); });
 }
 
-void scale_cpu(at::TensorList tensors, double weight) {
-  check_scale(tensors);
-  if (tensors.empty()) return;
-  std::vector<Segment> segs;
-  segs.reserve(tensors.size());
-  // Non-contiguous members are scaled in a contiguous copy, then written back.
-  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
-  for (const auto& t : tensors) {
-    if (t.numel() == 0) continue;
-    at::Tensor c = t;
-    if (!t.is_contiguous()) {
-      c = t.contiguous();
-      write_back.emplace_back(t, c);
-    }
-    segs.push_back({c.data_ptr(), c.data_ptr(), c.numel()});
-  }
-  run_segments(tensors[0].scalar_type(), segs, weight);
-  for (auto& [t, c] : write_back) t.copy_(c);
-}
+void scale_cpu(at::TensorList tensors, double weight) { scale_with(tensors, weight, run_segments); }
 
 at::Tensor flatten_scaled_cpu(at::TensorList tensors, double weight,
                               const std::optional<at::Tensor>& extra) {
-  check_flatten_scaled(tensors, extra);
-  if (tensors.empty()) return flatten_scaled_empty(extra);
-  const bool has_extra = extra.has_value() && extra->defined();
-  const int64_t body = total_numel(tensors);
-  at::Tensor out = at::empty({body + (has_extra ? extra->numel() : 0)}, tensors[0].options());
-
-  std::vector<Segment> segs;
-  std::vector<at::Tensor> keep;  // contiguous copies must outlive the kernel
-  const auto elem = out.element_size();
-  auto* base = static_cast<char*>(out.data_ptr());
-  int64_t off = 0;
-  for (const auto& t : tensors) {
-    if (t.numel() > 0) {
-      at::Tensor c = t.contiguous();
-      segs.push_back({base + off * elem, c.const_data_ptr(), c.numel()});
-      keep.push_back(std::move(c));
-    }
-    off += t.numel();
-  }
-  run_segments(out.scalar_type(), segs, weight);
-  // extra (e.g. a loss or a sample count) is short and unscaled: copy_ handles the cast.
-  if (has_extra && extra->numel() > 0) out.narrow(0, body, extra->numel()).copy_(*extra);
-  return out;
+  return flatten_scaled_with(tensors, weight, extra, run_segments);
 }
 
 void unflatten_cpu(const at::Tensor& flat, at::TensorList tensors, double scale) {
-  check_unflatten(flat, tensors);
-  if (tensors.empty()) return;
-  const at::Tensor src = flat.contiguous();
-  const auto elem = src.element_size();
-  const auto* base = static_cast<const char*>(src.const_data_ptr());
-  std::vector<Segment> segs;
-  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
-  int64_t off = 0;
-  for (const auto& t : tensors) {
-    if (t.numel() > 0) {
-      at::Tensor c = t;
-      if (!t.is_contiguous()) {
-        c = at::empty(t.sizes(), t.options());  // every element is overwritten: no copy in
-        write_back.emplace_back(t, c);
-      }
-      segs.push_back({c.data_ptr(), base + off * elem, t.numel()});
-    }
-    off += t.numel();
-  }
-  run_segments(flat.scalar_type(), segs, scale);
-  for (auto& [t, c] : write_back) t.copy_(c);
+  unflatten_with(flat, tensors, scale, run_segments);
 }
 
 // grad += lam * grad * grad * (param - prev): one read of each input, one write, no temporaries.

@@ -10,6 +10,7 @@
 // contiguous copy (copied back for outputs) since gradients and parameters are contiguous in
 // practice.
 #include <ATen/ATen.h>
+#include <ATen/DeviceGuard.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 // c10/cuda rather than ATen/cuda/CUDAContext.h: the latter pulls in cuBLAS/cuSPARSE headers that a
@@ -68,12 +69,6 @@ int max_blocks() {
   return std::max(sms, 1) * 8;
 }
 
-struct Segment {
-  void* dst;
-  const void* src;
-  int64_t numel;
-};
-
 template <typename scalar_t>
 void launch_batch(SegmentBatch& batch, double weight, cudaStream_t stream) {
   const int64_t ntiles = batch.tile_start[batch.count];
@@ -107,76 +102,22 @@ void run_segments(at::ScalarType st, const std::vector<Segment>& segs, double we
   });
 }
 
+// The guard makes the tensors' device current, so the kernels and the write-back copies run on
+// that device's current stream, in order.
 void scale_cuda(at::TensorList tensors, double weight) {
-  check_scale(tensors);
-  if (tensors.empty()) return;
-  const at::cuda::OptionalCUDAGuard guard(tensors[0].device());
-  std::vector<Segment> segs;
-  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
-  for (const auto& t : tensors) {
-    if (t.numel() == 0) continue;
-    at::Tensor c = t;
-    if (!t.is_contiguous()) {
-      c = t.contiguous();
-      write_back.emplace_back(t, c);
-    }
-    segs.push_back({c.data_ptr(), c.data_ptr(), c.numel()});
-  }
-  run_segments(tensors[0].scalar_type(), segs, weight);
-  // Same stream as the kernel, so ordered after it; the caching allocator keeps c alive until then.
-  for (auto& [t, c] : write_back) t.copy_(c);
+  const at::cuda::OptionalCUDAGuard guard(at::device_of(tensors));
+  scale_with(tensors, weight, run_segments);
 }
 
 at::Tensor flatten_scaled_cuda(at::TensorList tensors, double weight,
                                const std::optional<at::Tensor>& extra) {
-  check_flatten_scaled(tensors, extra);
-  if (tensors.empty()) return flatten_scaled_empty(extra);
-  const at::cuda::OptionalCUDAGuard guard(tensors[0].device());
-  const bool has_extra = extra.has_value() && extra->defined();
-  const int64_t body = total_numel(tensors);
-  at::Tensor out = at::empty({body + (has_extra ? extra->numel() : 0)}, tensors[0].options());
-
-  std::vector<Segment> segs;
-  std::vector<at::Tensor> keep;  // contiguous copies; freed to the stream-ordered allocator
-  const auto elem = out.element_size();
-  auto* base = static_cast<char*>(out.data_ptr());
-  int64_t off = 0;
-  for (const auto& t : tensors) {
-    if (t.numel() > 0) {
-      at::Tensor c = t.contiguous();
-      segs.push_back({base + off * elem, c.const_data_ptr(), c.numel()});
-      keep.push_back(std::move(c));
-    }
-    off += t.numel();
-  }
-  run_segments(out.scalar_type(), segs, weight);
-  if (has_extra && extra->numel() > 0) out.narrow(0, body, extra->numel()).copy_(*extra);
-  return out;
+  const at::cuda::OptionalCUDAGuard guard(tensors.empty() ? at::device_of(extra) : at::device_of(tensors));
+  return flatten_scaled_with(tensors, weight, extra, run_segments);
 }
 
 void unflatten_cuda(const at::Tensor& flat, at::TensorList tensors, double scale) {
-  check_unflatten(flat, tensors);
-  if (tensors.empty()) return;
   const at::cuda::OptionalCUDAGuard guard(flat.device());
-  const at::Tensor src = flat.contiguous();
-  const auto elem = src.element_size();
-  const auto* base = static_cast<const char*>(src.const_data_ptr());
-  std::vector<Segment> segs;
-  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
-  int64_t off = 0;
-  for (const auto& t : tensors) {
-    if (t.numel() > 0) {
-      at::Tensor c = t;
-      if (!t.is_contiguous()) {
-        c = at::empty(t.sizes(), t.options());  // fully overwritten: no copy in
-        write_back.emplace_back(t, c);
-      }
-      segs.push_back({c.data_ptr(), base + off * elem, t.numel()});
-    }
-    off += t.numel();
-  }
-  run_segments(flat.scalar_type(), segs, scale);
-  for (auto& [t, c] : write_back) t.copy_(c);
+  unflatten_with(flat, tensors, scale, run_segments);
 }
 
 // grad += lam * grad * grad * (param - prev): 3 reads + 1 write per element, no temporaries.
