@@ -34,6 +34,12 @@ void require_1d(const py::array& a, const char* name) {
   }
 }
 
+void require_same_length(const py::array& a, const py::array& b, const char* what) {
+  if (a.size() != b.size())
+    throw std::invalid_argument(std::string(what) + " differ in length: " + std::to_string(a.size()) +
+                                " vs " + std::to_string(b.size()));
+}
+
 // Models arrive packed: kinds[n], params (flat) with offsets[n+1], cands (flat) with cand_offsets[n+1].
 std::vector<hetlb::ModelSpec> unpack_models(const i64_array& kinds, const f64_array& params,
                                             const i64_array& offsets, const i64_array& cands,
@@ -117,10 +123,7 @@ PYBIND11_MODULE(_C, m) {
         require_1d(sizes, "sizes");
         require_1d(slope, "slope");
         require_1d(intercept, "intercept");
-        if (slope.size() != intercept.size())
-          throw std::invalid_argument("slope and intercept differ in length: " +
-                                      std::to_string(slope.size()) + " vs " +
-                                      std::to_string(intercept.size()));
+        require_same_length(slope, intercept, "slope and intercept");
         std::vector<int64_t> out;
         {
           py::gil_scoped_release nogil;
@@ -138,14 +141,10 @@ PYBIND11_MODULE(_C, m) {
          const f64_array& intercept) {
         require_1d(owner, "owner");
         require_1d(sizes, "sizes");
-        if (owner.size() != sizes.size())
-          throw std::invalid_argument("owner and sizes differ in length: " +
-                                      std::to_string(owner.size()) + " vs " +
-                                      std::to_string(sizes.size()));
-        if (slope.size() != intercept.size())
-          throw std::invalid_argument("slope and intercept differ in length: " +
-                                      std::to_string(slope.size()) + " vs " +
-                                      std::to_string(intercept.size()));
+        require_1d(slope, "slope");
+        require_1d(intercept, "intercept");
+        require_same_length(owner, sizes, "owner and sizes");
+        require_same_length(slope, intercept, "slope and intercept");
         std::vector<int64_t> out;
         {
           py::gil_scoped_release nogil;

@@ -173,8 +173,9 @@ def _eft(sizes: Sequence[float], items: Sequence[int], slope: Sequence[float], i
     order = sorted(items, key=lambda i: (-sizes[i], i))
     for i in order:
         s = float(sizes[i])
-        finish = [intercept[r] + slope[r] * (load[r] + s) for r in range(len(slope))]
-        r = int(np.argmin(finish))  # first minimum: lowest rank on ties
+        now = [intercept[r] + slope[r] * load[r] for r in range(len(slope))]
+        # Earliest finish; equal finishes (also by rounding) go to the rank free first, then the lowest.
+        r = min(range(len(slope)), key=lambda r: (now[r] + slope[r] * s, now[r], r))
         dest[i] = r
         load[r] += s
 

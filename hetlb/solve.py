@@ -134,7 +134,7 @@ def schedule(sizes: Any, slope: Any, intercept: Any) -> np.ndarray:
 
     Rank ``r`` is predicted to take ``intercept[r] + slope[r] * (sum of sizes it gets)``. Samples
     go largest first (first-fit-decreasing / LPT), each to the rank that would finish earliest with
-    it (ties: lower rank).
+    it (ties: the rank free first, then the lower rank).
 
     Args:
         sizes: ``float[N]`` data amount of each sample (>= 0).

@@ -208,3 +208,33 @@ def test_rebalance_moves_few():
 def test_rebalance_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_native_checks_lengths():
+    from hetlb import _C
+
+    with pytest.raises(ValueError, match="slope and intercept differ in length: 2 vs 1"):
+        _C.schedule(np.ones(3), np.ones(2), np.ones(1))
+    with pytest.raises(ValueError, match="owner and sizes differ in length: 2 vs 3"):
+        _C.rebalance(np.zeros(2, np.int64), np.ones(3), np.ones(2), np.ones(2))
+    with pytest.raises(ValueError, match="sizes must be 1-D"):
+        _C.schedule(np.ones((2, 2)), np.ones(2), np.ones(2))
+
+
+@pytest.mark.parametrize("ranks", [7, 8, 37, 256])
+@pytest.mark.parametrize("ties", [False, True])
+def test_schedule_many_ranks_matches_reference(ranks, ties):
+    """Exercises the vectorised scan (8 ranks a round plus a tail) and tie-breaking at scale."""
+    rng = np.random.default_rng(ranks)
+    if ties:  # integer sizes and few distinct rates: many exactly equal finish times
+        sizes = rng.integers(0, 4, 300).astype(float)
+        slope = rng.choice([1.0, 2.0], ranks)
+        intercept = rng.choice([0.0, 1.0], ranks)
+    else:
+        sizes = rng.lognormal(1, 1, 300)
+        slope = rng.uniform(0.5, 2, ranks)
+        intercept = rng.uniform(0, 3, ranks)
+    np.testing.assert_array_equal(hetlb.schedule(sizes, slope, intercept), ref.schedule(sizes, slope, intercept))
+    owner = rng.integers(0, ranks, 300)
+    np.testing.assert_array_equal(hetlb.rebalance(owner, sizes, slope, intercept),
+                                  ref.rebalance(owner, sizes, slope, intercept))

@@ -2,8 +2,8 @@
 //
 // Time of rank r holding samples S: intercept_r + slope_r * sum(size of S). The scheduler is
 // first-fit-decreasing: samples largest first (ties: lower index), each to the rank with the
-// earliest predicted finish after taking it (ties: lower rank). For uniform slopes that is LPT with
-// a heap; for related ranks the best rank depends on the sample's size, so all ranks are scanned.
+// earliest predicted finish after taking it (ties: the rank free first, then the lower rank). For
+// uniform slopes that is LPT with a heap; for related ranks all ranks are scanned.
 #include <algorithm>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -50,16 +50,26 @@ std::vector<int64_t> decreasing(const double* sizes, const std::vector<int64_t>&
   return order;
 }
 
-// Rank in [from, to) with the least intercept + slope * (load + s); lowest rank on ties.
-int64_t argmin_finish(const double* intercept, const double* slope, const double* load, double s,
-                      int64_t from, int64_t to) {
-  double best = INFINITY;
-  int64_t who = to;
-  for (int64_t r = from; r < to; ++r) {
-    const double f = intercept[r] + slope[r] * (load[r] + s);
-    if (f < best) { best = f; who = r; }
+// A rank's time now is c = intercept + slope * load, and with the sample f = c + slope * s. The
+// earliest finish is the least (f, c, rank): f first, then c, then rank. Written this way f is
+// monotone in c for equal slopes, so with uniform slopes the least (c, rank) is the answer and a
+// heap finds it; every path computes c and f with exactly these operations, so all agree bit for
+// bit with hetlb.reference.schedule.
+struct Finish {
+  double f, c;
+  int64_t r;
+  bool operator<(const Finish& o) const {
+    return f < o.f || (f == o.f && (c < o.c || (c == o.c && r < o.r)));
   }
-  return who;
+};
+
+Finish argmin_finish(const double* now, const double* slope, double s, int64_t from, int64_t to) {
+  Finish best{INFINITY, INFINITY, to};
+  for (int64_t r = from; r < to; ++r) {
+    const Finish x{now[r] + slope[r] * s, now[r], r};
+    if (x < best) best = x;
+  }
+  return best;
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -69,50 +79,61 @@ bool cpu_has_avx2() {
 }
 
 // The same scan four ranks at a time, chosen at run time on CPUs with AVX2 (the build targets
-// baseline x86-64). Separate multiplies and adds, as in the scalar loop, so the times and the
-// choice are bit-identical to it and to hetlb.reference.schedule.
-__attribute__((target("avx2"))) int64_t argmin_finish_avx2(const double* intercept,
-                                                           const double* slope, const double* load,
+// baseline x86-64). A separate multiply and add, as in the scalar loop, so the times and the
+// choice are bit-identical to it.
+__attribute__((target("avx2"))) int64_t argmin_finish_avx2(const double* now, const double* slope,
                                                            double s, int64_t ranks) {
+  // Two independent sets of running minima (ranks 8k..8k+3 and 8k+4..8k+7) halve the
+  // loop-carried compare-and-blend chain; each lane sees its ranks in increasing order, so a strict
+  // (f, c) comparison keeps the lowest rank, and the merge compares (f, c, rank).
   const __m256d vs = _mm256_set1_pd(s);
-  __m256d best = _mm256_set1_pd(INFINITY);
-  __m256d who = _mm256_set1_pd(static_cast<double>(ranks));  // rank indices are exact in doubles
-  __m256d idx = _mm256_setr_pd(0, 1, 2, 3);
-  const __m256d four = _mm256_set1_pd(4);
+  __m256d best[2], bestc[2], who[2];
+  __m256d idx[2] = {_mm256_setr_pd(0, 1, 2, 3), _mm256_setr_pd(4, 5, 6, 7)};
+  for (int k = 0; k < 2; ++k) {
+    best[k] = bestc[k] = _mm256_set1_pd(INFINITY);
+    who[k] = _mm256_set1_pd(static_cast<double>(ranks));  // rank indices are exact in doubles
+  }
+  const __m256d eight = _mm256_set1_pd(8);
   int64_t r = 0;
-  for (; r + 4 <= ranks; r += 4) {
-    const __m256d f = _mm256_add_pd(_mm256_loadu_pd(intercept + r),
-                                    _mm256_mul_pd(_mm256_loadu_pd(slope + r),
-                                                  _mm256_add_pd(_mm256_loadu_pd(load + r), vs)));
-    const __m256d lt = _mm256_cmp_pd(f, best, _CMP_LT_OQ);
-    best = _mm256_blendv_pd(best, f, lt);
-    who = _mm256_blendv_pd(who, idx, lt);
-    idx = _mm256_add_pd(idx, four);
+  for (; r + 8 <= ranks; r += 8) {
+    for (int k = 0; k < 2; ++k) {
+      const __m256d c = _mm256_loadu_pd(now + r + 4 * k);
+      const __m256d f = _mm256_add_pd(c, _mm256_mul_pd(_mm256_loadu_pd(slope + r + 4 * k), vs));
+      const __m256d lt = _mm256_or_pd(
+          _mm256_cmp_pd(f, best[k], _CMP_LT_OQ),
+          _mm256_and_pd(_mm256_cmp_pd(f, best[k], _CMP_EQ_OQ), _mm256_cmp_pd(c, bestc[k], _CMP_LT_OQ)));
+      best[k] = _mm256_blendv_pd(best[k], f, lt);
+      bestc[k] = _mm256_blendv_pd(bestc[k], c, lt);
+      who[k] = _mm256_blendv_pd(who[k], idx[k], lt);
+      idx[k] = _mm256_add_pd(idx[k], eight);
+    }
   }
-  double b[4], w[4];
-  _mm256_storeu_pd(b, best);
-  _mm256_storeu_pd(w, who);
-  int64_t pick = argmin_finish(intercept, slope, load, s, r, ranks);
-  double fb = pick < ranks ? intercept[pick] + slope[pick] * (load[pick] + s) : INFINITY;
-  for (int l = 0; l < 4; ++l) {
-    const int64_t k = static_cast<int64_t>(w[l]);
-    if (b[l] < fb || (b[l] == fb && k < pick)) { fb = b[l]; pick = k; }
+  Finish pick = argmin_finish(now, slope, s, r, ranks);
+  for (int k = 0; k < 2; ++k) {
+    double b[4], bc[4], w[4];
+    _mm256_storeu_pd(b, best[k]);
+    _mm256_storeu_pd(bc, bestc[k]);
+    _mm256_storeu_pd(w, who[k]);
+    for (int l = 0; l < 4; ++l) {
+      const Finish x{b[l], bc[l], static_cast<int64_t>(w[l])};
+      if (x.r < ranks && x < pick) pick = x;
+    }
   }
-  return pick;
+  return pick.r;
 }
 #else
 bool cpu_has_avx2() { return false; }
-int64_t argmin_finish_avx2(const double*, const double*, const double*, double, int64_t) { return 0; }
+int64_t argmin_finish_avx2(const double*, const double*, double, int64_t) { return 0; }
 #endif
 
 // Places `order` (already largest first) on ranks with current loads `load`, each sample on the
-// rank with the earliest finish after taking it (ties: lower rank).
+// rank with the earliest finish after taking it.
 void place_eft(const double* sizes, const std::vector<int64_t>& order, const double* slope,
                const double* intercept, int64_t ranks, std::vector<double>& load,
                std::vector<int64_t>& dest) {
   const bool uniform = std::all_of(slope, slope + ranks, [&](double a) { return a == slope[0]; });
   if (uniform) {
-    // Equal slopes: earliest finish is the rank that is free first (LPT), a heap by (time, rank).
+    // Equal slopes: the least (f, c, rank) is the least (c, rank), a heap's top (LPT).
     using Entry = std::pair<double, int64_t>;
     std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
     for (int64_t r = 0; r < ranks; ++r) heap.push({intercept[r] + slope[r] * load[r], r});
@@ -125,15 +146,18 @@ void place_eft(const double* sizes, const std::vector<int64_t>& order, const dou
     }
     return;
   }
-  // Related ranks: the best rank depends on the sample's size, so scan them all; the scan is a
-  // branch-light loop over contiguous arrays (256 ranks: a few hundred nanoseconds a sample).
+  // Related ranks: the best rank depends on the sample's size, so scan them all (a few hundred
+  // nanoseconds a sample for 256 ranks); only the chosen rank's time changes between samples.
+  std::vector<double> now(ranks);
+  for (int64_t r = 0; r < ranks; ++r) now[r] = intercept[r] + slope[r] * load[r];
   const bool avx2 = cpu_has_avx2();
   for (int64_t i : order) {
     const double s = sizes[i];
-    const int64_t r = avx2 ? argmin_finish_avx2(intercept, slope, load.data(), s, ranks)
-                           : argmin_finish(intercept, slope, load.data(), s, 0, ranks);
+    const int64_t r = avx2 ? argmin_finish_avx2(now.data(), slope, s, ranks)
+                           : argmin_finish(now.data(), slope, s, 0, ranks).r;
     dest[i] = r;
     load[r] += s;
+    now[r] = intercept[r] + slope[r] * load[r];
   }
 }
 
