@@ -5,7 +5,7 @@ Public names only; see DESIGN.md for the architecture.
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.hetlb.*)
-from . import ops, reference  # noqa: F401
+from . import ops  # noqa: F401
 from .models import LinearModel, PiecewiseModel, PolyModel, TimeModel
 from .solve import allocate, allocate_proportional, rebalance, schedule
 
@@ -13,5 +13,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LinearModel", "PolyModel", "PiecewiseModel", "TimeModel",
-    "allocate", "allocate_proportional", "schedule", "rebalance", "ops", "reference",
+    "allocate", "allocate_proportional", "schedule", "rebalance", "ops",
 ]
