@@ -133,15 +133,6 @@ def bench_allocate(quick: bool) -> List[str]:
     return rows
 
 
-def continuous_bound(total, slope, intercept) -> float:
-    lo, hi = float(np.min(intercept)), float(np.max(intercept) + total * np.max(slope) + 1)
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        cap = np.sum(np.maximum(0.0, (mid - intercept) / slope))
-        lo, hi = (lo, mid) if cap >= total else (mid, hi)
-    return max(hi, float(np.max(intercept)))
-
-
 def bench_schedule() -> List[str]:
     rows = ["| samples | ranks | sizes | hetlb (ms) | Python EFT (ms) | speed-up | makespan / lower bound |",
             "|---:|---:|---|---:|---:|---:|---:|"]
@@ -156,7 +147,7 @@ def bench_schedule() -> List[str]:
             load = np.bincount(d, weights=sizes, minlength=256)
             ms = float(np.max(intercept + slope * load))
             # Neither bound alone is reachable: fractional samples, or the largest sample on its best rank.
-            lb = max(continuous_bound(sizes.sum(), slope, intercept), float(np.min(intercept + slope * sizes.max())))
+            lb = max(ref.continuous_bound(sizes.sum(), slope, intercept), float(np.min(intercept + slope * sizes.max())))
             rows.append(f"| 4096 | 256 | {dist}, {'heterogeneous' if hetero else 'uniform'} ranks | "
                         f"{t_h * 1e3:.3f} | {t_p * 1e3:.0f} | {t_p / t_h:,.0f}x | {ms / lb:.4f} |")
             print(rows[-1], flush=True)

@@ -16,7 +16,7 @@ from .models import TimeModel
 
 __all__ = [
     "raw_time", "effective_times", "allocate", "proportional_shares", "allocate_proportional",
-    "schedule", "rebalance", "ref_scale_", "ref_flatten_scaled", "ref_unflatten_", "ref_delay_compensate_",
+    "schedule", "rebalance", "continuous_bound", "ref_scale_", "ref_flatten_scaled", "ref_unflatten_", "ref_delay_compensate_",
 ]
 
 
@@ -178,6 +178,19 @@ def _eft(sizes: Sequence[float], items: Sequence[int], slope: Sequence[float], i
         r = min(range(len(slope)), key=lambda r: (now[r] + slope[r] * s, now[r], r))
         dest[i] = r
         load[r] += s
+
+
+def continuous_bound(total: float, slope: Sequence[float], intercept: Sequence[float]) -> float:
+    """Least T with ``sum_r max(0, (T - intercept_r) / slope_r) >= total``: the makespan if samples
+    could be split at will, a lower bound for :func:`hetlb.schedule` and :func:`hetlb.rebalance`."""
+    slope = np.asarray(slope, np.float64)
+    intercept = np.asarray(intercept, np.float64)
+    lo, hi = float(intercept.min()), float(intercept.max() + total * slope.max() + 1)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        cap = float(np.sum(np.maximum(0.0, (mid - intercept) / slope)))
+        lo, hi = (lo, mid) if cap >= total else (mid, hi)
+    return max(hi, float(intercept.max()))
 
 
 def schedule(sizes: Sequence[float], slope: Sequence[float], intercept: Sequence[float]) -> np.ndarray:

@@ -114,23 +114,13 @@ def test_schedule_against_brute_force(prob):
     assert got <= 2 * best + 1e-9
 
 
-def continuous_bound(total, slope, intercept):
-    """Least T with sum_r max(0, (T - b_r) / a_r) >= total (fractional samples)."""
-    lo, hi = min(intercept), max(intercept) + total * max(slope) + 1
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        cap = sum(max(0.0, (mid - b) / a) for a, b in zip(slope, intercept))
-        lo, hi = (lo, mid) if cap >= total else (mid, hi)
-    return max(hi, max(intercept))
-
-
 def test_schedule_close_to_bound_at_scale():
     rng = np.random.default_rng(1)
     sizes = rng.lognormal(3, 1, 4096)
     slope = rng.uniform(0.5, 2, 256)
     intercept = rng.uniform(0, 1, 256)
     got = finish(sizes, hetlb.schedule(sizes, slope, intercept), slope, intercept).max()
-    assert got <= 1.05 * continuous_bound(sizes.sum(), slope, intercept)
+    assert got <= 1.05 * ref.continuous_bound(sizes.sum(), slope, intercept)
 
 
 def test_schedule_examples():
@@ -179,7 +169,7 @@ def test_rebalance_improves(prob):
     assert after <= before + 1e-9
     # Within one largest sample's time of the continuous level.
     big = max(sizes, default=0.0) * max(slope)
-    assert after <= continuous_bound(sum(sizes), slope, intercept) + big + 1e-9
+    assert after <= ref.continuous_bound(sum(sizes), slope, intercept) + big + 1e-9
 
 
 def test_rebalance_moves_few():

@@ -131,33 +131,34 @@ int64_t argmin_finish_avx2(const double*, const double*, double, int64_t) { retu
 void place_eft(const double* sizes, const std::vector<int64_t>& order, const double* slope,
                const double* intercept, int64_t ranks, std::vector<double>& load,
                std::vector<int64_t>& dest) {
-  const bool uniform = std::all_of(slope, slope + ranks, [&](double a) { return a == slope[0]; });
-  if (uniform) {
+  // now[r] = c, the rank's time before the next sample; only the chosen rank's changes.
+  std::vector<double> now(ranks);
+  auto take = [&](int64_t i, int64_t r) {
+    dest[i] = r;
+    load[r] += sizes[i];
+    now[r] = intercept[r] + slope[r] * load[r];
+  };
+  for (int64_t r = 0; r < ranks; ++r) now[r] = intercept[r] + slope[r] * load[r];
+  if (std::all_of(slope, slope + ranks, [&](double a) { return a == slope[0]; })) {
     // Equal slopes: the least (f, c, rank) is the least (c, rank), a heap's top (LPT).
     using Entry = std::pair<double, int64_t>;
     std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
-    for (int64_t r = 0; r < ranks; ++r) heap.push({intercept[r] + slope[r] * load[r], r});
+    for (int64_t r = 0; r < ranks; ++r) heap.push({now[r], r});
     for (int64_t i : order) {
       const int64_t r = heap.top().second;
       heap.pop();
-      dest[i] = r;
-      load[r] += sizes[i];
-      heap.push({intercept[r] + slope[r] * load[r], r});
+      take(i, r);
+      heap.push({now[r], r});
     }
     return;
   }
   // Related ranks: the best rank depends on the sample's size, so scan them all (a few hundred
-  // nanoseconds a sample for 256 ranks); only the chosen rank's time changes between samples.
-  std::vector<double> now(ranks);
-  for (int64_t r = 0; r < ranks; ++r) now[r] = intercept[r] + slope[r] * load[r];
+  // nanoseconds a sample for 256 ranks).
   const bool avx2 = cpu_has_avx2();
   for (int64_t i : order) {
     const double s = sizes[i];
-    const int64_t r = avx2 ? argmin_finish_avx2(now.data(), slope, s, ranks)
-                           : argmin_finish(now.data(), slope, s, 0, ranks).r;
-    dest[i] = r;
-    load[r] += s;
-    now[r] = intercept[r] + slope[r] * load[r];
+    take(i, avx2 ? argmin_finish_avx2(now.data(), slope, s, ranks)
+                 : argmin_finish(now.data(), slope, s, 0, ranks).r);
   }
 }
 
