@@ -12,3 +12,15 @@ def test_solvers_example_runs():
     assert out.returncode == 0, out.stderr
     assert "allocate 512 samples over speeds 1:2:3:4 -> [52, 104, 156, 200]" in out.stderr
     assert "unflatten_ round trip" in out.stderr
+
+
+def test_balanced_training_example_runs_under_torchrun(tmp_path):
+    plot = tmp_path / "train.png"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "train_balanced.py"), "--steps", "16", "--global-batch", "24",
+           "--a0", "0.004", "--a1", "0.001", "--plot", str(plot)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    text = out.stdout + out.stderr
+    assert "speed-up of LBB over Uniform" in text, text[-4000:]
+    assert plot.exists() and plot.stat().st_size > 10_000

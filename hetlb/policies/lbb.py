@@ -1,0 +1,229 @@
+"""LBB: Load Balance Batching (profiled start, fine-tune and rapid-tune on the straggler effect).
+
+Follows Algorithm 2 and section 3.2 of the LBB paper:
+
+* **start**: sizes that solve the min-max problem (Eq. 3) on the profiled cubic models
+  (:func:`hetlb.allocate`), or the equal split when there are no profiles.
+* **every step**: the straggler effect ``SE = (max T - min T) / mean T`` (Eq. 4) of the latest step,
+  over ranks that had samples.
+
+  - ``SE < fine``: keep the sizes.
+  - ``fine <= SE < rapid`` (or inside the observation window): **fine-tune**, move ``step``
+    samples from the slowest rank to the fastest.
+  - ``SE >= rapid`` outside the window: **rapid-tune**, rebuild rough linear models
+    ``T_i(b) = a0_i + (CT_i - a0_i) / CB_i * b`` from the step's measured (batch, time) pairs and
+    re-solve Eq. 3; then open an observation window of ``window`` decisions in which only
+    fine-tuning is allowed (so a rapid-tune whose sizes have not taken effect yet, or that did
+    not balance perfectly, is not repeated every step).
+
+Interpretations of what the paper leaves open (see the class docstring for the knobs):
+
+* Algorithm 2 moves ``floor(step/2)`` out of the slowest rank and ``ceil(step/2)`` into the
+  fastest, which changes the global batch for odd ``step``; here exactly ``step`` samples move.
+* "Priority to workers much slower than the others": when the slowest rank's time exceeds the
+  mean by ``priority`` (relative) or more, a fine-tune moves enough samples out of it to halve
+  its excess under a linear model (when that is more than ``step``; else a plain move), shared
+  among the ranks below the new level in proportion to their room under it, so no receiver
+  becomes the new straggler.
+  Its per-sample time is a secant through an earlier step of the same rank at a clearly
+  different batch size (e.g. the step before the rapid-tune), trusted within a factor 4 of the
+  rough model's ``(CT - a0) / CB``; without such a step, the rough slope itself. The rough slope
+  counts a fixed extra cost (a disturbance) as per-sample cost and so errs on the small-move
+  side; the secant makes the halving real, so a disturbance settles in a few steps.
+* Incremental moves (fine-tune) start from the policy's own last decision and act only on a
+  record whose ``batch`` equals that decision (the data loader may apply a decision one or more
+  steps late); rapid-tunes use the record's own (batch, time) pairs, which are always consistent.
+* Ranks given 0 samples take no part in SE, and fine-tuning neither takes from nor gives to them;
+  a rapid-tune re-solves over all ranks, using the last known slope of a rank without samples.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional
+
+import numpy as np
+
+from ..models import LinearModel
+from ..solve import allocate, allocate_proportional
+from ..telemetry import StepRecord, straggler_effect
+from .base import Context
+from .uniform import _SizedPolicy
+
+__all__ = ["LBB"]
+
+
+class LBB(_SizedPolicy):
+    """Load Balance Batching.
+
+    Args:
+        fine: fine-tuning threshold FT on SE (paper default 0.05); below it nothing changes.
+        rapid: rapid-tuning threshold RT on SE (paper default 0.3).
+        step: samples a plain fine-tune moves from the slowest rank to the fastest (paper: 1).
+        window: decisions after a rapid-tune during which only fine-tuning is allowed. The paper
+            gives no value; 10 covers a few steps of data-loader lag plus the few fine-tunes the
+            paper reports rapid-tuning needs to settle (its Fig. 7 shows fine-tuning for a few
+            to tens of iterations after each rapid-tune).
+        priority: relative excess ``(T_slowest - mean T) / mean T`` from which the slowest rank
+            counts as much slower and a fine-tune halves its excess instead of moving ``step``
+            samples; ``math.inf`` gives Algorithm 2's plain fine-tune.
+
+    Attributes:
+        actions: one of ``"none"``, ``"fine"``, ``"rapid"`` per :meth:`decide` call.
+        last_se: SE of the latest record seen by :meth:`decide`.
+    """
+
+    name = "lbb"
+
+    def __init__(self, fine: float = 0.05, rapid: float = 0.3, step: int = 1, window: int = 10,
+                 priority: float = 0.1) -> None:
+        fine, rapid, priority = float(fine), float(rapid), float(priority)
+        if not (math.isfinite(fine) and fine >= 0):
+            raise ValueError(f"LBB: fine must be a finite number >= 0, got {fine}")
+        if not (rapid >= fine):  # also rejects NaN; inf disables rapid-tuning
+            raise ValueError(f"LBB: rapid must be >= fine ({fine}), got {rapid}")
+        if isinstance(step, bool) or int(step) != step or step < 1:
+            raise ValueError(f"LBB: step must be an integer >= 1, got {step!r}")
+        if isinstance(window, bool) or int(window) != window or window < 0:
+            raise ValueError(f"LBB: window must be an integer >= 0, got {window!r}")
+        if not (priority > 0):
+            raise ValueError(f"LBB: priority must be > 0 (inf to disable), got {priority}")
+        self.fine, self.rapid, self.priority = fine, rapid, priority
+        self.step, self.window = int(step), int(window)
+        self.window_left = 0
+        self.actions: List[str] = []
+        self.last_se = 0.0
+
+    # -- protocol ---------------------------------------------------------------------------
+
+    def start(self, ctx: Context) -> np.ndarray:
+        """Sizes from the profiled models (Eq. 3), else the equal split; remembers each rank's
+        profiled start-up overhead ``a0`` (0 without a linear profile) for rapid-tuning."""
+        self._setup(ctx)
+        lin = [p.get("linear") if p is not None else None for p in ctx.profiles]
+        self.a0 = np.array([float(m.a0) if m is not None else 0.0 for m in lin])
+        # Last known per-sample time of each rank: only used for a rank that had no samples.
+        self.slope = np.array([float(m.a1) if m is not None else np.nan for m in lin])
+        self.window_left = 0
+        self.actions = []
+        self.last_se = 0.0
+        # The cubic profile models first; linear ones are the next best thing.
+        models = ctx.models("model") or ctx.models("linear")
+        if models is not None:
+            sizes = allocate(models, self.global_batch, self.lower, self.upper)
+        else:
+            sizes = self._uniform()
+        return self._emit(sizes)
+
+    def decide(self, history: Any) -> np.ndarray:
+        """Keep, fine-tune or rapid-tune from the latest record (see the module docstring)."""
+        rec = self._latest(history)
+        in_window = self.window_left > 0
+        if in_window:
+            self.window_left -= 1
+        se = straggler_effect(rec.compute, rec.batch)
+        self.last_se = se
+        action, sizes = "none", self.last
+        if se < self.fine:
+            pass
+        elif se >= self.rapid and not in_window:
+            action, sizes = "rapid", self._rapid_tune(rec)
+            self.window_left = self.window
+        elif np.array_equal(rec.batch, self.last):
+            # Incremental: only once the last decision is what the ranks actually ran.
+            moved = self._fine_tune(history, rec)
+            if moved is not None:
+                action, sizes = "fine", moved
+        self.actions.append(action)
+        return self._emit(sizes)
+
+    # -- tuning -----------------------------------------------------------------------------
+
+    def _rough(self, rec: StepRecord) -> tuple:
+        """Rough linear models of Algorithm 2 (``a0_i``, ``a1_i = (CT_i - a0_i) / CB_i``)."""
+        b = rec.batch.astype(np.float64)
+        t = rec.compute
+        has = rec.batch > 0
+        # If the step took no longer than the profiled overhead, that overhead is wrong for now:
+        # drop it so the slope stays positive.
+        a0 = np.where(has & (t > self.a0), self.a0, 0.0)
+        slope = self.slope.copy()
+        slope[has] = (t[has] - a0[has]) / b[has]
+        missing = ~has & ~np.isfinite(slope)
+        if missing.any():
+            slope[missing] = float(np.median(slope[has])) if has.any() else 1.0
+        return a0, slope
+
+    def _rapid_tune(self, rec: StepRecord) -> np.ndarray:
+        a0, slope = self._rough(rec)
+        self.slope = slope
+        models = [LinearModel(a0[i], slope[i]) for i in range(self.world)]
+        return allocate(models, self.global_batch, self.lower, self.upper)
+
+    def _fine_tune(self, history: Any, rec: StepRecord) -> Optional[np.ndarray]:
+        """Move samples from the slowest rank; None when no move is possible."""
+        t, last = rec.compute, self.last
+        active = last > 0
+        givers = active & (last > self.lower)
+        if not givers.any():
+            return None
+        s = int(np.argmax(np.where(givers, t, -np.inf)))
+        mean = float(t[active].mean())
+        excess = float(t[s]) - mean
+        if excess >= self.priority * mean:
+            moved = self._priority_move(history, rec, s, excess)
+            if moved is not None:
+                return moved
+        receivers = active & (last < self.upper) & (t < t[s])
+        receivers[s] = False
+        if not receivers.any():
+            return None
+        f = int(np.argmin(np.where(receivers, t, np.inf)))
+        m = min(self.step, int(last[s] - self.lower[s]), int(self.upper[f] - last[f]))
+        new = last.copy()
+        new[s] -= m
+        new[f] += m
+        return new
+
+    def _per_sample(self, history: Any, rec: StepRecord, r: int) -> float:
+        """Marginal seconds per sample of rank ``r``.
+
+        The rough model's ``(CT - a0) / CB`` counts any extra fixed cost (a co-located job, a
+        disturbance) as per-sample cost, so it can be several times too large. A secant through
+        an earlier step of the same rank at a clearly different batch size (as after a
+        rapid-tune) measures the marginal cost; it is trusted within a factor 4 of the rough
+        slope, so noise on a short secant cannot produce a wild move.
+        """
+        b1, t1 = int(rec.batch[r]), float(rec.compute[r])
+        a0 = self.a0[r] if t1 > self.a0[r] else 0.0
+        rough = (t1 - a0) / b1
+        for old in reversed(history.last(2 * self.window + 2)[:-1]):
+            b0, t0 = int(old.batch[r]), float(old.compute[r])
+            if b0 > 0 and abs(b1 - b0) >= max(2, 0.05 * b1):
+                secant = (t1 - t0) / (b1 - b0)
+                if math.isfinite(secant) and secant > 0:
+                    return float(min(max(secant, rough / 4), rough * 4))
+                break  # the rank's speed changed in between: the secant says nothing
+        return rough
+
+    def _priority_move(self, history: Any, rec: StepRecord, s: int,
+                       excess: float) -> Optional[np.ndarray]:
+        """Halve the excess of a much slower rank ``s``; None if that is no more than ``step``."""
+        t, last = rec.compute, self.last
+        per_sample = self._per_sample(history, rec, s)
+        level = t[s] - 0.5 * excess  # where the slowest rank should land
+        k = min(int(0.5 * excess / per_sample), int(last[s] - self.lower[s]))
+        # Room of every other rank under that level, at its measured speed (time / batch is at
+        # least the marginal time per sample, so the room is not over-estimated).
+        room = np.zeros(self.world, np.int64)
+        ok = (last > 0) & (t < level) & (last < self.upper)
+        ok[s] = False
+        room[ok] = np.minimum(np.floor((level - t[ok]) * last[ok] / t[ok]).astype(np.int64),
+                              self.upper[ok] - last[ok])
+        k = min(k, int(room.sum()))
+        if k <= self.step:
+            return None
+        extra = allocate_proportional(room.astype(np.float64), k,
+                                      np.zeros(self.world, np.int64), room)
+        new = last + extra
+        new[s] -= k
+        return new

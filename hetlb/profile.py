@@ -1,0 +1,476 @@
+"""The profiling phase (LBB Algorithm 1): time one forward+backward at growing batch sizes.
+
+:func:`profile` calls ``step_fn(b)`` at ``b = 2, 4, 8, ...`` (or at the sizes given) until the
+step runs out of memory or ``max_batch`` is reached. Every size gets ``warmup`` untimed calls and
+``repeats`` timed ones; the ``trim`` *largest* timed samples are dropped and the rest averaged.
+The largest size that fit is ``B_lim`` (:attr:`Profile.limit`), the memory bound of LBB's Eq. (3).
+:meth:`Profile.fit` turns the points into the cubic (profiling) or linear (online) model of Eq. (1).
+
+Out of memory means: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``), a
+``RuntimeError`` whose message contains "out of memory", a ``MemoryError``, or, with
+``memory_limit``, a measured peak above the limit (how it is measured: :func:`profile`).
+
+Note: ``hetlb.profile`` (the package attribute) is the function; import the module's other names
+with ``from hetlb.profile import Profile``.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import operator
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+
+import torch
+
+from .models import LinearModel, PiecewiseModel, PolyModel, TimeModel
+
+__all__ = ["Profile", "profile", "DEFAULT_MAX_BATCH"]
+
+logger = logging.getLogger("hetlb.profile")
+
+#: Largest default batch size: bounds a CPU run, where nothing ever runs out of memory.
+DEFAULT_MAX_BATCH = 1 << 16
+
+_FORMAT_VERSION = 1
+_KINDS = ("cubic", "linear", "piecewise")
+DeviceLike = Union[str, torch.device, None]
+
+
+@dataclass
+class Profile:
+    """Result of :func:`profile`: one (batch size, trimmed-mean seconds) point per size that fit.
+
+    Attributes:
+        batch_sizes: sizes that fit, increasing.
+        times: trimmed-mean seconds of one step at each size.
+        limit: largest size that fit (LBB's ``B_lim``). When nothing ran out of memory
+            (``oom_at is None``) this is only the largest size tried, a lower bound.
+        device: device the steps were timed on, e.g. ``"cpu"`` or ``"cuda:0"``.
+        repeats, trim, warmup: the settings used.
+        oom_at: the first size that did not fit, or ``None``.
+        samples: the raw timed seconds of every size (``repeats`` each), in call order.
+        memory: peak bytes in use during the first call of each size, over the amount in use
+            when profiling began; ``None`` where it was not measured.
+    """
+
+    batch_sizes: List[int]
+    times: List[float]
+    limit: int
+    device: str = "cpu"
+    repeats: int = 9
+    trim: int = 3
+    warmup: int = 1
+    oom_at: Optional[int] = None
+    samples: List[List[float]] = field(default_factory=list)
+    memory: List[Optional[int]] = field(default_factory=list)
+
+    def fit(self, kind: str = "cubic") -> TimeModel:
+        """Time model of the points: ``"cubic"`` (LBB's profiling model; degree drops to
+        ``npoints - 1`` with fewer than 4 points), ``"linear"`` (non-negative ``a0 + a1*b``) or
+        ``"piecewise"`` (linear between the points)."""
+        if not self.batch_sizes:
+            raise ValueError("empty profile: nothing to fit")
+        if kind == "cubic":
+            return PolyModel.fit(self.batch_sizes, self.times, degree=min(3, len(self.batch_sizes) - 1))
+        if kind == "linear":
+            return LinearModel.fit(self.batch_sizes, self.times)
+        if kind == "piecewise":
+            return PiecewiseModel(self.batch_sizes, self.times)
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {_KINDS}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready dict; :meth:`from_dict` inverts it."""
+        d = asdict(self)
+        d["version"] = _FORMAT_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Profile":
+        """Inverse of :meth:`to_dict` (unknown keys are an error, so typos do not pass silently)."""
+        d = dict(d)
+        version = d.pop("version", _FORMAT_VERSION)
+        if version != _FORMAT_VERSION:
+            raise ValueError(f"unsupported profile format version {version!r}")
+        known = set(cls.__dataclass_fields__)
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"unknown profile fields {sorted(extra)}")
+        p = cls(**d)
+        p.batch_sizes = [int(b) for b in p.batch_sizes]
+        p.times = [float(t) for t in p.times]
+        if len(p.batch_sizes) != len(p.times):
+            raise ValueError(f"profile has {len(p.batch_sizes)} batch sizes but {len(p.times)} times")
+        return p
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the profile as JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "Profile":
+        """Read a profile written by :meth:`save`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+
+# --------------------------------------------------------------------------------------------
+# memory probes: peak bytes in use during one call
+
+
+class _CudaPeak:
+    """Peak of ``torch.cuda.memory_allocated`` during a call (the caching allocator's stats)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def current(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def start(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def stop(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+def _load_malloc_trim() -> Optional[Callable[[int], int]]:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_malloc_trim = _load_malloc_trim() if os.name == "posix" else None
+
+
+def _trim_heap() -> None:
+    """glibc keeps freed blocks resident; give them back so the RSS counts live memory only.
+
+    Without this, a size's freed tensors stay in the RSS and inflate the next size's peak."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+class _ProcHWMPeak:
+    """Linux: reset the process's RSS high-water mark (``clear_refs`` 5), then read ``VmHWM``.
+
+    Exact and cheap (tens of microseconds). It resets the process-wide peak that ``VmHWM`` (not
+    ``ru_maxrss``) reports, which nothing else in hetlb reads.
+    """
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            _ProcHWMPeak().start()
+            return _ProcHWMPeak._read("VmHWM:") > 0
+        except (OSError, ValueError):
+            return False
+
+    @staticmethod
+    def _read(key: str) -> int:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise ValueError(f"{key} not in /proc/self/status")
+
+    def current(self) -> int:
+        _trim_heap()
+        return self._read("VmRSS:")
+
+    def start(self) -> None:
+        _trim_heap()
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+
+    def stop(self) -> int:
+        return self._read("VmHWM:")
+
+
+class _SampledPeak:
+    """Elsewhere: a thread samples the RSS (psutil) every millisecond during the call."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._peak = 0
+        self._done = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def current(self) -> int:
+        _trim_heap()
+        return self._rss()
+
+    def _rss(self) -> int:
+        return int(self._proc.memory_info().rss)
+
+    def _run(self) -> None:
+        while not self._done.wait(0.001):
+            self._peak = max(self._peak, self._rss())
+
+    def start(self) -> None:
+        self._peak = self.current()
+        self._done.clear()
+        self._thread = threading.Thread(target=self._run, name="hetlb-profile-rss", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        return max(self._peak, self._rss())
+
+
+def _memory_probe(dev: torch.device, needed: bool) -> Any:
+    """The probe for ``dev``; ``None`` when measuring would cost time and nobody asked for it."""
+    if dev.type == "cuda":
+        return _CudaPeak(dev)
+    if dev.type == "cpu":
+        if _ProcHWMPeak.available():
+            return _ProcHWMPeak()
+        if needed:
+            return _SampledPeak()
+        return None
+    if needed:
+        raise ValueError(f"memory_limit is not supported on device type {dev.type!r}")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+def _resolve_device(device: DeviceLike) -> torch.device:
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda" and dev.index is None:
+        # Name the concrete device so the profile says which GPU it describes.
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _make_timer(dev: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """A function that runs a thunk and returns its duration in seconds on ``dev``."""
+    if dev.type == "cuda":
+        def cuda_time(fn: Callable[[], Any]) -> float:
+            with torch.cuda.device(dev):
+                # Work queued before the step must not be counted in it.
+                torch.cuda.synchronize(dev)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / 1000.0  # milliseconds -> seconds
+
+        return cuda_time
+
+    backend = getattr(torch, dev.type, None)
+    sync = getattr(backend, "synchronize", None) if dev.type != "cpu" else None
+
+    def host_time(fn: Callable[[], Any]) -> float:
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        return time.perf_counter() - t0
+
+    return host_time
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _release(dev: torch.device) -> None:
+    """Give back what a failed step left: cycles through its frames, then cached device blocks."""
+    gc.collect()
+    if dev.type == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _int_arg(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _sizes(batch_sizes: Optional[Iterable[int]], max_batch: Optional[int]) -> List[int]:
+    if max_batch is not None:
+        max_batch = _int_arg("max_batch", max_batch)
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if batch_sizes is None:
+        top = DEFAULT_MAX_BATCH if max_batch is None else max_batch
+        sizes = []
+        b = 2
+        while b <= top:
+            sizes.append(b)
+            b *= 2
+        if not sizes:
+            raise ValueError(f"max_batch={top} leaves no default batch size (they start at 2)")
+        return sizes
+    sizes = sorted({_int_arg("batch size", b) for b in batch_sizes})
+    if not sizes:
+        raise ValueError("batch_sizes is empty")
+    if sizes[0] <= 0:
+        raise ValueError(f"batch sizes must be positive, got {sizes[0]}")
+    if max_batch is not None:
+        sizes = [b for b in sizes if b <= max_batch]
+        if not sizes:
+            raise ValueError(f"no batch size is <= max_batch={max_batch}")
+    return sizes
+
+
+def _trimmed_mean(samples: List[float], trim: int) -> float:
+    """Mean without the ``trim`` largest samples: interference (other jobs, GC, page faults) only
+    ever adds time, so the fast end is the clean measurement and only the slow end is dropped."""
+    kept = sorted(samples)[: len(samples) - trim]
+    return math.fsum(kept) / len(kept)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] = None,
+            repeats: int = 9, trim: int = 3, *, warmup: int = 1, device: DeviceLike = None,
+            memory_limit: Optional[float] = None, max_batch: Optional[int] = None) -> Profile:
+    """Profile ``step_fn`` (one forward+backward at batch size ``b``) per LBB Algorithm 1.
+
+    Args:
+        step_fn: ``step_fn(b)`` runs one training step's compute at batch size ``b``.
+        batch_sizes: sizes to try (sorted and de-duplicated); default ``2, 4, 8, ...`` up to
+            ``max_batch``. Profiling stops at the first size that does not fit.
+        repeats: timed calls per size (>= 1).
+        trim: how many of the largest timed samples to drop before averaging (``0 <= trim <
+            repeats``).
+        warmup: untimed calls per size before the timed ones (>= 0); they absorb allocator
+            growth, autotuning and lazy initialisation.
+        device: where the step runs. ``cuda`` devices are timed with CUDA events (after a
+            synchronize, so earlier work is not counted); ``cpu`` (the default, also for
+            ``None``) with ``time.perf_counter``; other types with ``perf_counter`` around
+            ``torch.<type>.synchronize()``.
+        memory_limit: bytes; a size whose first call pushes the memory in use more than this
+            above the amount in use when profiling began counts as out of memory (to emulate a
+            smaller device, or to bound a CPU run). CUDA: peak of ``torch.cuda.memory_allocated``.
+            CPU on Linux: the process's RSS high-water mark, reset before the call
+            (``/proc/self/clear_refs``); elsewhere an RSS sampler thread (psutil, 1 ms) during
+            that call. On glibc, freed heap is returned (``malloc_trim``) before the baseline and
+            before each measured call, so blocks freed by earlier sizes do not count; memory the
+            step keeps across calls (gradients, caches) does.
+        max_batch: largest size to try (default :data:`DEFAULT_MAX_BATCH` for the default sizes;
+            with explicit ``batch_sizes`` larger ones are dropped).
+
+    Returns:
+        a :class:`Profile`. Raises ``ValueError`` on bad arguments or when even the first size
+        does not fit; errors other than out-of-memory propagate unchanged.
+    """
+    repeats = _int_arg("repeats", repeats)
+    trim = _int_arg("trim", trim)
+    warmup = _int_arg("warmup", warmup)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not 0 <= trim < repeats:
+        raise ValueError(f"trim must satisfy 0 <= trim < repeats={repeats}, got {trim}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if memory_limit is not None:
+        memory_limit = float(memory_limit)
+        if not (math.isfinite(memory_limit) and memory_limit > 0):
+            raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit}")
+    if not callable(step_fn):
+        raise ValueError(f"step_fn must be callable, got {step_fn!r}")
+    sizes = _sizes(batch_sizes, max_batch)
+    dev = _resolve_device(device)
+    timer = _make_timer(dev)
+    probe = _memory_probe(dev, needed=memory_limit is not None)
+    baseline = probe.current() if probe is not None else 0
+
+    fitted: List[int] = []
+    times: List[float] = []
+    all_samples: List[List[float]] = []
+    memory: List[Optional[int]] = []
+    oom_at: Optional[int] = None
+    reason = ""
+    logger.info("profiling %d batch sizes %s..%s on %s (warmup %d, repeats %d, trim %d)",
+                len(sizes), sizes[0], sizes[-1], dev, warmup, repeats, trim)
+
+    for b in sizes:
+        samples: List[float] = []
+        used: Optional[int] = None
+        failed = False
+        try:
+            for i in range(warmup + repeats):
+                thunk = lambda: step_fn(b)  # noqa: E731
+                if i == 0 and probe is not None:
+                    # Memory is measured once per size, on the first call (a warm-up one unless
+                    # warmup=0): later calls reuse the same memory and need no probe.
+                    probe.start()
+                    try:
+                        dt = timer(thunk)
+                    finally:
+                        used = max(0, probe.stop() - baseline)  # also stops a sampler thread
+                    if memory_limit is not None and used > memory_limit:
+                        reason = (f"peak memory {used / 2**20:.1f} MiB above the start exceeds "
+                                  f"memory_limit={memory_limit / 2**20:.1f} MiB")
+                        failed = True
+                        break
+                else:
+                    dt = timer(thunk)
+                if i >= warmup:
+                    samples.append(dt)
+        except BaseException as exc:  # noqa: BLE001 -- filtered right below
+            if not _is_oom(exc):
+                raise
+            reason = f"{type(exc).__name__}: {exc}"
+            failed = True
+            # Leaving the handler drops the exception and its traceback, whose frames hold the
+            # failed step's tensors; only then can they be freed.
+        if failed:
+            _release(dev)
+            oom_at = b
+            logger.info("batch %d does not fit (%s)", b, reason)
+            break
+        if dev.type == "cpu" and not fitted and torch.cuda.is_available() and torch.cuda.is_initialized():
+            logger.warning("the step touched CUDA but is timed on the host; pass device='cuda' "
+                           "to time it with CUDA events")
+        t = _trimmed_mean(samples, trim)
+        fitted.append(b)
+        times.append(t)
+        all_samples.append(samples)
+        memory.append(used)
+        logger.info("batch %d: %.3f ms (mean of the %d fastest of %d)%s", b, t * 1e3,
+                    repeats - trim, repeats,
+                    "" if used is None else f", peak +{used / 2**20:.1f} MiB")
+
+    if not fitted:
+        raise ValueError(f"profile: even the first batch size {sizes[0]} does not fit on {dev}: {reason}")
+    limit = fitted[-1]
+    logger.info("profiling done: limit %d%s", limit,
+                "" if oom_at is not None else " (no out-of-memory; largest size tried)")
+    return Profile(batch_sizes=fitted, times=times, limit=limit, device=str(dev), repeats=repeats,
+                   trim=trim, warmup=warmup, oom_at=oom_at, samples=all_samples, memory=memory)

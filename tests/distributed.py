@@ -1,0 +1,84 @@
+"""Run a function on N real Gloo processes (spawned) with timeouts everywhere; never hangs.
+
+Rendezvous goes through a FileStore in a fresh temporary directory, so parallel test runs share
+no port; Gloo's own connections use ephemeral loopback ports chosen by the OS.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import traceback
+from typing import Any, Callable, List
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _entry(fn: Callable, rank: int, world: int, store: str, out: str, args: tuple) -> None:
+    import torch
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        try:
+            result = ("ok", fn(rank, world, *args))
+        finally:
+            import gc
+            gc.collect()  # DDP reducers must not outlive the process group
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 (reported to the parent, which re-raises)
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0) -> List[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result.
+
+    Raises ``AssertionError`` with the rank's traceback if any rank failed, and kills every
+    process if the group does not finish within ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, tmp, args), daemon=False)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        import time
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if hung:
+            raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
+        results = []
+        for r in range(world):
+            path = os.path.join(tmp, f"{r}.pkl")
+            if not os.path.exists(path):
+                raise AssertionError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+    return results
+
+
+def unwrap(results: List[Any]) -> List[Any]:
+    """Values of every rank, or AssertionError with every failing rank's traceback.
+
+    A rank that crashes usually makes its peers fail with "Connection closed by peer"; all
+    failures are shown, the ranks that did not fail that way first, so the cause comes first.
+    """
+    failed = [(r, v) for r, (status, v) in enumerate(results) if status != "ok"]
+    if failed:
+        failed.sort(key=lambda rv: "closed by peer" in rv[1])
+        raise AssertionError("\n".join(f"rank {r} failed:\n{v}" for r, v in failed))
+    return [v for _, v in results]

@@ -1,0 +1,409 @@
+"""Balancer on real DDP over real Gloo process groups (2-4 spawned processes).
+
+Every worker function returns plain data; the assertions that compare ranks run in the parent.
+Each ``run`` call has a timeout and every collective a 60 s one (tests/distributed.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import run, unwrap
+from fixed_policy import Fixed
+
+
+class Jitter:
+    """Deterministic sizes that change every step (seeded by the step index); some ranks may get 0."""
+
+    def __init__(self, seed=0):
+        self.seed = seed
+        self.ctx = None
+
+    def start(self, ctx):
+        self.ctx = ctx
+        return self._sizes(-1)
+
+    def _sizes(self, step):
+        rng = np.random.default_rng([self.seed, step + 1])
+        import hetlb
+        w = rng.random(self.ctx.world) + 0.05
+        return hetlb.allocate_proportional(w, self.ctx.global_batch,
+                                           lower=np.zeros(self.ctx.world, np.int64))
+
+    def decide(self, history):
+        return self._sizes(history[-1].step)
+
+    def state_dict(self):
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state):
+        self.seed = state["seed"]
+
+
+class RankDependent(Fixed):
+    """A broken policy: decides differently on rank 1 from step 2 on."""
+
+    def decide(self, history):
+        s = self.sizes.copy()
+        if dist.get_rank() == 1 and history[-1].step >= 1:
+            s[0] += 1
+            s[1] -= 1
+        return s
+
+
+def _net(dtype=torch.float64):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(dtype)
+
+
+def _loss(out, y, tokens):
+    # Per-sample loss weighted by its size (tokens): a rank's loss is the token mean over its
+    # samples; with weighting="sizes" the union is the token mean over all samples.
+    per = (out - y).pow(2).sum(1)
+    return (per * tokens).sum() / tokens.sum()
+
+
+def _data(n=60, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64).to(dtype)
+    y = torch.randn(n, 3, generator=g, dtype=torch.float64).to(dtype)
+    tokens = torch.randint(1, 9, (n,), generator=g).to(torch.float64)
+    return x, y, tokens
+
+
+def _reference(net, x, y, tokens, parts, weighting):
+    """Single-process gradient (float64) over the union of ``parts`` (each rank's indices)."""
+    ref = _net(torch.float64)
+    ref.load_state_dict({k: v.to(torch.float64) for k, v in net.state_dict().items()})
+    x, y = x.to(torch.float64), y.to(torch.float64)
+    if weighting == "samples":
+        idx = torch.from_numpy(np.concatenate(parts))
+        ones = torch.ones(len(idx), dtype=torch.float64)
+        loss = _loss(ref(x[idx]), y[idx], ones)
+    elif weighting == "sizes":
+        idx = torch.from_numpy(np.concatenate(parts))
+        loss = _loss(ref(x[idx]), y[idx], tokens[idx])
+    else:  # "none": the plain mean of the ranks' mean gradients
+        live = [p for p in parts if len(p)]
+        loss = sum(_loss(ref(x[torch.from_numpy(p)]), y[torch.from_numpy(p)],
+                         torch.ones(len(p), dtype=torch.float64)) for p in live) / len(parts)
+    loss.backward()
+    return [p.grad.clone() for p in ref.parameters()]
+
+
+def grad_worker(rank, world, weighting, sizes, options, dtype_name, steps):
+    import hetlb
+    dtype = getattr(torch, dtype_name)
+    net = _net(dtype)
+    ddp = DDP(net, bucket_cap_mb=options.get("bucket_cap_mb", 25),
+              gradient_as_bucket_view=options.get("gradient_as_bucket_view", False),
+              static_graph=options.get("static_graph", False))
+    bal = hetlb.Balancer(ddp, sum(sizes) if sizes else 12, policy=Fixed(sizes) if sizes else Jitter(3),
+                         weighting=weighting, lower=0)
+    x, y, tokens = _data(dtype=dtype)
+    ds = torch.utils.data.TensorDataset(x, y, tokens, torch.arange(len(x)))
+    loader = bal.loader(ds, sizes=tokens.numpy() if weighting == "sizes" else None, seed=5)
+    errs, plain, tables = [], [], []
+    for step, (xb, yb, tb, ib) in enumerate(loader):
+        if step == steps:
+            break
+        use_tokens = tb if weighting == "sizes" else torch.ones_like(tb)
+        with bal.step():
+            if len(xb):
+                _loss(ddp(xb), yb, use_tokens.to(dtype)).backward()
+            else:  # an idle rank still joins the collective (its weight is 0)
+                ddp(xb).sum().backward()
+        rec = bal.history[-1]
+        parts = loader.sampler.step_indices(loader.epoch, step, rec.batch)
+        ref = _reference(net, x, y, tokens, parts, weighting)
+        errs.append(max(((p.grad.to(torch.float64) - r).abs().max() / (r.abs().max() + 1e-12)).item()
+                        for p, r in zip(net.parameters(), ref)))
+        tables.append((rec.batch.tolist(), rec.data.tolist(), np.isfinite(rec.compute).all()))
+        # Equivalent plain DDP average (what DDP would give), to show the weighting matters.
+        mine = torch.cat([p.grad.flatten() for p in net.parameters()])
+        plain.append(mine.clone())
+        ddp.zero_grad(set_to_none=False)
+        assert ib.tolist() == parts[rank].tolist()
+    return {"errs": errs, "tables": tables, "hooks": bal._state.hooks_run, "steps": bal.steps}
+
+
+WORLD_SIZES = {2: [3, 7], 3: [1, 5, 9], 4: [2, 0, 6, 4]}
+
+
+@pytest.mark.parametrize("weighting", ["samples", "sizes", "none"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_weighted_gradient_equals_the_union(weighting, world):
+    res = unwrap(run(grad_worker, world, weighting, WORLD_SIZES[world], {}, "float64", 4))
+    for r in res:
+        assert r["steps"] == 4
+        assert max(r["errs"]) < 1e-12, r["errs"]
+        for batch, data, finite in r["tables"]:
+            assert batch == WORLD_SIZES[world] and finite
+    assert res[0]["tables"] == res[-1]["tables"]
+
+
+def test_four_ranks_with_an_idle_rank_and_changing_sizes():
+    res = unwrap(run(grad_worker, 4, "samples", None, {}, "float64", 6))
+    sizes = [t[0] for t in res[0]["tables"]]
+    assert len({tuple(s) for s in sizes}) > 1  # sizes really changed between steps
+    for r in res:
+        assert max(r["errs"]) < 1e-12, r["errs"]
+        assert r["tables"] == res[0]["tables"]
+    res = unwrap(run(grad_worker, 4, "samples", WORLD_SIZES[4], {}, "float64", 3))
+    for r in res:
+        assert max(r["errs"]) < 1e-12, r["errs"]
+
+
+@pytest.mark.parametrize("options", [
+    {"gradient_as_bucket_view": True},
+    {"static_graph": True},
+    {"bucket_cap_mb": 1e-4, "gradient_as_bucket_view": True, "static_graph": True},
+])
+def test_ddp_options(options):
+    res = unwrap(run(grad_worker, 2, "samples", [2, 8], options, "float64", 4))
+    for r in res:
+        assert max(r["errs"]) < 1e-12, r["errs"]
+    if options.get("bucket_cap_mb", 25) < 1:
+        assert res[0]["hooks"] > 1  # several buckets: telemetry rides on the last only
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_low_precision_buckets(dtype):
+    # fp16/bf16 buckets carry no telemetry; the table travels on the side collective.
+    tol = {"float16": 5e-3, "bfloat16": 4e-2, "float32": 1e-5}[dtype]
+    res = unwrap(run(grad_worker, 2, "samples", [3, 7], {}, dtype, 3))
+    for r in res:
+        assert max(r["errs"]) < tol, r["errs"]
+        for batch, data, finite in r["tables"]:
+            assert batch == [3, 7] and data == [3.0, 7.0] and finite
+
+
+def plain_ddp_worker(rank, world, sizes):
+    net = _net()
+    ddp = DDP(net)
+    x, y, tokens = _data()
+    lo = sum(sizes[:rank])
+    idx = np.arange(lo, lo + sizes[rank])
+    _loss(ddp(x[idx]), y[idx], torch.ones(len(idx), dtype=torch.float64)).backward()
+    parts = [np.arange(sum(sizes[:r]), sum(sizes[:r + 1])) for r in range(world)]
+    ref = _reference(net, x, y, tokens, parts, "samples")
+    return max((p.grad - r).abs().max().item() for p, r in zip(net.parameters(), ref))
+
+
+def test_plain_ddp_is_wrong_under_uneven_sizes():
+    # The reference the tests above match is not trivially matched: plain DDP misses it.
+    errs = unwrap(run(plain_ddp_worker, 2, [2, 8]))
+    assert min(errs) > 1e-3
+
+
+# ---------------------------------------------------------------- coverage, steps, resume
+
+
+def _coverage_run(rank, world, n, global_batch, epochs, num_workers, state=None, stop_after=None,
+                  drop_last=False):
+    import hetlb
+    net = torch.nn.Linear(1, 1).double()
+    ddp = DDP(net)
+    bal = hetlb.Balancer(ddp, global_batch, policy=Jitter(7), lower=0)
+    ds = torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float64)[:, None])
+    kw = {"num_workers": num_workers}
+    if num_workers:
+        kw.update(prefetch_factor=2, persistent_workers=True)
+    loader = bal.loader(ds, seed=11, drop_last=drop_last, **kw)
+    if state is not None:
+        bal.load_state_dict(state)
+    seen = {}
+    steps = 0
+    epoch = loader.epoch
+    while epoch < epochs:
+        loader.set_epoch(epoch)
+        for (xb,) in loader:
+            with bal.step():
+                ddp(xb).sum().backward()
+            seen.setdefault(epoch, []).extend(int(v) for v in xb[:, 0].tolist())
+            steps += 1
+            if stop_after is not None and steps == stop_after:
+                return {"seen": seen, "steps": steps, "state": bal.state_dict(),
+                        "sizes": [r.batch.tolist() for r in bal.history.last(len(bal.history))]}
+        epoch += 1
+    return {"seen": seen, "steps": steps, "state": bal.state_dict(),
+            "sizes": [r.batch.tolist() for r in bal.history.last(len(bal.history))]}
+
+
+def coverage_worker(rank, world, *args, **kwargs):
+    return _coverage_run(rank, world, *args, **kwargs)
+
+
+def _union(results, epoch):
+    out = []
+    for r in results:
+        out.extend(r["seen"].get(epoch, []))
+    return sorted(out)
+
+
+def test_exactly_once_over_epochs_with_workers_and_changing_sizes():
+    n, gb = 53, 8
+    res = unwrap(run(coverage_worker, 3, n, gb, 3, 2))
+    assert len({r["steps"] for r in res}) == 1  # equal step counts on every rank
+    assert res[0]["steps"] == 3 * -(-n // gb)
+    for e in range(3):
+        assert _union(res, e) == list(range(n)), f"epoch {e}"
+    sizes = [tuple(s) for s in res[0]["sizes"]]
+    per_epoch = -(-n // gb)
+    assert len(set(sizes)) > 5
+    # Full steps sum to the global batch; each epoch's short last step is split by the shares.
+    assert [sum(s) for s in sizes] == ([gb] * (per_epoch - 1) + [n % gb]) * 3
+    # Different epochs see different orders (shuffle with seed + epoch).
+    assert res[0]["seen"][0] != res[0]["seen"][1]
+
+
+def test_drop_last_drops_only_the_short_step():
+    n, gb = 53, 8
+    res = unwrap(run(coverage_worker, 2, n, gb, 2, 0, None, None, True))
+    for e in range(2):
+        u = _union(res, e)
+        assert len(u) == (n // gb) * gb and len(set(u)) == len(u)
+
+
+@pytest.mark.parametrize("new_world", [3, 2])
+def test_mid_epoch_resume(new_world):
+    n, gb = 47, 6
+    first = unwrap(run(coverage_worker, 3, n, gb, 2, 2, None, 4))  # stop mid-epoch 0
+    state = first[0]["state"]
+    assert all(r["state"] == state for r in first)
+    rest = unwrap(run(coverage_worker, new_world, n, gb, 2, 2, state))
+    assert len({r["steps"] for r in rest}) == 1
+    assert _union(first, 0) + [] != []  # the first part did run
+    whole0 = sorted(_union(first, 0) + _union(rest, 0))
+    assert whole0 == list(range(n))
+    assert _union(rest, 1) == list(range(n))
+    assert rest[0]["steps"] == 2 * -(-n // gb) - 4
+
+
+# ---------------------------------------------------------------- mismatch and bad input
+
+
+def mismatch_worker(rank, world):
+    import hetlb
+    ddp = DDP(torch.nn.Linear(2, 1).double())
+    bal = hetlb.Balancer(ddp, 8, policy=RankDependent([4, 4]))
+    try:
+        for _ in range(5):
+            with bal.step():
+                ddp(torch.randn(int(bal.batch_sizes[rank]), 2, dtype=torch.float64)).sum().backward()
+    except hetlb.DecisionMismatchError as e:
+        return ("mismatch", bal.steps, str(e))
+    return ("no error", bal.steps, "")
+
+
+def test_forced_decision_mismatch_is_detected_on_every_rank():
+    res = unwrap(run(mismatch_worker, 2))
+    for kind, steps, msg in res:
+        assert kind == "mismatch"
+        assert steps == 2  # decided differently after step 1, caught in step 2
+        assert "disagree" in msg and "ranks [0]" in msg and "ranks [1]" in msg, msg
+
+
+def bad_input_worker(rank, world):
+    import hetlb
+    out = {}
+    try:
+        hetlb.Balancer(DDP(torch.nn.Linear(2, 1)), 1)
+    except ValueError as e:
+        out["small"] = str(e)
+    try:
+        hetlb.Balancer(torch.nn.Linear(2, 1), 8)
+    except TypeError as e:
+        out["not_ddp"] = str(e)
+    return out
+
+
+def test_bad_input_errors_without_hanging():
+    for r in unwrap(run(bad_input_worker, 2, timeout=120)):
+        assert "smaller than the world" in r["small"]
+        assert "DistributedDataParallel" in r["not_ddp"]
+
+
+class _NanTimer:
+    """Fault injection: rank 1 reports NaN compute times in steps listed in ``bad``."""
+
+    lag = 0
+
+    def __init__(self, bad):
+        self.bad, self.calls = set(bad), 0
+
+    def start(self):
+        import time
+        return time.perf_counter()
+
+    def stop(self, t0):
+        import time
+        self.calls += 1
+        return float("nan") if self.calls - 1 in self.bad else time.perf_counter() - t0
+
+
+def nan_worker(rank, world, bad, max_bad):
+    import hetlb
+    ddp = DDP(torch.nn.Linear(2, 1).double())
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.LBB(), max_bad_steps=max_bad)
+    if rank == 1:
+        bal._timer = _NanTimer(bad)
+    try:
+        for _ in range(8):
+            with bal.step():
+                ddp(torch.randn(int(bal.batch_sizes[rank]), 2, dtype=torch.float64)).sum().backward()
+    except ValueError as e:
+        return ("raised", bal.steps, len(bal.history), str(e))
+    return ("ok", bal.steps, len(bal.history), "")
+
+
+def test_nan_telemetry_is_skipped_then_raises():
+    # Two bad steps: skipped with a warning, the sizes kept, training goes on.
+    for kind, steps, kept, _ in unwrap(run(nan_worker, 2, [2, 3], 3)):
+        assert (kind, steps, kept) == ("ok", 8, 6)
+    # Too many in a row: a clear error on every rank, at the same step.
+    res = unwrap(run(nan_worker, 2, list(range(1, 8)), 2))
+    for kind, steps, kept, msg in res:
+        assert kind == "raised" and "unusable telemetry" in msg and "rank 1" in msg, msg
+        assert steps == res[0][1]
+
+
+# ---------------------------------------------------------------- emulated cluster end to end
+
+
+def emulated_worker(rank, world, speeds, steps, disturb_at):
+    import hetlb
+    from hetlb.emulate import Disturbance, Emulator
+    from hetlb.models import LinearModel
+    net = torch.nn.Linear(4, 1)
+    ddp = DDP(net)
+    # LBB's case study: about +50 ms on one worker from step ``disturb_at`` on.
+    emu = Emulator.for_rank(rank, speeds, model=LinearModel(0.02, 0.004), spin=0.0005,
+                            disturbances={1: [Disturbance(disturb_at, extra=0.05)]})
+    policy = hetlb.LBB()
+    bal = hetlb.Balancer(ddp, 48, policy=policy, emulator=emu)
+    ds = torch.utils.data.TensorDataset(torch.randn(48 * steps, 4))
+    for (xb,) in bal.loader(ds):
+        with bal.step():
+            ddp(xb).sum().backward()
+    h = bal.history
+    return {"se": [float(r.compute.max() - r.compute.min()) / float(r.compute.mean())
+                   for r in h.last(len(h))],
+            "sizes": [r.batch.tolist() for r in h.last(len(h))], "actions": list(policy.actions)}
+
+
+def test_lbb_balances_an_emulated_cluster_and_recovers_from_a_disturbance():
+    k = 20
+    res = unwrap(run(emulated_worker, 2, [1.0, 3.0], 40, k))
+    se, sizes, actions = res[0]["se"], res[0]["sizes"], res[0]["actions"]
+    assert res[1]["sizes"] == sizes and res[1]["actions"] == actions
+    assert se[0] > 0.5  # uniform start on a 1:3 cluster: a big straggler effect
+    assert np.median(se[k - 5:k]) < 0.1, se
+    assert sizes[k - 1][1] > 2 * sizes[k - 1][0]  # the 3x faster rank gets ~3x the samples
+    assert se[k] > 0.3  # the disturbance hits rank 1
+    assert actions[k:].count("rapid") == 1, actions
+    assert max(se[k + 5:]) < 0.1, se  # back in balance within a few steps
+    assert sizes[-1][1] < sizes[k][1]  # the disturbed rank gave work away

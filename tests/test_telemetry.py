@@ -1,0 +1,135 @@
+"""Telemetry records, history, checks, probes and the straggler effect."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetlb.telemetry import (COL, EXACT_INT, NUM_FIELDS, History, Probe, StepRecord, decision_checksum,
+                             hardware_info, straggler_effect, validate_record)
+
+
+def record(step, batch, compute, epoch=0):
+    batch = np.asarray(batch, dtype=np.int64)
+    return StepRecord(step=step, epoch=epoch, batch=batch, compute=np.asarray(compute, dtype=np.float64),
+                      data=batch.astype(np.float64), memory=np.full(len(batch), 0.25),
+                      cpu=np.full(len(batch), 0.5))
+
+
+@given(st.lists(st.integers(0, 2 ** 20), min_size=1, max_size=64))
+def test_checksum_is_exact_in_float32_and_deterministic(sizes):
+    c = decision_checksum(sizes)
+    assert 0 <= c < EXACT_INT
+    assert float(np.float32(c)) == c  # survives a float32 bucket slot
+    assert decision_checksum(np.array(sizes, dtype=np.int32)) == c  # dtype does not matter
+
+
+def test_checksum_tells_small_changes_apart():
+    base = [16, 16, 16, 16]
+    moves = {decision_checksum(base)}
+    for i, j in itertools.permutations(range(4), 2):
+        s = list(base)
+        s[i] -= 1
+        s[j] += 1
+        moves.add(decision_checksum(s))
+    assert len(moves) == 13  # every one-sample move is seen
+
+
+@given(st.integers(1, 8).flatmap(lambda n: st.tuples(
+    st.lists(st.integers(0, 10 ** 6), min_size=n, max_size=n),
+    st.lists(st.floats(0, 100, allow_nan=False), min_size=n, max_size=n))),
+    st.integers(0, EXACT_INT - 1))
+def test_record_table_and_dict_round_trip(bc, step):
+    batch, compute = bc
+    table = np.zeros((len(batch), NUM_FIELDS))
+    table[:, COL["batch"]] = batch
+    table[:, COL["compute"]] = compute
+    table[:, COL["data"]] = np.asarray(batch) * 1.5
+    table[:, COL["step"]] = step
+    table[:, COL["epoch"]] = 3
+    r = StepRecord.from_table(table)
+    assert r.step == step and r.epoch == 3 and r.world == len(batch)
+    assert r.batch.tolist() == batch and r.compute.tolist() == compute
+    back = StepRecord.from_dict(r.to_dict())
+    for f in ("batch", "compute", "data", "memory", "cpu"):
+        np.testing.assert_array_equal(getattr(back, f), getattr(r, f))
+    with pytest.raises(ValueError, match="must be"):
+        StepRecord.from_table(table[:, :3])
+
+
+def test_speed_of_idle_ranks_is_zero():
+    r = record(0, [4, 0, 6], [0.5, 0.0, 2.0])
+    np.testing.assert_allclose(r.speed, [8.0, 0.0, 3.0])
+
+
+def test_history_window_order_and_checkpoint():
+    h = History(3, maxlen=5)
+    for k in range(8):
+        h.append(record(k, [k, 1, 2], [1.0, 1.0, 1.0 + k]))
+    assert len(h) == 5 and h[0].step == 3 and h[-1].step == 7
+    assert [r.step for r in h.last(2)] == [6, 7] and h.last(0) == [] and len(h.last(99)) == 5
+    assert h.column("compute").shape == (5, 3) and h.column("batch", 2)[:, 0].tolist() == [6, 7]
+    with pytest.raises(ValueError, match="increase"):
+        h.append(record(7, [1, 1, 1], [1, 1, 1]))
+    with pytest.raises(ValueError, match="ranks"):
+        h.append(record(9, [1, 1], [1, 1]))
+    g = History.from_state_dict(h.state_dict())
+    assert [r.step for r in g] == [r.step for r in h] and g.column("compute").tolist() == \
+        h.column("compute").tolist()
+    assert History(2).column("cpu").shape == (0, 2)
+    with pytest.raises(ValueError):
+        History(0)
+
+
+@pytest.mark.parametrize("compute, bad", [
+    ([1.0, float("nan"), 1.0], [1]),
+    ([float("inf"), 1.0, 1.0], [0]),
+    ([1.0, 1.0, 0.0], [2]),
+    ([-1.0, 1.0, float("nan")], [0, 2]),
+])
+def test_validate_names_the_bad_ranks(compute, bad):
+    with pytest.raises(ValueError) as e:
+        validate_record(record(5, [2, 3, 4], compute))
+    msg = str(e.value)
+    assert "step 5" in msg
+    for r in range(3):
+        assert (f"rank {r} " in msg) == (r in bad), msg
+
+
+def test_validate_accepts_an_idle_rank_with_zero_time():
+    validate_record(record(0, [0, 3, 4], [0.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="rank 0"):
+        validate_record(record(0, [-1, 3, 4], [0.0, 1.0, 1.0]))
+
+
+@given(st.lists(st.floats(1e-3, 1e3), min_size=1, max_size=10))
+def test_straggler_effect_matches_the_definition(t):
+    a = np.asarray(t)
+    assert straggler_effect(t) == pytest.approx((a.max() - a.min()) / a.mean())
+
+
+def test_straggler_effect_ignores_idle_ranks():
+    assert straggler_effect([0.0, 1.0, 1.0], batch=[0, 5, 5]) == 0.0
+    assert straggler_effect([1.0, 2.0], batch=[0, 0]) == 0.0
+    assert straggler_effect([1.0, 3.0]) == pytest.approx(1.0)
+
+
+def test_probe_readings_and_refresh_interval():
+    fresh = Probe(torch.device("cpu"), interval=0.0)
+    cached = Probe(torch.device("cpu"), interval=3600.0)
+    m0, c0 = fresh.memory(), fresh.cpu()
+    assert 0.0 < m0 <= 1.0 and 0.0 <= c0 <= 1.0
+    held = cached.memory()
+    block = np.ones(64 * 2 ** 20 // 8)  # 64 MiB, touched
+    assert fresh.memory() > m0  # re-read: sees the allocation
+    assert cached.memory() == held  # within the interval: the earlier reading
+    del block
+    with pytest.raises(ValueError, match="interval"):
+        Probe(torch.device("cpu"), interval=float("nan"))
+
+
+def test_hardware_info_on_cpu():
+    info = hardware_info(torch.device("cpu"))
+    assert info["cpus"] >= 1 and info["memory"] > 2 ** 20 and "gpu_sms" not in info
