@@ -20,7 +20,7 @@ How telemetry travels (no blocking collective of its own):
 """
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -89,6 +89,7 @@ class HookState:
     table_buffer: Optional[torch.Tensor] = None
     hooks_run: int = 0
     last_seen: bool = False
+    factors: Dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def reset(self, weight: float, row: np.ndarray) -> None:
         self.weight = float(weight)
@@ -98,6 +99,7 @@ class HookState:
         self.table_buffer = None
         self.hooks_run = 0
         self.last_seen = False
+        self.factors = {}
 
     def slots(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """This rank's row in a zeroed ``[world * F]`` region (what the SUM all-reduce fills)."""
@@ -138,6 +140,22 @@ def _delayed(fut: torch.futures.Future, delay: Optional[Callable[[int], None]], 
     return fut.then(wait_link)
 
 
+def premul_factor(state: "HookState", buf: torch.Tensor) -> torch.Tensor:
+    """This step's weight as a one-element tensor of the bucket's dtype on its device.
+
+    NCCL reads a tensor factor through a pointer of the reduced data's type (c10d's
+    ``unpackPreMulSum``), so the dtype must match the bucket's; a device tensor also avoids the
+    host-immediate bf16 factor that is known to return zeros. Made once per step and dtype. For
+    fp16/bf16 buckets the weight is rounded to that dtype (relative error at most 2^-9 for bf16).
+    """
+    key = (buf.dtype, buf.device)
+    f = state.factors.get(key)
+    if f is None:
+        f = torch.tensor(state.weight, dtype=buf.dtype, device=buf.device)
+        state.factors[key] = f
+    return f
+
+
 def weighted_allreduce_hook(state: "HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: ``sum_r w_r * bucket_r`` with the telemetry table riding along.
 
@@ -155,9 +173,7 @@ def weighted_allreduce_hook(state: "HookState", bucket: dist.GradBucket) -> torc
     nbytes = buf.numel() * buf.element_size()
 
     if state.nccl:
-        factor = torch.tensor(state.weight, dtype=buf.dtype if buf.dtype == torch.float64
-                              else torch.float32, device=buf.device)
-        op = dist._make_nccl_premul_sum(factor)  # weighting rides in the reduction itself
+        op = dist._make_nccl_premul_sum(premul_factor(state, buf))  # weighting rides in the reduction
         fut = dist.all_reduce(buf, op=op, group=state.group, async_op=True).get_future()
         if last:
             state.launch_side_table()
@@ -213,5 +229,5 @@ def allreduce_row_blocking(state: HookState) -> np.ndarray:
     return buf.view(state.world, NUM_FIELDS).numpy().copy()
 
 
-__all__ = ["WEIGHTINGS", "weights_for", "HookState", "weighted_allreduce_hook", "make_state",
+__all__ = ["WEIGHTINGS", "weights_for", "HookState", "weighted_allreduce_hook", "premul_factor", "make_state",
            "allreduce_row_blocking", "is_nccl"]

@@ -170,3 +170,18 @@ def test_balancer_and_persistent_workers_free_promptly():
         assert time.perf_counter() - t < 3.0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_premul_factor_matches_the_bucket(dtype):
+    # NCCL reads a PREMUL_SUM tensor factor with the reduced data's type: it must match.
+    from hetlb.aggregate import HookState, premul_factor
+    state = HookState(group=None, rank=0, world=2)
+    state.reset(52 / 512, np.zeros(9))
+    buf = torch.zeros(10, dtype=dtype)
+    f = premul_factor(state, buf)
+    assert f.dtype == dtype and f.device == buf.device and f.numel() == 1
+    assert premul_factor(state, buf) is f  # one per step and dtype
+    assert abs(float(f) - 52 / 512) <= 2 ** -8 * 52 / 512
+    state.reset(0.5, np.zeros(9))
+    assert float(premul_factor(state, buf)) == 0.5
