@@ -88,7 +88,6 @@ class HookState:
     table_future: Any = None
     table_buffer: Optional[torch.Tensor] = None
     hooks_run: int = 0
-    last_seen: bool = False
     factors: Dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def reset(self, weight: float, row: np.ndarray) -> None:
@@ -98,7 +97,6 @@ class HookState:
         self.table_future = None
         self.table_buffer = None
         self.hooks_run = 0
-        self.last_seen = False
         self.factors = {}
 
     def slots(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -166,10 +164,8 @@ def weighted_allreduce_hook(state: "HookState", bucket: dist.GradBucket) -> torc
     buf = bucket.buffer()
     last = bucket.is_last()
     state.hooks_run += 1
-    if last:
-        state.last_seen = True
-        if state.on_last is not None:
-            state.on_last()
+    if last and state.on_last is not None:
+        state.on_last()
     nbytes = buf.numel() * buf.element_size()
 
     if state.nccl:

@@ -148,7 +148,7 @@ class Balancer:
         if self.world > 1 and not isinstance(model, DistributedDataParallel):
             raise TypeError(f"with {self.world} ranks the model must be DistributedDataParallel, "
                             f"got {type(model).__name__}")
-        if global_batch < self.world * max(lower, 0) or global_batch < 1:
+        if global_batch < self.world * max(lower, 0):
             raise ValueError(f"global_batch={global_batch} is smaller than the world of {self.world} "
                              f"ranks times lower={lower}; every rank needs at least {lower} sample(s) "
                              f"per step (pass lower=0 to let ranks idle)")
@@ -296,7 +296,6 @@ class Balancer:
         if self._state is not None:
             self._state.reset(weight, row)
             self._state.on_last = self._on_last
-        self._row = row
         self._t0 = self._timer.start()
         entered = self._t0 - t_enter  # both timers start from the host clock
         try:

@@ -63,6 +63,7 @@ class GlobalOrderSampler:
         self.plan, self.shuffle, self.seed, self.drop_last = plan, bool(shuffle), int(seed), bool(drop_last)
         self.epoch = 0
         self.start_step = 0  # first step of the epoch still to hand out (resume point)
+        self._perm: Optional[Tuple[tuple, np.ndarray]] = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -74,12 +75,19 @@ class GlobalOrderSampler:
         return max(0, self.steps_per_epoch - self.start_step)
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """The epoch's global order (identical on every rank)."""
-        if not self.shuffle:
-            return np.arange(self.length, dtype=np.int64)
-        g = torch.Generator()
-        g.manual_seed(self.seed + epoch)
-        return torch.randperm(self.length, generator=g).numpy()
+        """The epoch's global order (identical on every rank); read-only, cached per epoch
+        because per-step lookups (data amounts, checks) would otherwise redraw it every step."""
+        key = (epoch, self.seed, self.shuffle, self.length)
+        if self._perm is None or self._perm[0] != key:
+            if self.shuffle:
+                g = torch.Generator()
+                g.manual_seed(self.seed + epoch)
+                perm = torch.randperm(self.length, generator=g).numpy()
+            else:
+                perm = np.arange(self.length, dtype=np.int64)
+            perm.flags.writeable = False
+            self._perm = (key, perm)
+        return self._perm[1]
 
     def step_count(self, step: int) -> int:
         """Samples in step ``step`` of an epoch (the last one may be short)."""
