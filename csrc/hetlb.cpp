@@ -12,6 +12,10 @@
 
 #include "solve/solve.h"
 
+namespace hetlb {
+void bind_comm_hook(pybind11::module& m);  // csrc/comm_hook.cpp
+}
+
 namespace py = pybind11;
 using f64_array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 using i64_array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
@@ -155,6 +159,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("owner"), py::arg("sizes"), py::arg("slope"), py::arg("intercept"),
       "New owner of each sample of a sharded dataset (CHRONICA data shuffler).");
+
+  hetlb::bind_comm_hook(m);
 
 #ifdef HETLB_WITH_CUDA
   m.attr("has_cuda") = true;

@@ -6,6 +6,15 @@ and ``w_r = B_r / sum(B)`` ("samples"), that is exactly the gradient of the mean
 union of all ranks' samples, whatever the sizes (LBB section 3.2.4, LB-BSP Eq. 7). "sizes" weighs
 by data amount (CHRONICA's learning-rate compensation), "none" is the plain mean (FL mode).
 
+Two implementations of the same hook, picked by :func:`register_hook`:
+
+* the native hook (``hetlb._C``, C++): CPU float32/float64 buckets on a non-NCCL group. DDP then
+  runs no Python per bucket and none in the all-reduce's continuation, which keeps the
+  interpreter (and its lock) off the critical path between a rank's last gradient and its next
+  step; Python only sets the weight and row before backward and reads the table after it.
+* :func:`weighted_allreduce_hook` (Python): everything else (NCCL's PREMUL_SUM, fp16/bf16
+  buckets, CUDA timing, the emulated bandwidth cap). Tests check that the two agree exactly.
+
 How telemetry travels (no blocking collective of its own):
 
 * Gloo with float32/float64 buckets: the rank writes its row into a zeroed ``[world, F]`` slot
@@ -26,8 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .telemetry import NUM_FIELDS
+from . import _C, ops
+from .telemetry import COL, NUM_FIELDS
 
 log = logging.getLogger("hetlb.aggregate")
 
@@ -70,9 +79,11 @@ def weights_for(weighting: str, batch: np.ndarray, data: Optional[np.ndarray] = 
 class HookState:
     """Mutable per-step state shared between the Balancer and the hook (one per Balancer).
 
-    The Balancer sets ``weight`` and ``row`` before the backward pass; ``on_last`` runs in the
-    last bucket's hook before anything is sent (it stamps the compute time and applies emulation);
-    the hook stores the delivered table in ``table`` (or a pending future in ``table_future``).
+    The Balancer sets ``weight`` and ``row`` before the backward pass (:meth:`reset`);
+    ``on_last`` runs in the last bucket's hook before anything is sent (it stamps the compute time
+    and applies emulation); the hook stores the delivered table in ``table`` (or a pending future
+    in ``table_future``). With the native hook, ``core`` (a ``hetlb._C.HookCore``) holds the
+    weight, row and table instead, and stamps the compute time itself when ``on_last`` is None.
     """
 
     group: Any
@@ -89,15 +100,48 @@ class HookState:
     table_buffer: Optional[torch.Tensor] = None
     hooks_run: int = 0
     factors: Dict[Any, torch.Tensor] = field(default_factory=dict)
+    core: Any = None
 
-    def reset(self, weight: float, row: np.ndarray) -> None:
+    @property
+    def native(self) -> bool:
+        """Whether the native (C++) hook serves this state."""
+        return self.core is not None
+
+    def reset(self, weight: float, row: np.ndarray, on_last: Optional[Callable[[], None]] = None) -> None:
+        """Start a step: this rank's weight and telemetry row, and the last-bucket callback.
+
+        With the native hook and no ``on_last``, the hook stamps the compute time (seconds from
+        this call to the last bucket) into the row itself, without entering Python.
+        """
         self.weight = float(weight)
         self.row = np.asarray(row, dtype=np.float64)
+        self.on_last = on_last
         self.table = None
         self.table_future = None
         self.table_buffer = None
         self.hooks_run = 0
         self.factors = {}
+        if self.core is not None:
+            self.core.on_last = on_last
+            self.core.compute_col = -1 if on_last is not None else COL["compute"]
+            self.core.reset(self.weight, self.row)
+
+    def release(self) -> None:
+        """Drop the step's callback (it refers back to the Balancer; the native core would hide
+        that cycle from the garbage collector)."""
+        self.on_last = None
+        if self.core is not None:
+            self.core.on_last = None
+
+    def set_compute(self, seconds: float) -> None:
+        """Record this step's compute time in the row (before the last bucket is sent)."""
+        self.row[COL["compute"]] = seconds
+        if self.core is not None:
+            self.core.set(COL["compute"], seconds)
+
+    def buckets_run(self) -> int:
+        """Buckets the hook has processed since :meth:`reset`."""
+        return int(self.core.hooks_run) if self.core is not None else self.hooks_run
 
     def slots(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """This rank's row in a zeroed ``[world * F]`` region (what the SUM all-reduce fills)."""
@@ -114,6 +158,10 @@ class HookState:
 
     def collect_table(self) -> Optional[np.ndarray]:
         """The delivered ``[world, F]`` table, waiting for the side collective if it is pending."""
+        if self.core is not None:
+            if self.table is None:
+                self.table = self.core.take_table()
+            return self.table
         if self.table is None and self.table_future is not None:
             self.table_future.wait()
             self.table = self.table_buffer.view(self.world, NUM_FIELDS).numpy().copy()
@@ -206,6 +254,47 @@ def is_nccl(group: Any) -> bool:
         return False
 
 
+def _native_blocker(model: Any, state: HookState) -> Optional[str]:
+    """Why the native hook cannot serve ``model`` (None if it can)."""
+    if getattr(_C, "HookCore", None) is None:
+        return "the extension was built without the native hook"
+    if state.nccl:
+        return "the group uses NCCL"
+    if state.comm_delay is not None:
+        return "an emulated bandwidth cap delays the buckets"
+    if getattr(model, "mixed_precision", None) is not None:
+        return "DDP mixed precision changes the bucket dtype"
+    for p in model.parameters():
+        if p.requires_grad and (p.device.type != "cpu" or p.dtype not in _CARRY_DTYPES):
+            return f"a parameter is {p.dtype} on {p.device}"
+    return None
+
+
+def register_hook(model: Any, state: HookState, native: Optional[bool] = None) -> bool:
+    """Register the weighted all-reduce hook on the DDP ``model``; returns whether it is native.
+
+    Args:
+        model: a ``DistributedDataParallel`` model without a communication hook yet.
+        state: its :class:`HookState` (from :func:`make_state`).
+        native: True to require the native hook (``ValueError`` saying why if it cannot serve
+            this model), False for the Python hook, None (default) to pick the native one
+            whenever it can.
+    """
+    reason = _native_blocker(model, state)
+    if native and reason is not None:
+        raise ValueError(f"the native comm hook cannot serve this model: {reason}")
+    if native is False or reason is not None:
+        if native is None:
+            log.debug("Python comm hook: %s", reason)
+        model.register_comm_hook(state, weighted_allreduce_hook)
+        return False
+    pg = state.group if state.group is not None else dist.distributed_c10d._get_default_group()
+    core = _C.HookCore(state.rank, state.world, NUM_FIELDS)
+    _C.register_comm_hook(model.reducer, pg, core)
+    state.core = core
+    return True
+
+
 def make_state(group: Any = None) -> HookState:
     """Hook state for ``group`` (default world group); creates a Gloo side group under NCCL."""
     rank = dist.get_rank(group)
@@ -226,4 +315,4 @@ def allreduce_row_blocking(state: HookState) -> np.ndarray:
 
 
 __all__ = ["WEIGHTINGS", "weights_for", "HookState", "weighted_allreduce_hook", "premul_factor", "make_state",
-           "allreduce_row_blocking", "is_nccl"]
+           "register_hook", "allreduce_row_blocking", "is_nccl"]

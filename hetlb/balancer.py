@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .aggregate import (WEIGHTINGS, HookState, allreduce_row_blocking, make_state,
-                        weighted_allreduce_hook, weights_for)
+from .aggregate import (WEIGHTINGS, HookState, allreduce_row_blocking, make_state, register_hook,
+                        weights_for)
 from .data import BalancedLoader, GlobalOrderSampler, split_last
 from .policies.base import Context, Policy, check_sizes
 from .telemetry import (COL, EXACT_INT, NUM_FIELDS, History, Probe, StepRecord, decision_checksum,
@@ -120,6 +120,9 @@ class Balancer:
         history: number of steps of telemetry kept.
         max_bad_steps: consecutive steps with unusable telemetry (NaN or zero times) tolerated,
             keeping the previous sizes, before raising ``ValueError``.
+        native_hook: None (default) uses the C++ communication hook wherever it can serve the
+            model (CPU float32/float64 parameters, a non-NCCL group, no emulated bandwidth cap)
+            and the Python hook elsewhere; True requires the native one, False forces Python.
 
     Attributes:
         history: :class:`hetlb.telemetry.History` of the world's telemetry, one record per step
@@ -137,7 +140,8 @@ class Balancer:
     def __init__(self, model: torch.nn.Module, global_batch: int, policy: Optional[Policy] = None,
                  weighting: str = "samples", *, group: Any = None, lower: int = 1,
                  upper: Optional[int] = None, profile: Any = None, emulator: Any = None,
-                 history: int = 1024, max_bad_steps: int = 10) -> None:
+                 history: int = 1024, max_bad_steps: int = 10,
+                 native_hook: Optional[bool] = None) -> None:
         if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
             raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
         if weighting not in WEIGHTINGS:
@@ -167,7 +171,9 @@ class Balancer:
             if emulator is not None and getattr(emulator, "bandwidth", None):
                 self._state.comm_delay = emulator.sleep_comm
         if isinstance(model, DistributedDataParallel):
-            model.register_comm_hook(self._state, weighted_allreduce_hook)
+            register_hook(model, self._state, native_hook)
+        elif native_hook:
+            raise ValueError("native_hook=True needs a DistributedDataParallel model")
 
         self.context = self._gather_context(lower, upper, profile)
         self._decision = check_sizes(policy.start(self.context), self.context, type(policy).__name__)
@@ -263,7 +269,7 @@ class Balancer:
             self.emulator.stretch(self._step, int(self._running[1][self.rank]), self._t0)
         self._compute = self._timer.stop(self._t0)
         if self._state is not None:
-            self._state.row[COL["compute"]] = self._compute
+            self._state.set_compute(self._compute)
 
     @contextlib.contextmanager
     def step(self) -> Iterator["Balancer"]:
@@ -294,8 +300,11 @@ class Balancer:
         row[COL["compute"]] = float("nan")
         self._compute = None
         if self._state is not None:
-            self._state.reset(weight, row)
-            self._state.on_last = self._on_last
+            # The native hook stamps the compute time itself; Python runs in the last bucket's
+            # hook only to stretch an emulated step or to read another timer (CUDA events).
+            py_last = (not self._state.native or self.emulator is not None
+                       or type(self._timer) is not _CpuTimer)
+            self._state.reset(weight, row, self._on_last if py_last else None)
         self._t0 = self._timer.start()
         entered = self._t0 - t_enter  # both timers start from the host clock
         try:
@@ -316,7 +325,7 @@ class Balancer:
             # The hook state lives in the DDP reducer; without this reference back to the
             # Balancer between steps, Balancer -> DDP -> state is not a cycle and frees promptly
             # (a reducer left to the garbage collector can outlive its process group).
-            self._state.on_last = None
+            self._state.release()
 
     def _weight(self, sizes: np.ndarray, data: np.ndarray) -> float:
         """This rank's aggregation weight (the hot path of :func:`weights_for`)."""
@@ -327,17 +336,18 @@ class Balancer:
         return float(weights_for(self.weighting, sizes, data)[self.rank])
 
     def _collect(self, row: np.ndarray) -> np.ndarray:
-        if self._compute is None:  # no hook ran: no gradients this step, or a single process
+        table = None if self._state is None else self._state.collect_table()
+        if table is not None:
+            return table
+        # No last bucket carried the row: no gradients this step (or no_sync), or one process.
+        if self._compute is None:
             self._on_last()
-            row[COL["compute"]] = self._compute
+        row[COL["compute"]] = self._compute
         if self._state is None:
             return row[None, :].copy()
-        table = self._state.collect_table()
-        if table is None:
-            self._state.row = row
-            log.debug("step %d: no gradient bucket carried telemetry; all-reduce it", self._step)
-            table = allreduce_row_blocking(self._state)
-        return table
+        self._state.row = row
+        log.debug("step %d: no gradient bucket carried telemetry; all-reduce it", self._step)
+        return allreduce_row_blocking(self._state)
 
     def _verify(self, table: np.ndarray, sizes: np.ndarray) -> None:
         g = self._step
