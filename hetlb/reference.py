@@ -2,6 +2,10 @@
 
 Nothing here is fast; everything here is meant to be obviously right. The float arithmetic of the
 time models follows the same operation order as ``csrc/`` so results can be compared exactly.
+
+The native communication hook (``csrc/comm_hook.cpp``) has its plain version in
+:func:`hetlb.aggregate.weighted_allreduce_hook`, which must stay a DDP hook to be compared on real
+process groups (tests/test_comm_hook.py).
 """
 from __future__ import annotations
 
