@@ -476,3 +476,14 @@ def test_lbb_rejects_bad_arguments(kwargs):
 def test_wlbs_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         WLBS(**kwargs)
+
+
+def test_lbb_action_log_is_bounded(monkeypatch):
+    monkeypatch.setattr(LBB, "ACTIONS_KEPT", 8)
+    ctx = Context.simple(4, 500, lower=1, profiles=profiles())
+    p = LBB()
+    run(p, ctx, linear_cluster(), 20)
+    assert len(p.actions) == 8 and set(p.actions) == {"none"}
+    q = LBB()
+    q.load_state_dict(p.state_dict())
+    assert q.actions == p.actions

@@ -68,11 +68,14 @@ class LBB(_SizedPolicy):
             samples; ``math.inf`` gives Algorithm 2's plain fine-tune.
 
     Attributes:
-        actions: one of ``"none"``, ``"fine"``, ``"rapid"`` per :meth:`decide` call.
+        actions: one of ``"none"``, ``"fine"``, ``"rapid"`` per :meth:`decide` call, the latest
+            :attr:`ACTIONS_KEPT` of them (it is checkpointed with the policy, so it is bounded).
         last_se: SE of the latest record seen by :meth:`decide`.
     """
 
     name = "lbb"
+    #: Length of the :attr:`actions` log.
+    ACTIONS_KEPT = 1024
 
     def __init__(self, fine: float = 0.05, rapid: float = 0.3, step: int = 1, window: int = 10,
                  priority: float = 0.1) -> None:
@@ -134,6 +137,8 @@ class LBB(_SizedPolicy):
             if moved is not None:
                 action, sizes = "fine", moved
         self.actions.append(action)
+        if len(self.actions) > self.ACTIONS_KEPT:
+            del self.actions[:-self.ACTIONS_KEPT]
         return self._emit(sizes)
 
     # -- tuning -----------------------------------------------------------------------------
