@@ -4,14 +4,15 @@
 // unpacks the telemetry table runs Python on a Gloo thread: two GIL hand-offs and a few hundred
 // microseconds of interpreter per step, on the critical path between a rank's last gradient and
 // its next step. This hook does the same work without Python: scale each bucket by this rank's
-// weight, and on the last bucket pack the scaled gradient and this rank's telemetry slots into
-// one buffer for one SUM all-reduce, then unpack the gradient and the [world, fields] table in the
-// continuation. Python only sets the weight and row before the backward pass and reads the table
+// weight (hetlb::scale_), and on the last bucket pack the scaled gradient and this rank's
+// telemetry slots into one buffer (hetlb::flatten_scaled) for one SUM all-reduce, then unpack the
+// gradient (hetlb::unflatten_) and the [world, fields] table in the continuation. Python only sets the weight and row before the backward pass and reads the table
 // after it (DDP waits for every bucket's future, continuation included, before backward returns).
 //
 // Used for CPU float32/float64 buckets on a non-NCCL group (the Python hook covers NCCL's
 // PREMUL_SUM, fp16/bf16 buckets and the emulated bandwidth cap). The semantics are those of
 // hetlb.aggregate.weighted_allreduce_hook; tests compare the two.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -88,6 +89,30 @@ struct HookCore {
   }
 };
 
+// The fused kernels of torch.ops.hetlb (csrc/cpu), called through the dispatcher like any op, so
+// the native hook scales and packs with exactly the code the Python hook uses.
+void hetlb_scale_(const at::Tensor& buf, double w) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hetlb::scale_", "")
+                       .typed<void(at::TensorList, double)>();
+  op.call(at::TensorList(buf), w);
+}
+
+at::Tensor hetlb_flatten_scaled(const at::Tensor& buf, double w, const at::Tensor& extra) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("hetlb::flatten_scaled", "")
+          .typed<at::Tensor(at::TensorList, double, const std::optional<at::Tensor>&)>();
+  return op.call(at::TensorList(buf), w, std::optional<at::Tensor>(extra));
+}
+
+void hetlb_unflatten_(const at::Tensor& flat, const at::Tensor& buf) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hetlb::unflatten_", "")
+                       .typed<void(const at::Tensor&, at::TensorList, double)>();
+  op.call(flat, at::TensorList(buf), 1.0);
+}
+
 class WeightedHook : public c10d::CommHookInterface {
  public:
   WeightedHook(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<HookCore> core)
@@ -111,23 +136,18 @@ class WeightedHook : public c10d::CommHookInterface {
       return pg_->allreduce(tensors)->getFuture();
     }
     c.last_ready();
-    // The row is read now: last_ready may have written the compute time into it.
+    // The row is read now: last_ready may have written the compute time into it. This rank's
+    // row in a zeroed [world, fields] region: the SUM all-reduce fills in the others.
     const int64_t n = buf.numel(), slots = c.world * c.fields;
-    at::Tensor flat = at::empty({n + slots}, buf.options());
-    at::Tensor head = flat.narrow(0, 0, n);
+    at::Tensor region = at::zeros({slots}, at::kDouble);
+    std::memcpy(region.data_ptr<double>() + c.rank * c.fields, c.row.data(),
+                sizeof(double) * c.fields);
+    double scale_by = w;
     if (w == 0.0) {
-      head.zero_();  // a rank with no samples may hold NaN gradients; 0 * NaN = NaN
-    } else if (w == 1.0) {
-      head.copy_(buf);
-    } else {
-      at::mul_out(head, buf, w);
+      buf.zero_();  // a rank with no samples may hold NaN gradients; 0 * NaN = NaN
+      scale_by = 1.0;
     }
-    at::Tensor tail = flat.narrow(0, n, slots);
-    tail.zero_();
-    AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "hetlb_pack_slots", [&] {
-      scalar_t* p = tail.data_ptr<scalar_t>() + c.rank * c.fields;
-      for (int64_t j = 0; j < c.fields; ++j) p[j] = static_cast<scalar_t>(c.row[j]);
-    });
+    at::Tensor flat = hetlb_flatten_scaled(buf, scale_by, region);
     std::vector<at::Tensor> tensors{flat};
     auto fut = pg_->allreduce(tensors)->getFuture();
     std::shared_ptr<HookCore> core = core_;
@@ -136,7 +156,7 @@ class WeightedHook : public c10d::CommHookInterface {
           at::Tensor out = done.value().toTensorVector()[0];
           core->table =
               out.narrow(0, n, slots).to(at::kDouble).view({core->world, core->fields}).clone();
-          buf.copy_(out.narrow(0, 0, n));
+          hetlb_unflatten_(out, buf);
           return c10::IValue(buf);
         },
         c10::TensorType::get());
@@ -147,11 +167,11 @@ class WeightedHook : public c10d::CommHookInterface {
   }
 
  private:
-  static void scale(at::Tensor& buf, double w) {
+  static void scale(const at::Tensor& buf, double w) {
     if (w == 0.0) {
-      buf.zero_();
+      buf.zero_();  // see above: 0 * NaN = NaN
     } else if (w != 1.0) {
-      buf.mul_(w);
+      hetlb_scale_(buf, w);
     }
   }
 
