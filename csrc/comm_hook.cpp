@@ -6,8 +6,11 @@
 // its next step. This hook does the same work without Python: scale each bucket by this rank's
 // weight (hetlb::scale_), and on the last bucket pack the scaled gradient and this rank's
 // telemetry slots into one buffer (hetlb::flatten_scaled) for one SUM all-reduce, then unpack the
-// gradient (hetlb::unflatten_) and the [world, fields] table in the continuation. Python only sets the weight and row before the backward pass and reads the table
-// after it (DDP waits for every bucket's future, continuation included, before backward returns).
+// gradient (hetlb::unflatten_) and the [world, fields] table in the continuation. An emulated
+// slower device (hetlb.emulate with a time model) is held to its deadline here too, sleeping
+// without the GIL. Python only sets the weight, row and deadline before the backward pass and
+// reads the table after it (DDP waits for every bucket's future, continuation included, before
+// backward returns).
 //
 // Used for CPU float32/float64 buckets on a non-NCCL group (the Python hook covers NCCL's
 // PREMUL_SUM, fp16/bf16 buckets and the emulated bandwidth cap). The semantics are those of
@@ -23,6 +26,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <thread>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -63,6 +67,10 @@ struct HookCore {
   // Index into row where the hook stamps the compute time (< 0: never; Python's on_last does it).
   int64_t compute_col = -1;
   double t0 = 0.0;
+  // Emulation (hetlb.emulate): hold the last bucket until this monotonic time, sleeping the bulk
+  // and spinning the last `spin` seconds, without the GIL. -inf: no hold.
+  double deadline = -std::numeric_limits<double>::infinity();
+  double spin = 0.001;
   py::object on_last;  // optional: runs (with the GIL) when the last bucket is ready
   at::Tensor table;    // [world, fields] float64 once the last bucket's all-reduce completed
   int64_t hooks_run = 0;
@@ -75,16 +83,26 @@ struct HookCore {
     std::memcpy(row.data(), r.data(), sizeof(double) * fields);
     table = at::Tensor();
     hooks_run = 0;
+    deadline = -std::numeric_limits<double>::infinity();
     t0 = monotonic_seconds();
   }
 
   // Runs in the last bucket's hook, before its all-reduce is issued.
   void last_ready() {
+    hold();
     if (compute_col >= 0) row[compute_col] = monotonic_seconds() - t0;
     if (on_last) {
       py::gil_scoped_acquire gil;
       py::object fn = on_last;  // the callback may clear on_last
       fn();
+    }
+  }
+
+  void hold() const {
+    for (;;) {
+      const double left = deadline - monotonic_seconds();
+      if (!(left > 0)) return;
+      if (left > spin) std::this_thread::sleep_for(std::chrono::duration<double>(left - spin));
     }
   }
 };
@@ -197,6 +215,20 @@ void bind_comm_hook(py::module& m) {
           },
           py::arg("col"), py::arg("value"),
           "Set one entry of this step's row (e.g. the compute time, from on_last).")
+      .def(
+          "hold_until",
+          [](HookCore& c, double deadline, double spin) {
+            TORCH_CHECK(!std::isnan(deadline) && std::isfinite(spin) && spin >= 0,
+                        "hetlb HookCore.hold_until: need a deadline (not NaN) and a finite "
+                        "spin >= 0, got deadline=", deadline, " spin=", spin);
+            c.deadline = deadline;
+            c.spin = spin;
+          },
+          py::arg("deadline"), py::arg("spin") = 0.001,
+          "Hold this step's last bucket until `deadline` (monotonic seconds, the clock of "
+          "time.perf_counter) before stamping the compute time and sending: an emulated slower "
+          "device, without entering Python. reset() clears it.")
+      .def_readonly("deadline", &HookCore::deadline)
       .def_readonly("rank", &HookCore::rank)
       .def_readonly("world", &HookCore::world)
       .def_readonly("fields", &HookCore::fields)

@@ -139,6 +139,13 @@ class HookState:
         if self.core is not None:
             self.core.set(COL["compute"], seconds)
 
+    def hold_until(self, deadline: float, spin: float) -> None:
+        """Native hook only: hold the last bucket until ``deadline`` (``perf_counter`` seconds)
+        before stamping the compute time and sending; cleared by :meth:`reset`."""
+        if self.core is None:
+            raise RuntimeError("hold_until needs the native hook; the Python hook stretches in on_last")
+        self.core.hold_until(deadline, spin)
+
     def buckets_run(self) -> int:
         """Buckets the hook has processed since :meth:`reset`."""
         return int(self.core.hooks_run) if self.core is not None else self.hooks_run

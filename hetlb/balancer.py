@@ -299,13 +299,20 @@ class Balancer:
         row[COL["epoch"]] = epoch % EXACT_INT
         row[COL["compute"]] = float("nan")
         self._compute = None
+        native_hold = False
         if self._state is not None:
-            # The native hook stamps the compute time itself; Python runs in the last bucket's
-            # hook only to stretch an emulated step or to read another timer (CUDA events).
-            py_last = (not self._state.native or self.emulator is not None
-                       or type(self._timer) is not _CpuTimer)
+            # The native hook stamps the compute time itself, and holds an emulated step to its
+            # deadline when the emulator knows it in advance (a time model); Python runs in the
+            # last bucket's hook only otherwise, or to read another timer (CUDA events).
+            emu = self.emulator
+            known = emu is None or (getattr(emu, "model", None) is not None and hasattr(emu, "deadline"))
+            py_last = not self._state.native or type(self._timer) is not _CpuTimer or not known
+            native_hold = not py_last and emu is not None
             self._state.reset(weight, row, self._on_last if py_last else None)
         self._t0 = self._timer.start()
+        if native_hold:
+            self._state.hold_until(self.emulator.deadline(self._step, int(sizes[self.rank]), self._t0),
+                                   self.emulator.spin)
         entered = self._t0 - t_enter  # both timers start from the host clock
         try:
             yield self

@@ -220,6 +220,15 @@ class Emulator:
         sleep_until(start + goal, self.spin)
         return goal
 
+    def deadline(self, step: int, batch: float, start: float) -> Optional[float]:
+        """When a step that started at ``start`` (``perf_counter`` seconds) should end, if that
+        is known before it runs: ``start + target`` with a time model, None without one (the
+        target then scales the measured compute). The native comm hook holds the last bucket
+        until this time, as :meth:`stretch` would, without entering Python."""
+        if self.model is None:
+            return None
+        return float(start) + self.target(step, batch)
+
     def comm_delay(self, nbytes: float) -> float:
         """Seconds ``nbytes`` take on the emulated link (0 without a bandwidth cap)."""
         nbytes = _finite_float("nbytes", nbytes)

@@ -208,3 +208,47 @@ def test_emulated_bandwidth_cap_delays_the_bucket_and_keeps_the_gradient():
         assert out["native"] is False  # the cap is applied by the Python hook
         assert min(out["walls"]) >= delay, out["walls"]
         assert out["err"] < 1e-12 and out["batch"] == [3, 5]
+
+
+def hold_worker(rank, world):
+    import hetlb
+    from hetlb.emulate import Emulator
+    from hetlb.models import LinearModel
+
+    class NoPythonStretch(Emulator):
+        calls = 0
+
+        def stretch(self, *args):
+            NoPythonStretch.calls += 1
+            return super().stretch(*args)
+
+    emu = NoPythonStretch(model=LinearModel(0.03, 0.004), speed=[1.0, 0.5][rank], rank=rank)
+    ddp = DDP(torch.nn.Linear(4, 2).double())
+    bal = hetlb.Balancer(ddp, 10, policy=Fixed([4, 6]), emulator=emu)
+    for step in range(4):
+        with bal.step():
+            ddp(torch.randn(int(bal.batch_sizes[rank]), 4, dtype=torch.float64)).sum().backward()
+    targets = [[Emulator(model=LinearModel(0.03, 0.004), speed=s).target(k, b)
+                for s, b in zip([1.0, 0.5], [4, 6])] for k in range(4)]
+    return {"native": bal._state.native, "stretch_calls": NoPythonStretch.calls,
+            "compute": [r.compute.tolist() for r in bal.history], "targets": targets}
+
+
+def test_native_hook_holds_an_emulated_step_without_python():
+    for out in unwrap(run(hold_worker, 2, timeout=120)):
+        assert out["native"] and out["stretch_calls"] == 0
+        for got, want in zip(out["compute"], out["targets"]):
+            # Held to the target (0.046 s and 0.108 s), stamped just after: never early.
+            assert all(w <= g < w + 0.01 for g, w in zip(got, want)), (got, want)
+
+
+def test_hold_until_checks_its_inputs():
+    core = _C.HookCore(0, 1, NUM_FIELDS)
+    with pytest.raises(RuntimeError, match="deadline=nan"):
+        core.hold_until(float("nan"))
+    with pytest.raises(RuntimeError, match="spin=-1"):
+        core.hold_until(1.0, -1.0)
+    core.hold_until(5.0, 0.0)
+    assert core.deadline == 5.0
+    core.reset(1.0, np.zeros(NUM_FIELDS))
+    assert core.deadline == float("-inf")
