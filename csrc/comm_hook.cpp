@@ -26,11 +26,10 @@
 
 #include <chrono>
 #include <cmath>
-#include <thread>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <sstream>
+#include <thread>
 #include <vector>
 
 namespace py = pybind11;
@@ -148,8 +147,10 @@ class WeightedHook : public c10d::CommHookInterface {
     HookCore& c = *core_;
     ++c.hooks_run;
     const double w = c.weight;
+    // A rank with no samples may hold NaN gradients (mean over an empty batch); 0 * NaN = NaN.
+    if (w == 0.0) buf.zero_();
     if (!bucket.isLast()) {
-      scale(buf, w);
+      if (w != 0.0 && w != 1.0) hetlb_scale_(buf, w);
       std::vector<at::Tensor> tensors{buf};
       return pg_->allreduce(tensors)->getFuture();
     }
@@ -160,12 +161,7 @@ class WeightedHook : public c10d::CommHookInterface {
     at::Tensor region = at::zeros({slots}, at::kDouble);
     std::memcpy(region.data_ptr<double>() + c.rank * c.fields, c.row.data(),
                 sizeof(double) * c.fields);
-    double scale_by = w;
-    if (w == 0.0) {
-      buf.zero_();  // a rank with no samples may hold NaN gradients; 0 * NaN = NaN
-      scale_by = 1.0;
-    }
-    at::Tensor flat = hetlb_flatten_scaled(buf, scale_by, region);
+    at::Tensor flat = hetlb_flatten_scaled(buf, w == 0.0 ? 1.0 : w, region);
     std::vector<at::Tensor> tensors{flat};
     auto fut = pg_->allreduce(tensors)->getFuture();
     std::shared_ptr<HookCore> core = core_;
@@ -185,14 +181,6 @@ class WeightedHook : public c10d::CommHookInterface {
   }
 
  private:
-  static void scale(const at::Tensor& buf, double w) {
-    if (w == 0.0) {
-      buf.zero_();  // see above: 0 * NaN = NaN
-    } else if (w != 1.0) {
-      hetlb_scale_(buf, w);
-    }
-  }
-
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::shared_ptr<HookCore> core_;
 };

@@ -263,8 +263,6 @@ def is_nccl(group: Any) -> bool:
 
 def _native_blocker(model: Any, state: HookState) -> Optional[str]:
     """Why the native hook cannot serve ``model`` (None if it can)."""
-    if getattr(_C, "HookCore", None) is None:
-        return "the extension was built without the native hook"
     if state.nccl:
         return "the group uses NCCL"
     if state.comm_delay is not None:
