@@ -36,11 +36,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import hetlb  # before init_process_group in the workers (see README, Shutdown)
+
 log = logging.getLogger("bench_balance")
 
 
 def make_policy(name: str, steps_per_epoch: int) -> Any:
-    import hetlb
     return {
         "Uniform": lambda: hetlb.Uniform(),
         "DBS": lambda: hetlb.DBS(steps_per_epoch=steps_per_epoch),
@@ -54,7 +55,6 @@ def make_policy(name: str, steps_per_epoch: int) -> Any:
 def balanced_run(rank: int, args: argparse.Namespace, policy: str, speeds: List[float],
                  model: tuple) -> Dict[str, Any]:
     """One training run with the Balancer; per-step wall times, sizes and overheads."""
-    import hetlb
     from hetlb.emulate import Emulator
     from hetlb.models import LinearModel
     torch.manual_seed(0)

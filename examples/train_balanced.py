@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import logging
 import os
 import statistics
@@ -116,6 +117,9 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         runs = {name: train(name, args, rank, world) for name in ("Uniform", args.policy)}
     finally:
+        # A model can live in a reference cycle, and its DDP reducer holds the process group:
+        # collect it first, so the group is torn down here rather than at interpreter exit.
+        gc.collect()
         dist.destroy_process_group()
     if rank != 0:
         return

@@ -3,6 +3,15 @@
 Public names only; see DESIGN.md for the architecture.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
+import torch.distributed
+
+if torch.distributed.is_available():
+    # torch.distributed.nn binds ``group=group.WORLD`` as default arguments when first imported,
+    # which DDP does lazily: imported after init_process_group, it pins the default group for
+    # the life of the process, so destroy_process_group cannot tear Gloo down and its threads
+    # and sockets are still live during interpreter exit (where they can abort the process).
+    # Imported here, typically before the group exists, it binds None instead.
+    import torch.distributed.nn  # noqa: F401
 
 from . import _C  # noqa: F401  (registers torch.ops.hetlb.*)
 from . import ops  # noqa: F401

@@ -30,11 +30,24 @@ def _entry(fn: Callable, rank: int, world: int, store: str, out: str, args: tupl
         finally:
             import gc
             gc.collect()  # DDP reducers must not outlive the process group
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a worker may have torn it down itself
+                dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which re-raises)
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+
+
+def gloo_threads() -> List[str]:
+    """Names of this process's Gloo threads (Linux): non-empty while a Gloo group is alive."""
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if "gloo" in n)
 
 
 def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0) -> List[Any]:

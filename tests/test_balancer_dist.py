@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import run, unwrap
+import hetlb  # noqa: F401  (imported before the workers' init_process_group: see teardown_worker)
+from distributed import gloo_threads, run, unwrap
 from fixed_policy import Fixed
 
 
@@ -407,3 +408,39 @@ def test_lbb_balances_an_emulated_cluster_and_recovers_from_a_disturbance():
     assert actions[k:].count("rapid") == 1, actions
     assert max(se[k + 5:]) < 0.1, se  # back in balance within a few steps
     assert sizes[-1][1] < sizes[k][1]  # the disturbed rank gave work away
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+def teardown_worker(rank, world, native):
+    import gc
+    from hetlb.emulate import Emulator
+
+    def train():
+        ddp = DDP(_net())
+        emu = Emulator.for_rank(rank, [1.0, 2.0], model=hetlb.LinearModel(0.001, 0.0002))
+        bal = hetlb.Balancer(ddp, 12, policy=hetlb.LBB(), emulator=emu, native_hook=native)
+        x, y, _ = _data(36)
+        for xb, yb in bal.loader(torch.utils.data.TensorDataset(x, y)):
+            with bal.step():
+                ddp(xb).pow(2).mean().backward()
+        return bal._state.native
+
+    used = train()
+    alive = gloo_threads()
+    gc.collect()
+    dist.destroy_process_group()
+    return used, alive, gloo_threads()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_process_group_is_torn_down_by_destroy_process_group(native):
+    # Nothing hetlb holds (hook, hook state, Balancer) may keep the Gloo group alive after the
+    # models are collected: otherwise its threads and sockets are still live during interpreter
+    # exit, where they can abort the process. hetlb imports torch.distributed.nn before the
+    # group exists; imported later (by DDP) it would pin the group through default arguments.
+    for used, alive, after in unwrap(run(teardown_worker, 2, native)):
+        assert used == native
+        assert alive, "no Gloo threads seen while the group was up: the check sees nothing"
+        assert after == [], f"Gloo threads still running after destroy_process_group: {after}"

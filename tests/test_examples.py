@@ -16,9 +16,10 @@ def test_solvers_example_runs():
 
 def test_balanced_training_example_runs_under_torchrun(tmp_path):
     plot = tmp_path / "train.png"
+    # run_checked.py also fails the run if a rank's Gloo group outlives the script.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "train_balanced.py"), "--steps", "16", "--global-batch", "24",
-           "--a0", "0.004", "--a1", "0.001", "--plot", str(plot)]
+           os.path.join(ROOT, "tests", "run_checked.py"), os.path.join(ROOT, "examples", "train_balanced.py"),
+           "--steps", "16", "--global-batch", "24", "--a0", "0.004", "--a1", "0.001", "--plot", str(plot)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     text = out.stdout + out.stderr
