@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import hetlb  # noqa: F401  (imported before the workers' init_process_group: see teardown_worker)
+import hetlb  # at the top: spawned workers import it before init_process_group (see teardown_worker)
 from distributed import gloo_threads, run, unwrap
 from fixed_policy import Fixed
 
@@ -29,7 +29,6 @@ class Jitter:
 
     def _sizes(self, step):
         rng = np.random.default_rng([self.seed, step + 1])
-        import hetlb
         w = rng.random(self.ctx.world) + 0.05
         return hetlb.allocate_proportional(w, self.ctx.global_batch,
                                            lower=np.zeros(self.ctx.world, np.int64))
@@ -96,7 +95,6 @@ def _reference(net, x, y, tokens, parts, weighting):
 
 
 def grad_worker(rank, world, weighting, sizes, options, dtype_name, steps):
-    import hetlb
     dtype = getattr(torch, dtype_name)
     net = _net(dtype)
     ddp = DDP(net, bucket_cap_mb=options.get("bucket_cap_mb", 25),
@@ -205,7 +203,6 @@ def test_plain_ddp_is_wrong_under_uneven_sizes():
 
 def _coverage_run(rank, world, n, global_batch, epochs, num_workers, state=None, stop_after=None,
                   drop_last=False):
-    import hetlb
     net = torch.nn.Linear(1, 1).double()
     ddp = DDP(net)
     bal = hetlb.Balancer(ddp, global_batch, policy=Jitter(7), lower=0)
@@ -288,7 +285,6 @@ def test_mid_epoch_resume(new_world):
 
 
 def mismatch_worker(rank, world):
-    import hetlb
     ddp = DDP(torch.nn.Linear(2, 1).double())
     bal = hetlb.Balancer(ddp, 8, policy=RankDependent([4, 4]))
     try:
@@ -309,7 +305,6 @@ def test_forced_decision_mismatch_is_detected_on_every_rank():
 
 
 def bad_input_worker(rank, world):
-    import hetlb
     out = {}
     try:
         hetlb.Balancer(DDP(torch.nn.Linear(2, 1)), 1)
@@ -347,7 +342,6 @@ class _NanTimer:
 
 
 def nan_worker(rank, world, bad, max_bad):
-    import hetlb
     ddp = DDP(torch.nn.Linear(2, 1).double())
     bal = hetlb.Balancer(ddp, 8, policy=hetlb.LBB(), max_bad_steps=max_bad)
     if rank == 1:
@@ -376,7 +370,6 @@ def test_nan_telemetry_is_skipped_then_raises():
 
 
 def emulated_worker(rank, world, speeds, steps, disturb_at):
-    import hetlb
     from hetlb.emulate import Disturbance, Emulator
     from hetlb.models import LinearModel
     net = torch.nn.Linear(4, 1)
