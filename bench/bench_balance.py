@@ -30,8 +30,9 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-import numpy as np
 import torch
+
+from report import emit
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -258,12 +259,6 @@ def main() -> None:
     return emit(lines + [""] + homo_lines, args.out)
 
 
-def emit(lines: List[str], out: str) -> None:
-    text = "\n".join(lines)
-    print(text)
-    if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -1,34 +1,56 @@
-// The weighted all-reduce communication hook in C++ (hetlb.aggregate's fast path).
+// The weighted all-reduce communication hook and the per-step telemetry core it shares with Python.
 //
-// DDP calls a Python hook once per bucket with the GIL, and the future's continuation that
-// unpacks the telemetry table runs Python on a Gloo thread: two GIL hand-offs and a few hundred
-// microseconds of interpreter per step, on the critical path between a rank's last gradient and
-// its next step. This hook does the same work without Python: scale each bucket by this rank's
-// weight (hetlb::scale_), and on the last bucket pack the scaled gradient and this rank's
-// telemetry slots into one buffer (hetlb::flatten_scaled) for one SUM all-reduce, then unpack the
-// gradient (hetlb::unflatten_) and the [world, fields] table in the continuation. An emulated
-// slower device (hetlb.emulate with a time model) is held to its deadline here too, sleeping
-// without the GIL. Python only sets the weight, row and deadline before the backward pass and
-// reads the table after it (DDP waits for every bucket's future, continuation included, before
-// backward returns).
+// StepCore is the one store of a step's telemetry: this rank's weight and row, the compute clock,
+// the emulator's hold, the CPU-load meter, and the [world, fields] table the exchange delivers.
+// Python (hetlb.telemetry.StepTelemetry) writes the weight and row before the backward pass and
+// reads the table after it; the hook reads and writes the same core while DDP runs it. The pure
+// Python hook in hetlb.reference does the same through this object's methods (it is the test
+// oracle of this file).
 //
-// Used for CPU float32/float64 buckets on a non-NCCL group (the Python hook covers NCCL's
-// PREMUL_SUM, fp16/bf16 buckets and the emulated bandwidth cap). The semantics are those of
-// hetlb.aggregate.weighted_allreduce_hook; tests compare the two.
+// Per bucket the hook multiplies the gradient by this rank's weight (hetlb::scale_, or NCCL's
+// PREMUL_SUM) and SUM all-reduces it. (DDP copies gradients into buckets without averaging once a
+// hook is registered, so this pass is what every communication hook pays; NCCL's PREMUL_SUM
+// fuses it into the reduction.) When the last bucket is ready it stamps the step's compute
+// time and CPU load into the row (holding the bucket first when an emulated slower device says
+// so) and ships the row with one of two transports, agreed by all ranks at start-up:
+//   carry: the row rides in a zeroed [world, fields] region appended to the last bucket in a
+//          persistent buffer (the scaled gradient is written into it in the pass that would
+//          otherwise scale the bucket; DDP copies the result out of it), so the gradient's own
+//          all-reduce delivers the table;
+//   side:  a separate small float64 all-reduce issued just before the last bucket's (so it
+//          does not queue behind that transfer), on the gradient group (Gloo) or a Gloo side
+//          group (NCCL); the step's end waits for it, normally long done.
+//
+// Nothing here holds a Python object, and every collective is issued with the thread's Python
+// objects (torch stashes a contextvars context in thread-local state during backward) cleared:
+// a Gloo work captures the thread-local state it was created in and is destroyed on a Gloo
+// thread, and a captured Python object would make that thread take the GIL. At teardown the
+// main thread holds the GIL while the process group's destructor joins the Gloo threads, so such
+// a work could deadlock the exit. Continuations capture only a small table slot (never the
+// core), so a Gloo thread never drops the last reference to anything that owns a process group.
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/extension.h>
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -37,143 +59,402 @@ namespace py = pybind11;
 namespace hetlb {
 namespace {
 
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
 double monotonic_seconds() {
   // CLOCK_MONOTONIC on Linux, the clock of Python's time.perf_counter().
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// State shared by Python (which sets the step's weight and row and reads the table) and the hook.
-// Python writes only between steps, the hook only inside backward, and DDP's wait on the hooks'
-// futures orders the two, so no lock is needed.
-struct HookCore {
-  HookCore(int64_t rank, int64_t world, int64_t fields)
-      : rank(rank), world(world), fields(fields), row(fields, 0.0) {
-    TORCH_CHECK(world >= 1 && rank >= 0 && rank < world && fields >= 1,
-                "hetlb HookCore: need 0 <= rank < world and fields >= 1, got rank=", rank,
-                " world=", world, " fields=", fields);
+void sleep_until(double deadline, double spin) {
+  for (;;) {
+    const double left = deadline - monotonic_seconds();
+    if (!(left > 0)) return;
+    if (left > spin) std::this_thread::sleep_for(std::chrono::duration<double>(left - spin));
+  }
+}
+
+// Machine CPU utilisation in [0, 1] from /proc/stat (psutil.cpu_percent's definition: busy =
+// total - idle - iowait, guest time counted once), refreshed at most every `interval` seconds:
+// the kernel counts in 10 ms ticks, so a shorter window is noise.
+class CpuLoad {
+ public:
+  CpuLoad() { sample(busy_, total_); }
+
+  double read(double now) {
+    if (now - at_ < interval) return last_;
+    uint64_t busy = 0, total = 0;
+    if (!sample(busy, total)) return last_;
+    if (total > total_) last_ = static_cast<double>(busy - busy_) / static_cast<double>(total - total_);
+    busy_ = busy;
+    total_ = total;
+    at_ = now;
+    return last_;
   }
 
-  ~HookCore() {
-    if (on_last && Py_IsInitialized()) {
-      py::gil_scoped_acquire gil;
-      on_last = py::object();
-    }
+  double interval = 0.2;
+
+ private:
+  static bool sample(uint64_t& busy, uint64_t& total) {
+    std::FILE* f = std::fopen("/proc/stat", "r");
+    if (f == nullptr) return false;
+    unsigned long long v[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    const int n = std::fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0],
+                              &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &v[9]);
+    std::fclose(f);
+    if (n < 4) return false;
+    // user nice system idle iowait irq softirq steal guest guest_nice; guest is inside user.
+    total = v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
+    busy = total - v[3] - v[4];
+    return true;
   }
 
-  const int64_t rank, world, fields;
-  double weight = 1.0;
-  std::vector<double> row;
-  // Index into row where the hook stamps the compute time (< 0: never; Python's on_last does it).
-  int64_t compute_col = -1;
-  double t0 = 0.0;
-  // Emulation (hetlb.emulate): hold the last bucket until this monotonic time, sleeping the bulk
-  // and spinning the last `spin` seconds, without the GIL. -inf: no hold.
-  double deadline = -std::numeric_limits<double>::infinity();
-  double spin = 0.001;
-  py::object on_last;  // optional: runs (with the GIL) when the last bucket is ready
-  at::Tensor table;    // [world, fields] float64 once the last bucket's all-reduce completed
-  int64_t hooks_run = 0;
-
-  void reset(double w, py::array_t<double, py::array::c_style | py::array::forcecast> r) {
-    TORCH_CHECK(std::isfinite(w), "hetlb HookCore.reset: weight must be finite, got ", w);
-    TORCH_CHECK(r.ndim() == 1 && r.size() == fields, "hetlb HookCore.reset: row must have ", fields,
-                " entries, got shape of size ", r.size());
-    weight = w;
-    std::memcpy(row.data(), r.data(), sizeof(double) * fields);
-    table = at::Tensor();
-    hooks_run = 0;
-    deadline = -std::numeric_limits<double>::infinity();
-    t0 = monotonic_seconds();
-  }
-
-  // Runs in the last bucket's hook, before its all-reduce is issued.
-  void last_ready() {
-    hold();
-    if (compute_col >= 0) row[compute_col] = monotonic_seconds() - t0;
-    if (on_last) {
-      py::gil_scoped_acquire gil;
-      py::object fn = on_last;  // the callback may clear on_last
-      fn();
-    }
-  }
-
-  void hold() const {
-    for (;;) {
-      const double left = deadline - monotonic_seconds();
-      if (!(left > 0)) return;
-      if (left > spin) std::this_thread::sleep_for(std::chrono::duration<double>(left - spin));
-    }
-  }
+  double at_ = -kInf, last_ = 0.0;
+  uint64_t busy_ = 0, total_ = 0;
 };
 
-// The fused kernels of torch.ops.hetlb (csrc/cpu), called through the dispatcher like any op, so
-// the native hook scales and packs with exactly the code the Python hook uses.
-void hetlb_scale_(const at::Tensor& buf, double w) {
+// CUDA (or any accelerator) compute time from device events, read one step late so the host never
+// waits for the device: the previous step's end event has normally completed long before.
+class DeviceClock {
+ public:
+  explicit DeviceClock(c10::Device device) : device_(device), impl_(device.type()) {}
+
+  void begin() {
+    start_.emplace(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+    start_->record(impl_.getStream(device_));
+  }
+
+  // Records this step's end; returns the previous step's seconds (NaN for the first step).
+  double end_and_read_previous() {
+    double out = kNaN;
+    if (start_) {
+      std::optional<c10::Event> end;
+      end.emplace(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+      end->record(impl_.getStream(device_));
+      if (prev_start_ && prev_end_) {
+        prev_end_->synchronize();
+        out = prev_start_->elapsedTime(*prev_end_) / 1e3;
+      }
+      prev_start_ = std::move(start_);
+      prev_end_ = std::move(end);
+      start_.reset();
+    }
+    return out;
+  }
+
+ private:
+  c10::Device device_;
+  c10::impl::VirtualGuardImpl impl_;
+  std::optional<c10::Event> start_, prev_start_, prev_end_;
+};
+
+// The delivered table of the carry transport, written by the all-reduce's continuation (on a
+// Gloo thread) and taken by Python after backward. Separate from StepCore so the continuation
+// holds nothing else.
+struct TableSlot {
+  std::mutex mu;
+  at::Tensor table;
+};
+
+// Clears the thread's Python objects while a collective is created (see the file comment).
+class NoPythonState {
+ public:
+  NoPythonState() : objects_(at::impl::ThreadLocalPythonObjects::get_state()) {
+    at::impl::ThreadLocalPythonObjects::set_state(at::impl::ThreadLocalPythonObjects());
+    // Saved-tensor hooks (activation offloading) are Python objects too; copying them needs the
+    // GIL, so only when there are any.
+    if (!at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) {
+      py::gil_scoped_acquire gil;
+      hooks_.emplace(at::SavedTensorDefaultHooks::get_tls_state());
+      at::SavedTensorDefaultHooks::set_tls_state(at::impl::SavedTensorDefaultHooksTLS());
+    }
+  }
+  ~NoPythonState() {
+    at::impl::ThreadLocalPythonObjects::set_state(std::move(objects_));
+    if (hooks_) {
+      py::gil_scoped_acquire gil;
+      at::SavedTensorDefaultHooks::set_tls_state(*hooks_);
+      hooks_.reset();
+    }
+  }
+  NoPythonState(const NoPythonState&) = delete;
+  NoPythonState& operator=(const NoPythonState&) = delete;
+
+ private:
+  at::impl::ThreadLocalPythonObjects objects_;
+  std::optional<at::impl::SavedTensorDefaultHooksTLS> hooks_;
+};
+
+// hetlb::scale_ (csrc/cpu, csrc/cuda) through the dispatcher like any op, so this hook and the
+// Python reference run exactly the same arithmetic.
+bool has_hetlb_kernel(const at::Tensor& t) {
+  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("hetlb::scale_", "");
+  return handle.hasKernelForDispatchKey(c10::computeDispatchKey(std::nullopt, t.layout(), t.device()));
+}
+
+void scale_(const at::Tensor& buf, double w) {
+  if (!has_hetlb_kernel(buf)) {  // e.g. CUDA tensors with an extension built without CUDA
+    buf.mul_(w);
+    return;
+  }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hetlb::scale_", "")
                        .typed<void(at::TensorList, double)>();
   op.call(at::TensorList(buf), w);
 }
 
-at::Tensor hetlb_flatten_scaled(const at::Tensor& buf, double w, const at::Tensor& extra) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("hetlb::flatten_scaled", "")
-          .typed<at::Tensor(at::TensorList, double, const std::optional<at::Tensor>&)>();
-  return op.call(at::TensorList(buf), w, std::optional<at::Tensor>(extra));
+py::array_t<double> table_to_numpy(const at::Tensor& t, int64_t world, int64_t fields) {
+  at::Tensor c = t.to(at::kDouble).contiguous();
+  py::array_t<double> out({world, fields});
+  std::memcpy(out.mutable_data(), c.data_ptr<double>(), sizeof(double) * world * fields);
+  return out;
 }
 
-void hetlb_unflatten_(const at::Tensor& flat, const at::Tensor& buf) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hetlb::unflatten_", "")
-                       .typed<void(const at::Tensor&, at::TensorList, double)>();
-  op.call(flat, at::TensorList(buf), 1.0);
-}
+}  // namespace
+
+// One rank's step telemetry (see the file comment). Python writes between steps and the hook only
+// inside backward; DDP waits for every bucket's future before backward returns, which orders the
+// two, so only the table slot (written on a Gloo thread) needs a lock.
+struct StepCore {
+  StepCore(int64_t rank, int64_t world, int64_t fields, bool carry, bool nccl, int64_t compute_col,
+           int64_t cpu_col, std::optional<c10::Device> device)
+      : rank(rank), world(world), fields(fields), carry(carry), nccl(nccl),
+        compute_col(compute_col), cpu_col(cpu_col), row(fields, 0.0),
+        slot(std::make_shared<TableSlot>()) {
+    TORCH_CHECK(world >= 1 && rank >= 0 && rank < world && fields >= 1,
+                "hetlb StepCore: need 0 <= rank < world and fields >= 1, got rank=", rank,
+                " world=", world, " fields=", fields);
+    TORCH_CHECK(compute_col >= 0 && compute_col < fields && cpu_col >= 0 && cpu_col < fields,
+                "hetlb StepCore: compute_col and cpu_col must be in [0, ", fields, "), got ",
+                compute_col, " and ", cpu_col);
+    TORCH_CHECK(!(carry && nccl), "hetlb StepCore: the carry transport needs a Gloo group, not NCCL");
+    if (device && !device->is_cpu()) clock.emplace(*device);
+  }
+
+  const int64_t rank, world, fields;
+  const bool carry, nccl;
+  const int64_t compute_col, cpu_col;
+
+  // This step (set by start()).
+  bool open = false;
+  double weight = 1.0;
+  std::vector<double> row;
+  double t0 = 0.0, offset = 0.0;
+  bool restarted = false;
+  // Emulation: the compute is held until measured * hold_factor + hold_extra seconds have passed.
+  bool hold = false, no_progress = false;
+  double hold_factor = 1.0, hold_extra = 0.0, spin = 0.001;
+  double seconds_per_byte = 0.0;  // emulated link: every bucket's result arrives this much later
+  double compute = kNaN;          // the stamped compute seconds (host clock), NaN until stamped
+  int64_t hooks_run = 0, last_buckets = 0;
+
+  CpuLoad cpu;
+  std::optional<DeviceClock> clock;
+  std::shared_ptr<TableSlot> slot;
+  c10::intrusive_ptr<c10d::Work> side_work;
+  at::Tensor side_buffer;
+  std::vector<std::pair<c10::ScalarType, at::Tensor>> factors;  // NCCL PREMUL_SUM, per dtype
+  at::Tensor flat_;  // carry transport: the last bucket and the slots, reused every step
+
+  void start(double w, const double* r, double off, bool new_window) {
+    TORCH_CHECK(std::isfinite(w) && w >= 0, "hetlb StepCore.start: weight must be finite and >= 0, got ", w);
+    TORCH_CHECK(std::isfinite(off) && off >= 0, "hetlb StepCore.start: offset must be finite and >= 0, got ", off);
+    weight = w;
+    std::memcpy(row.data(), r, sizeof(double) * fields);
+    offset = off;
+    {
+      std::lock_guard<std::mutex> lock(slot->mu);
+      slot->table = at::Tensor();
+    }
+    side_work.reset();
+    side_buffer = at::Tensor();
+    factors.clear();
+    hold = no_progress = restarted = false;
+    hold_factor = 1.0;
+    hold_extra = 0.0;
+    compute = kNaN;
+    hooks_run = last_buckets = 0;
+    open = true;
+    t0 = monotonic_seconds();
+    if (clock && new_window) clock->begin();
+  }
+
+  // Timing starts at the step's first forward, not when the batch was handed over.
+  void restart_clock() {
+    if (!open || restarted || last_buckets > 0) return;
+    restarted = true;
+    t0 = monotonic_seconds();
+    if (clock && offset == 0.0) clock->begin();
+  }
+
+  // The end of this step's compute: hold for the emulator, stamp compute time and CPU load.
+  // Runs in the last bucket's hook, or from Python when no hook ran. A second backward in the
+  // same step stamps again (the compute then spans both). A device clock is read only at the end
+  // of an accumulation window (its events span the whole window).
+  double last_ready(bool end_window = true) {
+    double now = monotonic_seconds();
+    const double measured = now - t0;
+    if (hold) {
+      const double goal = measured * hold_factor + hold_extra;
+      if (goal > measured) {
+        sleep_until(t0 + goal, spin);
+        now = monotonic_seconds();
+      }
+    }
+    compute = offset + (now - t0);
+    double reported = compute;
+    if (clock && end_window) reported = clock->end_and_read_previous();  // host time stays in `compute`
+    if (no_progress) reported = kInf;
+    row[compute_col] = reported;
+    row[cpu_col] = cpu.read(now);
+    ++last_buckets;
+    return compute;
+  }
+
+  // This rank's row in a zeroed [world * fields] float64 region: what a SUM all-reduce fills in.
+  at::Tensor slots() const {
+    at::Tensor region = at::zeros({world * fields}, at::kDouble);
+    std::memcpy(region.data_ptr<double>() + rank * fields, row.data(), sizeof(double) * fields);
+    return region;
+  }
+
+  at::Tensor factor(const at::Tensor& buf) {
+    for (auto& f : factors)
+      if (f.first == buf.scalar_type() && f.second.device() == buf.device()) return f.second;
+    // A tensor of the bucket's dtype on its device: c10d reads it through a pointer of the
+    // reduced type, and a host-immediate bf16 factor is known to return zeros.
+    at::Tensor t = at::full({}, weight, buf.options());
+    factors.emplace_back(buf.scalar_type(), t);
+    return t;
+  }
+
+  void launch_side(const c10::intrusive_ptr<c10d::ProcessGroup>& side) {
+    side_buffer = slots();
+    std::vector<at::Tensor> tensors{side_buffer};
+    side_work = side->allreduce(tensors);
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> delayed(c10::intrusive_ptr<c10::ivalue::Future> fut,
+                                                  int64_t nbytes) const {
+    if (!(seconds_per_byte > 0)) return fut;
+    const double delay = seconds_per_byte * static_cast<double>(nbytes);
+    const double spin_s = spin;
+    return fut->then(
+        [delay, spin_s](c10::ivalue::Future& done) -> c10::IValue {
+          sleep_until(monotonic_seconds() + delay, spin_s);
+          return done.value();
+        },
+        fut->elementType());
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> run_bucket(at::Tensor buf, bool last,
+                                                     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                     const c10::intrusive_ptr<c10d::ProcessGroup>& side) {
+    TORCH_CHECK(open,
+                "hetlb: a backward pass of the DDP model ran outside a balanced step. Iterate "
+                "the Balancer's loader (each batch it hands out is one step), or wrap forward and "
+                "backward in `with bal.step():`; with a plain DataLoader the gradient weights "
+                "would be wrong");
+    TORCH_CHECK(buf.is_contiguous(), "hetlb comm hook: bucket buffer is not contiguous");
+    NoPythonState no_python;
+    ++hooks_run;
+    const double w = weight;
+    const int64_t nbytes = buf.numel() * buf.element_size();
+    // A rank without samples may hold NaN gradients (the mean over an empty batch), and
+    // 0 * NaN = NaN would poison every rank: zero the bucket on every path.
+    if (w == 0.0) buf.zero_();
+    if (last) last_ready();
+    std::vector<at::Tensor> tensors{buf};
+    // The side table goes first: a small all-reduce issued after the last bucket's would wait
+    // behind that transfer, and the end of the step waits for the table.
+    if (last && !carry) launch_side(side);
+    if (nccl) {
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::makePreMulSum(factor(buf));
+      auto fut = pg->allreduce(tensors, opts)->getFuture();
+      return delayed(fut, nbytes);
+    }
+    if (last && carry) {
+      TORCH_CHECK(buf.device().is_cpu() && (buf.scalar_type() == at::kFloat ||
+                                            buf.scalar_type() == at::kDouble),
+                  "hetlb comm hook: the carry transport needs CPU float32/float64 buckets, got ",
+                  buf.scalar_type(), " on ", buf.device(),
+                  " (was the model changed after the Balancer was made?)");
+      const int64_t n = buf.numel(), nslots = world * fields;
+      // One persistent buffer for bucket + slots (a fresh one each step costs page faults):
+      // the scaled gradient is written into it in one pass (it replaces the scaling pass), and
+      // the hook returns a view of it, so DDP's own copy out of the result is the only one.
+      if (!flat_.defined() || flat_.numel() != n + nslots || flat_.scalar_type() != buf.scalar_type())
+        flat_ = at::empty({n + nslots}, buf.options());
+      at::Tensor head = flat_.narrow(0, 0, n);
+      if (w == 0.0 || w == 1.0)
+        head.copy_(buf);  // (a weight-0 bucket was zeroed above)
+      else
+        at::mul_out(head, buf, at::scalar_tensor(w, at::kDouble));
+      flat_.narrow(0, n, nslots).copy_(slots());
+      std::vector<at::Tensor> packed{flat_};
+      auto fut = pg->allreduce(packed)->getFuture();
+      const int64_t W = world, F = fields;
+      std::shared_ptr<TableSlot> s = slot;
+      at::Tensor flat = flat_;
+      auto unpacked = fut->then(
+          [s, flat, n, nslots, W, F](c10::ivalue::Future& done) -> c10::IValue {
+            at::Tensor table = flat.narrow(0, n, nslots).to(at::kDouble).view({W, F}).clone();
+            {
+              std::lock_guard<std::mutex> lock(s->mu);
+              s->table = std::move(table);
+            }
+            return c10::IValue(flat.narrow(0, 0, n));
+          },
+          c10::TensorType::get());
+      return delayed(unpacked, nbytes);
+    }
+    if (w != 0.0 && w != 1.0) scale_(buf, w);
+    auto fut = pg->allreduce(tensors)->getFuture();
+    return delayed(fut, nbytes);
+  }
+
+  // The delivered table (waiting for the side all-reduce if one is pending), or None if nothing
+  // delivered one this step. Taken once.
+  std::optional<at::Tensor> take_table() {
+    if (side_work) {
+      {
+        py::gil_scoped_release nogil;
+        side_work->wait();
+      }
+      side_work.reset();
+      at::Tensor t = side_buffer.view({world, fields}).clone();
+      side_buffer = at::Tensor();
+      return t;
+    }
+    std::lock_guard<std::mutex> lock(slot->mu);
+    if (!slot->table.defined()) return std::nullopt;
+    at::Tensor t = std::move(slot->table);
+    slot->table = at::Tensor();
+    return t;
+  }
+
+  // Blocking all-reduce of the row (a step in which no hook carried it). Called without the GIL.
+  at::Tensor exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    NoPythonState no_python;
+    at::Tensor buf = slots();
+    std::vector<at::Tensor> tensors{buf};
+    group->allreduce(tensors)->wait();
+    return buf.view({world, fields}).clone();
+  }
+};
+
+namespace {
 
 class WeightedHook : public c10d::CommHookInterface {
  public:
-  WeightedHook(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<HookCore> core)
-      : pg_(std::move(pg)), core_(std::move(core)) {}
+  WeightedHook(std::shared_ptr<StepCore> core, c10::intrusive_ptr<c10d::ProcessGroup> pg,
+               c10::intrusive_ptr<c10d::ProcessGroup> side)
+      : core_(std::move(core)), pg_(std::move(pg)), side_(std::move(side)) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    at::Tensor buf = bucket.getBufferRef();
-    TORCH_CHECK(buf.device().is_cpu() && (buf.scalar_type() == at::kFloat ||
-                                          buf.scalar_type() == at::kDouble),
-                "hetlb native comm hook: needs CPU float32/float64 buckets, got ",
-                buf.scalar_type(), " on ", buf.device(),
-                " (the Balancer picks the Python hook for such models; was the model changed "
-                "after the Balancer was made?)");
-    TORCH_CHECK(buf.is_contiguous(), "hetlb native comm hook: bucket buffer is not contiguous");
-    HookCore& c = *core_;
-    ++c.hooks_run;
-    const double w = c.weight;
-    // A rank with no samples may hold NaN gradients (mean over an empty batch); 0 * NaN = NaN.
-    if (w == 0.0) buf.zero_();
-    if (!bucket.isLast()) {
-      if (w != 0.0 && w != 1.0) hetlb_scale_(buf, w);
-      std::vector<at::Tensor> tensors{buf};
-      return pg_->allreduce(tensors)->getFuture();
-    }
-    c.last_ready();
-    // The row is read now: last_ready may have written the compute time into it. This rank's
-    // row in a zeroed [world, fields] region: the SUM all-reduce fills in the others.
-    const int64_t n = buf.numel(), slots = c.world * c.fields;
-    at::Tensor region = at::zeros({slots}, at::kDouble);
-    std::memcpy(region.data_ptr<double>() + c.rank * c.fields, c.row.data(),
-                sizeof(double) * c.fields);
-    at::Tensor flat = hetlb_flatten_scaled(buf, w == 0.0 ? 1.0 : w, region);
-    std::vector<at::Tensor> tensors{flat};
-    auto fut = pg_->allreduce(tensors)->getFuture();
-    std::shared_ptr<HookCore> core = core_;
-    return fut->then(
-        [core, buf, n, slots](c10::ivalue::Future& done) -> c10::IValue {
-          at::Tensor out = done.value().toTensorVector()[0];
-          core->table =
-              out.narrow(0, n, slots).to(at::kDouble).view({core->world, core->fields}).clone();
-          hetlb_unflatten_(out, buf);
-          return c10::IValue(buf);
-        },
-        c10::TensorType::get());
+    return core_->run_bucket(bucket.getBufferRef(), bucket.isLast(), pg_, side_);
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override {
@@ -181,92 +462,178 @@ class WeightedHook : public c10d::CommHookInterface {
   }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  std::shared_ptr<HookCore> core_;
+  std::shared_ptr<StepCore> core_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_, side_;
 };
+
+using row_array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
 }  // namespace
 
 void bind_comm_hook(py::module& m) {
-  py::class_<HookCore, std::shared_ptr<HookCore>>(
-      m, "HookCore", "Per-step state of the native weighted all-reduce hook (see hetlb.aggregate).")
-      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("rank"), py::arg("world"),
-           py::arg("fields"))
-      .def("reset", &HookCore::reset, py::arg("weight"), py::arg("row"),
-           "Set this step's weight and row, forget the last table, start the compute clock.")
+  py::class_<StepCore, std::shared_ptr<StepCore>>(
+      m, "StepCore",
+      "One rank's step telemetry: weight, row, compute clock, emulator hold and the delivered "
+      "table (see hetlb.telemetry.StepTelemetry, which owns it).")
+      .def(py::init<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t,
+                    std::optional<c10::Device>>(),
+           py::arg("rank"), py::arg("world"), py::arg("fields"), py::arg("carry"), py::arg("nccl"),
+           py::arg("compute_col"), py::arg("cpu_col"), py::arg("device") = py::none())
+      .def(
+          "start",
+          [](StepCore& c, double weight, const row_array& r, double offset, bool new_window) {
+            TORCH_CHECK(r.ndim() == 1 && r.size() == c.fields, "hetlb StepCore.start: row must have ",
+                        c.fields, " entries, got ", r.size());
+            c.start(weight, r.data(), offset, new_window);
+          },
+          py::arg("weight"), py::arg("row"), py::arg("offset") = 0.0, py::arg("new_window") = true,
+          "Open a step: this rank's weight and row; start the compute clock (plus `offset` seconds "
+          "of earlier micro-steps of an accumulation window).")
+      .def("restart_clock", &StepCore::restart_clock,
+           "Restart the compute clock at the step's first forward (later calls do nothing).")
+      .def(
+          "last_ready",
+          [](StepCore& c, bool end_window) {
+            py::gil_scoped_release nogil;
+            return c.last_ready(end_window);
+          },
+          py::arg("end_window") = true,
+          "Stamp compute time and CPU load now (holding first under emulation); returns the host "
+          "compute seconds. The hook does this at the last bucket.")
+      .def(
+          "hold",
+          [](StepCore& c, double factor, double extra, double spin) {
+            TORCH_CHECK(std::isfinite(factor) && factor >= 0 && std::isfinite(extra) &&
+                            std::isfinite(spin) && spin >= 0,
+                        "hetlb StepCore.hold: need finite factor >= 0, extra and spin >= 0, got ",
+                        factor, ", ", extra, ", ", spin);
+            c.hold = true;
+            c.hold_factor = factor;
+            c.hold_extra = extra;
+            c.spin = spin;
+          },
+          py::arg("factor"), py::arg("extra"), py::arg("spin") = 0.001,
+          "Emulation for this step: hold its end until measured * factor + extra seconds.")
+      .def(
+          "report_no_progress", [](StepCore& c) { c.no_progress = true; },
+          "Emulation for this step: report its compute time as +inf (a rank making no progress).")
       .def(
           "set",
-          [](HookCore& c, int64_t col, double value) {
-            TORCH_CHECK(col >= 0 && col < c.fields, "hetlb HookCore.set: column must be in [0, ",
+          [](StepCore& c, int64_t col, double value) {
+            TORCH_CHECK(col >= 0 && col < c.fields, "hetlb StepCore.set: column must be in [0, ",
                         c.fields, "), got ", col);
             c.row[col] = value;
           },
-          py::arg("col"), py::arg("value"),
-          "Set one entry of this step's row (e.g. the compute time, from on_last).")
-      .def(
-          "hold_until",
-          [](HookCore& c, double deadline, double spin) {
-            TORCH_CHECK(!std::isnan(deadline) && std::isfinite(spin) && spin >= 0,
-                        "hetlb HookCore.hold_until: need a deadline (not NaN) and a finite "
-                        "spin >= 0, got deadline=", deadline, " spin=", spin);
-            c.deadline = deadline;
-            c.spin = spin;
-          },
-          py::arg("deadline"), py::arg("spin") = 0.001,
-          "Hold this step's last bucket until `deadline` (monotonic seconds, the clock of "
-          "time.perf_counter) before stamping the compute time and sending: an emulated slower "
-          "device, without entering Python. reset() clears it.")
-      .def_readonly("deadline", &HookCore::deadline)
-      .def_readonly("rank", &HookCore::rank)
-      .def_readonly("world", &HookCore::world)
-      .def_readonly("fields", &HookCore::fields)
-      .def_readonly("weight", &HookCore::weight)
-      .def_readonly("hooks_run", &HookCore::hooks_run)
-      .def_readwrite("compute_col", &HookCore::compute_col)
-      .def_property(
-          "on_last", [](const HookCore& c) { return c.on_last ? c.on_last : py::none(); },
-          [](HookCore& c, py::object fn) {
-            TORCH_CHECK(fn.is_none() || PyCallable_Check(fn.ptr()),
-                        "hetlb HookCore.on_last: expected a callable or None, got ",
-                        std::string(py::str(py::type::of(fn))));
-            c.on_last = fn.is_none() ? py::object() : std::move(fn);
-          },
-          "Called (with the GIL) when the last bucket is ready, before it is sent; or None.")
-      .def_property_readonly(
-          "row",
-          [](const HookCore& c) {
-            py::array_t<double> out(static_cast<py::ssize_t>(c.fields));
-            std::memcpy(out.mutable_data(), c.row.data(), sizeof(double) * c.fields);
-            return out;
-          },
-          "A copy of this step's row (with the compute time once the last bucket was ready).")
+          py::arg("col"), py::arg("value"), "Set one entry of this step's row.")
       .def(
           "take_table",
-          [](HookCore& c) -> py::object {
-            if (!c.table.defined()) return py::none();
-            at::Tensor t = std::move(c.table);
-            c.table = at::Tensor();
-            py::array_t<double> out({c.world, c.fields});
-            std::memcpy(out.mutable_data(), t.data_ptr<double>(), sizeof(double) * t.numel());
-            return out;
+          [](StepCore& c) -> py::object {
+            auto t = c.take_table();
+            if (!t) return py::none();
+            return table_to_numpy(*t, c.world, c.fields);
           },
-          "The [world, fields] float64 table delivered by the last all-reduce (once), or None.");
+          "The [world, fields] table delivered this step (waiting for a pending side all-reduce), "
+          "once; None if no exchange delivered one.")
+      .def(
+          "exchange",
+          [](StepCore& c, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+            TORCH_CHECK(group, "hetlb StepCore.exchange: need a process group, got None");
+            at::Tensor t;
+            {
+              py::gil_scoped_release nogil;  // (see reduce)
+              t = c.exchange(group);
+            }
+            return table_to_numpy(t, c.world, c.fields);
+          },
+          py::arg("group"), "All-reduce this rank's row now (blocking) and return the table.")
+      .def(
+          "close", [](StepCore& c) { c.open = false; },
+          "End the step: a backward pass after this raises until the next start().")
+      .def(
+          "reduce",
+          [](StepCore& c, at::Tensor buffer, bool last, c10::intrusive_ptr<c10d::ProcessGroup> group,
+             c10::intrusive_ptr<c10d::ProcessGroup> side) {
+            TORCH_CHECK(group && side, "hetlb StepCore.reduce: need a process group and a side group "
+                        "(the gradient group itself under Gloo), got None");
+            // Without the GIL, as torch's own collective bindings: issuing a Gloo collective
+            // takes the work queue's lock, which a Gloo thread may hold while it drops a
+            // finished work's tensors, and that can need the GIL.
+            py::gil_scoped_release nogil;
+            auto fut = c.run_bucket(buffer, last, group, side);
+            fut->wait();
+            return c10d::detail::parseCppCommHookResult(fut->value());
+          },
+          py::arg("buffer"), py::arg("last"), py::arg("group"), py::arg("side_group"),
+          "Run one bucket through the hook (as DDP would) and wait: the reduced bucket. For tests "
+          "of the hook's paths (NCCL's PREMUL_SUM, a weight-0 bucket) without a DDP model.")
+      .def(
+          "store_table",
+          [](StepCore& c, const row_array& t) {
+            TORCH_CHECK(t.ndim() == 2 && t.shape(0) == c.world && t.shape(1) == c.fields,
+                        "hetlb StepCore.store_table: need a [", c.world, ", ", c.fields, "] table");
+            at::Tensor table = at::empty({c.world, c.fields}, at::kDouble);
+            std::memcpy(table.data_ptr<double>(), t.data(), sizeof(double) * t.size());
+            std::lock_guard<std::mutex> lock(c.slot->mu);
+            c.slot->table = table;
+          },
+          py::arg("table"), "Reference hook: deliver the table of the carry transport.")
+      .def(
+          "adopt_side",
+          [](StepCore& c, c10d::Work* work, at::Tensor buffer) {
+            TORCH_CHECK(work != nullptr && buffer.numel() == c.world * c.fields &&
+                            buffer.scalar_type() == at::kDouble,
+                        "hetlb StepCore.adopt_side: need a work and its float64 [world * fields] buffer");
+            c.side_work = c10::intrusive_ptr<c10d::Work>::reclaim_copy(work);
+            c.side_buffer = buffer;
+          },
+          py::arg("work"), py::arg("buffer"),
+          "Reference hook: a pending side all-reduce whose buffer holds the table.")
+      .def_property_readonly("row", [](const StepCore& c) {
+        py::array_t<double> out(static_cast<py::ssize_t>(c.fields));
+        std::memcpy(out.mutable_data(), c.row.data(), sizeof(double) * c.fields);
+        return out;
+      }, "A copy of this step's row.")
+      .def_property_readonly("slots", &StepCore::slots,
+                             "This rank's row in a zeroed float64 [world * fields] tensor.")
+      .def_readonly("rank", &StepCore::rank)
+      .def_readonly("world", &StepCore::world)
+      .def_readonly("fields", &StepCore::fields)
+      .def_readonly("carry", &StepCore::carry)
+      .def_readonly("nccl", &StepCore::nccl)
+      .def_readonly("weight", &StepCore::weight)
+      .def_readonly("open", &StepCore::open)
+      .def_readonly("compute", &StepCore::compute)
+      .def_readonly("hooks_run", &StepCore::hooks_run)
+      .def_readonly("last_buckets", &StepCore::last_buckets)
+      .def_readwrite("seconds_per_byte", &StepCore::seconds_per_byte)
+      .def_property(
+          "cpu_interval", [](const StepCore& c) { return c.cpu.interval; },
+          [](StepCore& c, double v) {
+            TORCH_CHECK(std::isfinite(v) && v >= 0, "hetlb StepCore.cpu_interval must be >= 0, got ", v);
+            c.cpu.interval = v;
+          },
+          "Seconds between fresh CPU-load readings (shorter windows are tick noise).");
 
   m.def(
       "register_comm_hook",
-      [](py::object reducer, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-         std::shared_ptr<HookCore> core) {
+      [](py::object reducer, std::shared_ptr<StepCore> core,
+         c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> side) {
         auto r = reducer.cast<std::shared_ptr<c10d::Reducer>>();
+        TORCH_CHECK(core && pg && side, "hetlb register_comm_hook: need a core, a process group and "
+                    "a side group (the gradient group itself under Gloo), got None");
         TORCH_CHECK(core->world == pg->getSize() && core->rank == pg->getRank(),
-                    "hetlb register_comm_hook: HookCore has rank ", core->rank, " of ", core->world,
+                    "hetlb register_comm_hook: StepCore has rank ", core->rank, " of ", core->world,
                     " but the process group has rank ", pg->getRank(), " of ", pg->getSize());
-        r->register_comm_hook(std::make_unique<WeightedHook>(std::move(pg), std::move(core)));
+        TORCH_CHECK(side->getSize() == pg->getSize(),
+                    "hetlb register_comm_hook: the side group has ", side->getSize(),
+                    " ranks, the gradient group ", pg->getSize());
+        r->register_comm_hook(std::make_unique<WeightedHook>(std::move(core), std::move(pg), std::move(side)));
       },
-      py::arg("reducer"), py::arg("process_group"), py::arg("core"),
-      "Register the native weighted all-reduce hook on a DDP model's reducer (once per model).");
+      py::arg("reducer"), py::arg("core"), py::arg("process_group"), py::arg("side_group"),
+      "Register the weighted all-reduce hook on a DDP model's reducer (once per model).");
 
   m.def("monotonic", &monotonic_seconds,
-        "Seconds of the monotonic clock the native hook stamps compute times with.");
+        "Seconds of the monotonic clock the step core stamps compute times with.");
 }
 
 }  // namespace hetlb

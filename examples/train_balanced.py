@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import logging
 import os
 import statistics
@@ -59,16 +58,15 @@ def train(policy_name: str, args: argparse.Namespace, rank: int, world: int) -> 
         except ImportError:
             pass
     t_prev = time.perf_counter()
-    for x, y in loader:
-        with bal.step():
-            loss = torch.nn.functional.cross_entropy(ddp(x), y)  # mean over this rank's samples
-            loss.backward()
+    for x, y in loader:  # each batch handed out is one step of the Balancer
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)  # mean over this rank's samples
+        loss.backward()
         opt.step()
         opt.zero_grad()
         now = time.perf_counter()
         out["time"].append(now - t_prev)
         t_prev = now
-        out["sizes"].append(bal.history[-1].batch.tolist())
+        out["sizes"].append(bal.batch_sizes.tolist())
         out["loss"].append(loss.item())
         if bar is not None:
             bar.update(1)
@@ -117,9 +115,6 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         runs = {name: train(name, args, rank, world) for name in ("Uniform", args.policy)}
     finally:
-        # A model can live in a reference cycle, and its DDP reducer holds the process group:
-        # collect it first, so the group is torn down here rather than at interpreter exit.
-        gc.collect()
         dist.destroy_process_group()
     if rank != 0:
         return

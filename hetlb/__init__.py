@@ -18,16 +18,21 @@ from . import ops  # noqa: F401
 from .models import LinearModel, PiecewiseModel, PolyModel, TimeModel
 from .solve import allocate, allocate_proportional, rebalance, schedule
 from . import emulate, policies, telemetry  # noqa: F401
-from .balancer import Balancer, DecisionMismatchError
+from .balancer import Balancer, BatchSizeError, DecisionMismatchError
+from .data import BalancedLoader
+from .data import BalancedLoader as DataLoader
+from .plan import ScheduleRule
 from .policies import DBS, EMA, LBB, LBBSP, NARX, WLBS, Memoryless, Uniform
 from .profile import Profile, profile
+from .telemetry import UnusableTelemetry
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LinearModel", "PolyModel", "PiecewiseModel", "TimeModel",
     "allocate", "allocate_proportional", "schedule", "rebalance", "ops",
-    "Balancer", "DecisionMismatchError", "Profile", "profile",
+    "Balancer", "DataLoader", "BalancedLoader", "DecisionMismatchError", "BatchSizeError",
+    "UnusableTelemetry", "ScheduleRule", "Profile", "profile",
     "policies", "Uniform", "LBB", "LBBSP", "WLBS", "DBS", "Memoryless", "EMA", "NARX",
     "emulate", "telemetry",
 ]

@@ -1,11 +1,15 @@
 """The object a training loop talks to: per-rank batch sizes, weighted aggregation, telemetry.
 
-    bal = hetlb.Balancer(ddp_model, global_batch=512, policy=hetlb.policies.LBB())
-    loader = bal.loader(dataset, num_workers=2)
-    for x, y in loader:
-        with bal.step():
-            loss_fn(ddp_model(x), y).backward()
+    bal = hetlb.Balancer(ddp_model, global_batch=512, policy=hetlb.LBB())
+    loader = bal.loader(dataset, num_workers=2)       # or hetlb.DataLoader(...) + loader=
+    for x, y in loader:                               # each batch handed out is one step
+        loss_fn(ddp_model(x), y).backward()           # weighted all-reduce, telemetry along
         opt.step(); opt.zero_grad()
+
+Step boundaries come from the loader (a batch handed to the loop opens its step) and from the
+communication hook (the last gradient bucket ends its compute); ``with bal.step():`` around
+forward and backward marks them explicitly instead, and is needed for gradient accumulation.
+The compute clock starts at the step's first forward of the model.
 
 Every rank runs the same policy on the same telemetry table, so decisions are replicated without a
 coordinator; the checksums of each rank's decision and step plan ride in the next table and any
@@ -15,44 +19,41 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
-import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .aggregate import (WEIGHTINGS, HookState, allreduce_row_blocking, make_state, register_hook,
-                        weights_for)
-from .data import BalancedLoader, GlobalOrderSampler, split_last
-from .policies.base import Context, Policy, check_sizes
-from .telemetry import (COL, EXACT_INT, NUM_FIELDS, History, Probe, StepRecord, decision_checksum,
-                        hardware_info, validate_record)
+from . import checks
+from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, choose_transport, is_nccl,
+                        make_side_group, weights_for)
+from .data import BalancedLoader, check_loader_config
+from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
+from .policies.base import Context, Policy, SizedPolicy, check_decision, from_state, to_state
+from .telemetry import COL, NUM_FIELDS, History, StepRecord, UnusableTelemetry, hardware_info
 
 log = logging.getLogger("hetlb.balancer")
 
+# checksum, plan and step are adjacent columns: one view of the table checks all three.
+assert (COL["plan"], COL["step"]) == (COL["checksum"] + 1, COL["checksum"] + 2)
+_IDS = slice(COL["checksum"], COL["step"] + 1)
+_FORMAT = 2
 
-_ID_COLS = [COL["step"], COL["checksum"], COL["plan"]]
-
-
-def _weak(method: Any) -> Any:
-    """A callable for ``method`` that does not keep its Balancer alive (the loader would
-    otherwise form a cycle Balancer -> loader -> Balancer holding the DDP model until a GC)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        m = ref()
-        if m is None:
-            raise RuntimeError("the Balancer that made this loader no longer exists")
-        return m(*args)
-    return call
+BatchDim = Union[None, int, Callable[[tuple, dict], Optional[int]]]
 
 
 class DecisionMismatchError(RuntimeError):
     """Ranks disagree on a batch-size decision or step plan (a non-deterministic policy, or ranks
     that drew data at different points of the program)."""
+
+
+class BatchSizeError(ValueError):
+    """The model was given a batch whose size is not the one the Balancer planned for this rank."""
 
 
 def _groups(values: np.ndarray) -> str:
@@ -66,41 +67,89 @@ def _groups(values: np.ndarray) -> str:
     return "; ".join(out)
 
 
-class _CpuTimer:
-    """Host clock; the compute time of a step is known when its last bucket is ready."""
-    lag = 0
+def _first_tensor(obj: Any) -> Optional[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
 
-    def start(self) -> float:
-        return time.perf_counter()
 
-    def stop(self, start: float) -> float:
-        return time.perf_counter() - start
+class _StepGate:
+    """Forward pre-hook on the model: the batch must be the one planned for this rank, and the
+    step's compute clock starts at its first forward. Holds the board and the telemetry only."""
+
+    def __init__(self, board: PlanBoard, telemetry: StepTelemetry, batch_dim: BatchDim) -> None:
+        self.board, self.telemetry, self.batch_dim = board, telemetry, batch_dim
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        plan = self.board.current
+        if plan is None or not module.training or not torch.is_grad_enabled():
+            return
+        core = self.telemetry.core
+        syncing = getattr(module, "require_backward_grad_sync", True)
+        if self.board.accumulate > 1:
+            if not core.open:
+                raise RuntimeError(
+                    f"hetlb: with accumulate={self.board.accumulate} every micro-step runs inside "
+                    f"`with bal.step():` (it enters ddp.no_sync() on all but a window's last "
+                    f"micro-step and weights the whole window)")
+            if plan.window_end and not syncing:
+                raise RuntimeError("hetlb: the last micro-step of an accumulation window must "
+                                   "synchronise; do not wrap `with bal.step():` in ddp.no_sync() "
+                                   "(bal.step() manages it)")
+        elif not syncing:
+            raise RuntimeError(
+                "hetlb: ddp.no_sync() (gradient accumulation) needs Balancer(..., accumulate=K): "
+                "bal.step() then enters no_sync itself and weights the whole window exactly")
+        if self.batch_dim is not None:
+            n = self._size(args, kwargs)
+            want = int(plan.sizes[self.board.rank])
+            if n is not None and n != want:
+                raise BatchSizeError(
+                    f"hetlb: rank {self.board.rank} gave the model a batch of {n} samples, but the "
+                    f"Balancer planned {want} for it in step {plan.step} of epoch {plan.epoch} "
+                    f"(sizes {plan.sizes.tolist()}). Feed the model the batches of the Balancer's "
+                    f"loader: with another sampler (e.g. DistributedSampler) the gradient weights "
+                    f"would be wrong. If the batch dimension is not the first dimension of the "
+                    f"first tensor argument, pass Balancer(..., batch_dim=1) or a callable "
+                    f"(args, kwargs) -> size; batch_dim=None turns this check off")
+        core.restart_clock()
+
+    def _size(self, args: tuple, kwargs: dict) -> Optional[int]:
+        if callable(self.batch_dim):
+            n = self.batch_dim(args, kwargs)
+            return None if n is None else int(n)
+        t = _first_tensor(args)
+        if t is None:
+            t = _first_tensor(kwargs)
+        if t is None or t.dim() <= self.batch_dim:
+            return None
+        return int(t.shape[self.batch_dim])
 
 
-class _CudaTimer:
-    """CUDA events; a step reports the previous step's time so the host never waits on the
-    device for the current one (the previous end event has normally completed long before)."""
-    lag = 1
+class _BackwardEnd:
+    """Gradient hook of a model without DDP (one process): its backward ran, the compute ends."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._prev: Optional[tuple] = None
-        self._cur: Optional[tuple] = None
+    def __init__(self, telemetry: StepTelemetry) -> None:
+        self.telemetry = telemetry
 
-    def start(self) -> float:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        self._cur = (ev, None)
-        return time.perf_counter()
+    def __call__(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        if self.telemetry.core.open:
+            self.telemetry.core.last_ready()
 
-    def stop(self, start: float) -> float:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self.device))
-        prev, self._prev = self._prev, (self._cur[0], end)
-        if prev is None:
-            return float("nan")
-        prev[1].synchronize()
-        return prev[0].elapsed_time(prev[1]) / 1e3
+
+@dataclass
+class _Open:
+    """The step (or accumulation micro-step) in progress."""
+
+    plan: StepPlan
+    explicit: bool
 
 
 class Balancer:
@@ -108,86 +157,161 @@ class Balancer:
 
     Args:
         model: the ``DistributedDataParallel`` model (a plain module is accepted when the world
-            has one rank). The Balancer registers its communication hook on it.
+            has one rank). The Balancer registers its communication hook and a forward pre-hook.
         global_batch: samples per step over all ranks; ``sum(batch_sizes) == global_batch``.
+            Optional when ``loader`` is given (then ``batch_size * world``).
         policy: a :class:`hetlb.policies.Policy` (default :class:`~hetlb.policies.LBB`).
-        weighting: "samples" (``B_r / sum B``), "sizes" (data amount, needs ``sizes=`` in
-            :meth:`loader`) or "none" (plain mean, e.g. cross-silo FL).
+        weighting: "samples" (``B_r / sum B``), "sizes" (data amount, needs ``sample_sizes=`` in
+            the loader) or "none" (the plain mean over ranks with samples, e.g. cross-silo FL).
+        loader: a :func:`hetlb.DataLoader` made before the model, to bind to this Balancer.
         group: process group (default: the world).
-        lower, upper: bounds on this rank's batch (``upper`` also from ``profile.limit``).
+        lower, upper: bounds on this rank's batch. ``upper`` is also capped by ``profile.limit``
+            when the profile ran out of memory (a real memory bound).
         profile: this rank's :class:`hetlb.profile.Profile` (LBB starts from the fitted models).
         emulator: an :class:`hetlb.emulate.Emulator` that stretches this rank's compute.
         history: number of steps of telemetry kept.
-        max_bad_steps: consecutive steps with unusable telemetry (NaN or zero times) tolerated,
-            keeping the previous sizes, before raising ``ValueError``.
-        native_hook: None (default) uses the C++ communication hook wherever it can serve the
-            model (CPU float32/float64 parameters, a non-NCCL group, no emulated bandwidth cap)
-            and the Python hook elsewhere; True requires the native one, False forces Python.
+        max_bad_steps: consecutive steps with unusable telemetry (NaN times, or values the
+            policy cannot interpret) tolerated, keeping the previous sizes, before raising.
+        accumulate: micro-steps per optimizer step (gradient accumulation). Each micro-step runs
+            in ``with bal.step():``, which enters ``ddp.no_sync()`` on all but the last one of a
+            window; divide each micro-step's loss by ``accumulate`` as with DDP; step the
+            optimizer when :attr:`synced` is True. Sizes are fixed per window, so the weights
+            are exact (weighting "samples" or "none").
+        batch_dim: where the model's forward finds the batch size to check against the plan: a
+            dimension of the first tensor argument (default 0), a callable ``(args, kwargs) ->
+            int``, or None for no check.
+        transport: how the telemetry table travels: "carry" (in the last gradient bucket; Gloo
+            with CPU float32/float64 only) or "side" (its own small all-reduce issued with the
+            last bucket). None (default): "carry" where every rank can, else "side". Ranks that
+            ask for different transports get an error.
+        native_hook: False registers the pure-Python reference hook instead of the native one
+            (debugging; same collectives, so ranks may mix).
 
     Attributes:
+        rank, world: this rank and the number of ranks of ``group``.
         history: :class:`hetlb.telemetry.History` of the world's telemetry, one record per step
             (on CUDA a step's record completes one step later: compute times come from events
             read without a host synchronisation).
-        context: the :class:`hetlb.policies.Context` the policy was started with (bounds,
-            hardware indicators and profiles of every rank, exchanged once at construction).
-        last_overhead: seconds the Balancer itself spent in the latest step (probes, table
-            check, record, decision), excluding the user's forward and backward.
+        context: the :class:`hetlb.policies.Context` the policy was started with.
+        transport: the telemetry transport every rank uses.
+        last_overhead: seconds the Balancer itself spent in the latest step (row, table check,
+            record, decision), excluding the user's forward and backward.
 
-    The telemetry table reaches every rank inside the gradient all-reduce (see
+    The telemetry table reaches every rank with the gradient all-reduce (see
     :mod:`hetlb.aggregate`); the Balancer adds no blocking collective per step.
     """
 
-    def __init__(self, model: torch.nn.Module, global_batch: int, policy: Optional[Policy] = None,
-                 weighting: str = "samples", *, group: Any = None, lower: int = 1,
+    def __init__(self, model: torch.nn.Module, global_batch: Optional[int] = None,
+                 policy: Optional[Policy] = None, weighting: str = "samples", *,
+                 loader: Optional[BalancedLoader] = None, group: Any = None, lower: int = 1,
                  upper: Optional[int] = None, profile: Any = None, emulator: Any = None,
-                 history: int = 1024, max_bad_steps: int = 10,
-                 native_hook: Optional[bool] = None) -> None:
-        if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
-            raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+                 history: int = 1024, max_bad_steps: int = 10, accumulate: int = 1,
+                 batch_dim: BatchDim = 0, transport: Optional[str] = None,
+                 native_hook: bool = True) -> None:
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        self.accumulate = checks.integer(accumulate, "accumulate", 1)
+        if self.accumulate > 1 and weighting == "sizes":
+            raise ValueError('weighting="sizes" cannot be exact with gradient accumulation: the '
+                             'data amounts of a window\'s micro-steps differ, and the accumulated '
+                             'gradient no longer tells them apart')
+        self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
+        lower = checks.integer(lower, "lower", 0)
+        if batch_dim is not None and not callable(batch_dim):
+            batch_dim = checks.integer(batch_dim, "batch_dim", 0)
+        if transport is not None and transport not in ("side", "carry"):
+            raise ValueError(f"transport must be 'side', 'carry' or None, got {transport!r}")
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
-        if self.world > 1 and not isinstance(model, DistributedDataParallel):
+        is_ddp = isinstance(model, DistributedDataParallel)
+        if self.world > 1 and not is_ddp:
             raise TypeError(f"with {self.world} ranks the model must be DistributedDataParallel, "
                             f"got {type(model).__name__}")
-        if global_batch < self.world * max(lower, 0):
+        if not is_ddp and not native_hook:
+            raise ValueError("native_hook=False selects the hook of a DistributedDataParallel model")
+        if loader is not None:
+            if not isinstance(loader, BalancedLoader):
+                raise TypeError(f"loader must be a hetlb.DataLoader, got {type(loader).__name__}")
+            if loader.balancer is not None:
+                raise ValueError("this loader is already bound to a Balancer")
+            b = loader.board
+            if (b.world, b.rank) != (self.world, self.rank):
+                raise ValueError(f"the loader was made for rank {b.rank} of {b.world}, this "
+                                 f"Balancer is rank {self.rank} of {self.world}")
+            if global_batch is not None and checks.integer(global_batch, "global_batch", 1) != b.global_batch:
+                raise ValueError(f"global_batch={global_batch} differs from the loader's "
+                                 f"batch_size * world = {b.global_batch}")
+            global_batch = b.global_batch
+        if global_batch is None:
+            raise ValueError("global_batch is required (or pass loader=hetlb.DataLoader(...), "
+                             "whose batch_size * world is the global batch)")
+        global_batch = checks.integer(global_batch, "global_batch", 1)
+        if global_batch < self.world * lower:
             raise ValueError(f"global_batch={global_batch} is smaller than the world of {self.world} "
                              f"ranks times lower={lower}; every rank needs at least {lower} sample(s) "
                              f"per step (pass lower=0 to let ranks idle)")
         if policy is None:
             from .policies.lbb import LBB
             policy = LBB()
-        self.model, self.global_batch, self.policy = model, int(global_batch), policy
-        self.weighting, self.emulator, self.max_bad_steps = weighting, emulator, int(max_bad_steps)
+        self.model, self.global_batch, self.policy = model, global_batch, policy
+        self.weighting, self.emulator = weighting, emulator
         self.device = self._device(model)
-        self._probe = Probe(self.device)
-        self._timer = _CudaTimer(self.device) if self.device.type == "cuda" else _CpuTimer()
+        self.group = group
 
-        self._state: Optional[HookState] = None
-        if self.distributed:
-            self._state = make_state(group)
-            if emulator is not None and getattr(emulator, "bandwidth", None):
-                self._state.comm_delay = emulator.sleep_comm
-        if isinstance(model, DistributedDataParallel):
-            register_hook(model, self._state, native_hook)
-        elif native_hook:
-            raise ValueError("native_hook=True needs a DistributedDataParallel model")
+        # One exchange at start-up (not per step): configuration, hook capabilities, bounds.
+        nccl = self.distributed and is_nccl(group)
+        side = make_side_group(group) if self.distributed else None
+        mine = {"config": {"global_batch": global_batch, "weighting": weighting,
+                           "accumulate": self.accumulate, "policy": type(policy).__name__},
+                "transport": transport,
+                "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
+                **self._bounds(lower, upper, profile)}
+        everyone = self._all_gather(mine, side)
+        self._agree(everyone, "config")
+        self.transport = choose_transport([e["transport"] for e in everyone],
+                                          [e["carry"] for e in everyone])
+        self.context = Context(self.world, global_batch, [e["lower"] for e in everyone],
+                               [e["upper"] for e in everyone],
+                               hardware=[e["hardware"] for e in everyone],
+                               profiles=[e["profile"] for e in everyone])
+        self._side = side
+        self.telemetry = StepTelemetry(self.rank, self.world, transport=self.transport,
+                                       group=group if self.distributed else None, side_group=side,
+                                       nccl=nccl, device=self.device, emulator=emulator)
+        if is_ddp:
+            self.telemetry.register(model, native=native_hook)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+            if params:  # one process: the end of backward ends the step's compute, as the hook would
+                torch.autograd.graph.register_multi_grad_hook(params, _BackwardEnd(self.telemetry), mode="all")
+        if loader is not None:
+            self.board = loader.board
+            self.board.accumulate = self.accumulate
+        else:
+            self.board = PlanBoard(self.world, self.rank, global_batch, self.accumulate)
+        model.register_forward_pre_hook(_StepGate(self.board, self.telemetry, batch_dim),
+                                        with_kwargs=True)
 
-        self.context = self._gather_context(lower, upper, profile)
-        self._decision = check_sizes(policy.start(self.context), self.context, type(policy).__name__)
-        self._checksum = decision_checksum(self._decision)
         self.history = History(self.world, maxlen=history)
-        self._step = 0
+        self._step = 0  # completed steps (accumulation windows)
         self._bad = 0
-        self._loader: Optional[BalancedLoader] = None
-        self._current: Optional[tuple] = None
-        self._running: Optional[tuple] = None
+        self._open: Optional[_Open] = None
+        self._in_with = False
+        self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
+        self._micro = 0  # micro-steps without a loader (window position)
+        self._window_data = 0.0
         self._partials: Dict[int, tuple] = {}
-        self._t0 = 0.0
-        self._compute: Optional[float] = None
+        self._spent = 0.0
         self.last_overhead: float = 0.0
+        self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
+        self.board.post(self._decision)
+        self._local = policy.local_predictor(self.rank) if hasattr(policy, "local_predictor") else None
+        # The bound loader's configuration (a value: the loader holds this Balancer, not the
+        # other way round), or None before a loader is bound.
+        self._loader_config: Optional[Dict[str, Any]] = None
+        if loader is not None:
+            self._bind(loader)
 
     # ------------------------------------------------------------------ setup
 
@@ -197,169 +321,223 @@ class Balancer:
             return p.device
         return torch.device("cpu")
 
-    def _gather_context(self, lower: int, upper: Optional[int], profile: Any) -> Context:
-        up = self.global_batch if upper is None else int(upper)
+    def _bounds(self, lower: int, upper: Optional[int], profile: Any) -> Dict[str, Any]:
+        up = self.global_batch if upper is None else checks.integer(upper, "upper", 0)
         prof: Optional[Dict[str, Any]] = None
         if profile is not None:
-            up = min(up, int(profile.limit))
+            if getattr(profile, "oom_at", None) is not None:
+                up = min(up, int(profile.limit))  # only a real out-of-memory bound caps the batch
             prof = {"model": profile.fit("cubic"), "linear": profile.fit("linear"),
-                    "limit": int(profile.limit)}
-        mine = {"lower": int(lower), "upper": up, "hardware": hardware_info(self.device), "profile": prof}
-        if self.world > 1:
-            # One-time exchange at start-up (not per step), on the Gloo side group.
-            everyone: List[Any] = [None] * self.world
-            dist.all_gather_object(everyone, mine, group=self._state.side_group)
-        else:
-            everyone = [mine]
-        return Context(self.world, self.global_batch, [e["lower"] for e in everyone],
-                       [e["upper"] for e in everyone], hardware=[e["hardware"] for e in everyone],
-                       profiles=[e["profile"] for e in everyone])
+                    "limit": int(profile.limit), "oom_at": getattr(profile, "oom_at", None)}
+        return {"lower": int(lower), "upper": up, "hardware": hardware_info(self.device), "profile": prof}
 
-    def loader(self, dataset: Any, *, sizes: Optional[Sequence[float]] = None, shuffle: bool = True,
-               seed: int = 0, drop_last: bool = False, **dataloader_kwargs: Any) -> BalancedLoader:
+    def _all_gather(self, mine: Dict[str, Any], side: Any) -> List[Dict[str, Any]]:
+        if self.world == 1 or not self.distributed:
+            return [mine]
+        everyone: List[Any] = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=side)
+        return everyone
+
+    def _agree(self, everyone: List[Dict[str, Any]], key: str) -> None:
+        ref = everyone[0][key]
+        for r, e in enumerate(everyone):
+            if e[key] != ref:
+                diff = {k: (ref.get(k), e[key].get(k)) for k in set(ref) | set(e[key])
+                        if ref.get(k) != e[key].get(k)}
+                raise ValueError(f"ranks disagree on the {'Balancer' if key == 'config' else key} "
+                                 f"settings: rank 0 has " + ", ".join(f"{k}={a!r}" for k, (a, _) in diff.items()) +
+                                 f"; rank {r} has " + ", ".join(f"{k}={b!r}" for k, (_, b) in diff.items()))
+
+    def loader(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True, *,
+               sample_sizes: Optional[Sequence[float]] = None, seed: int = 0,
+               drop_last: bool = False, **dataloader_kwargs: Any) -> BalancedLoader:
         """This rank's loader of ``dataset`` in the global order (see :mod:`hetlb.data`).
 
         Args:
             dataset: a map-style dataset.
-            sizes: per-sample data amounts (e.g. frames, tokens); required for weighting="sizes".
+            batch_size: optional; if given it must be the per-rank average ``global_batch /
+                world`` (so a DataLoader line ports unchanged).
             shuffle, seed, drop_last: the permutation per epoch (``seed + epoch``) and whether to
-                drop the short last step. ``seed`` must be the same on every rank.
+                drop the short last step. The same on every rank (checked).
+            sample_sizes: per-sample data amounts (e.g. frames, tokens); required for
+                weighting="sizes".
             **dataloader_kwargs: passed to ``torch.utils.data.DataLoader`` (num_workers,
                 collate_fn, pin_memory, prefetch_factor, persistent_workers, ...).
         """
-        n = len(dataset)
-        if sizes is not None:
-            sizes = np.asarray(sizes, dtype=np.float64)
-            if sizes.shape != (n,) or not np.all(np.isfinite(sizes)) or np.any(sizes < 0):
-                raise ValueError(f"sizes must be {n} finite non-negative numbers, got shape {sizes.shape}")
-        elif self.weighting == "sizes":
-            raise ValueError('weighting="sizes" needs per-sample sizes: bal.loader(dataset, sizes=...)')
-        sampler = GlobalOrderSampler(n, self.global_batch, self.rank, self.world, _weak(self._plan),
-                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self._loader = BalancedLoader(sampler, dataset, sizes, _weak(self._on_batch), **dataloader_kwargs)
-        return self._loader
+        loader = BalancedLoader(dataset, batch_size, shuffle, sample_sizes=sample_sizes, seed=seed,
+                                drop_last=drop_last, board=self.board, **dataloader_kwargs)
+        self._bind(loader)
+        return loader
 
-    # ------------------------------------------------------------------ the step
+    def _bind(self, loader: BalancedLoader) -> None:
+        if self._loader_config is not None:
+            raise ValueError("this Balancer already drives a loader; iterate that one every epoch "
+                             "(loader.set_epoch(epoch))")
+        if self.weighting == "sizes" and loader.sample_sizes is None:
+            raise ValueError('weighting="sizes" needs per-sample sizes: '
+                             'bal.loader(dataset, sample_sizes=...)')
+        everyone = self._all_gather({"loader": loader.sampler.config()}, self._side)
+        self._agree(everyone, "loader")
+        loader.balancer = self
+        self._loader_config = loader.sampler.config()
+        pending, loader._pending = loader._pending, None
+        if pending is not None:
+            self.load_state_dict(pending)
 
-    def _plan(self, count: int) -> np.ndarray:
-        return split_last(self._decision, count)
-
-    def _on_batch(self, epoch: int, step: int, sizes: np.ndarray, data: np.ndarray) -> None:
-        self._current = (epoch, sizes, data)
+    # ------------------------------------------------------------------ sizes
 
     @property
     def batch_sizes(self) -> np.ndarray:
-        """Sizes of the running step inside :meth:`step`, else of the next step to be drawn."""
-        if self._running is not None:
-            return self._running[1].copy()
-        if self._current is not None:
-            return self._current[1].copy()
-        return self._decision.copy()
+        """int64 ``[world]``: sizes of the step in progress, else of the batch handed out last,
+        else of the next step to be drawn."""
+        if self._open is not None:
+            return self._open.plan.sizes.copy()
+        if self.board.current is not None:
+            return self.board.current.sizes.copy()
+        d = self._decision
+        return d.copy() if isinstance(d, np.ndarray) else np.zeros(self.world, np.int64)
 
     @property
     def steps(self) -> int:
-        """Completed steps."""
+        """Completed steps (accumulation windows)."""
         return self._step
 
-    def _on_last(self) -> None:
-        """Runs when this rank's last gradient bucket is ready (inside the hook)."""
-        if self._compute is not None:
-            return
-        if self.emulator is not None:
-            self.emulator.stretch(self._step, int(self._running[1][self.rank]), self._t0)
-        self._compute = self._timer.stop(self._t0)
-        if self._state is not None:
-            self._state.set_compute(self._compute)
+    @property
+    def synced(self) -> bool:
+        """Whether the latest ``bal.step()`` ended an accumulation window (its gradient is
+        complete: step the optimizer). Always True without accumulation."""
+        return self._consumed is None or self._consumed.window_end
+
+    # ------------------------------------------------------------------ the step
+
+    def _row(self, plan: StepPlan, data: float) -> np.ndarray:
+        row = np.zeros(NUM_FIELDS)
+        row[COL["batch"]] = plan.sizes[self.rank]
+        row[COL["data"]] = data
+        row[COL["compute"]] = math.nan
+        row[COL["predicted"]] = (math.nan if self._local is None
+                                 else self._local.predict(self.telemetry.probe.memory()))
+        row[COL["checksum"]] = self.board.checksum
+        row[COL["plan"]] = plan.checksum
+        row[COL["step"]] = self._step % EXACT_INT
+        row[COL["epoch"]] = plan.epoch % EXACT_INT
+        return row
+
+    def _weight(self, plan: StepPlan) -> float:
+        """This rank's aggregation weight; for a window shorter than ``accumulate`` (the end of an
+        epoch) scaled by ``accumulate / length``, since each micro-step's loss is divided by
+        ``accumulate``."""
+        if self.weighting == "samples":
+            total = int(plan.sizes.sum())
+            w = int(plan.sizes[self.rank]) / total if total > 0 else 0.0
+        else:
+            w = float(weights_for(self.weighting, plan.sizes, plan.data)[self.rank])
+        if self.accumulate > 1 and plan.window_len < self.accumulate:
+            w *= self.accumulate / plan.window_len
+        return w
+
+    def _begin(self, plan: StepPlan, explicit: bool) -> None:
+        t = time.perf_counter()
+        first = plan.window_pos == 0
+        if first:
+            self._window_data = 0.0
+        data = (self._window_data + float(plan.data[self.rank])) / plan.window_len \
+            if plan.window_end and plan.window_len > 1 else float(plan.data[self.rank])
+        offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
+        self.telemetry.start(self._step, self._weight(plan), self._row(plan, data),
+                             int(plan.sizes[self.rank]), offset=offset, new_window=first)
+        self._open = _Open(plan, explicit)
+        self._spent += time.perf_counter() - t
+
+    def _plan_without_loader(self) -> StepPlan:
+        d = self._decision
+        if not isinstance(d, np.ndarray):
+            raise RuntimeError("a size-aware decision (ScheduleRule) needs the Balancer's loader")
+        k = self.accumulate
+        return StepPlan(epoch=0, step=self._step * k + self._micro, sizes=d.copy(),
+                        data=d.astype(np.float64), checksum=decision_checksum(d),
+                        window_pos=self._micro, window_len=k)
 
     @contextlib.contextmanager
     def step(self) -> Iterator["Balancer"]:
-        """Wrap one forward+backward. Times the compute, sets this step's weights, and on exit
-        verifies the table and decides the sizes of the next step."""
-        t_enter = time.perf_counter()
-        if self._running is not None:
+        """Wrap one forward+backward (one micro-step with accumulation): times the compute, sets
+        this step's weights, and on exit verifies the table and decides the next sizes. With
+        ``accumulate > 1`` it enters ``ddp.no_sync()`` on all but the last micro-step of a
+        window."""
+        if self._in_with:
             raise RuntimeError("Balancer.step() is already running; steps cannot nest")
-        if self._loader is not None:
-            if self._current is None:
-                raise RuntimeError("Balancer.step() without a new batch from bal.loader(): every step "
-                                   "must consume exactly one batch of the loader")
-            epoch, sizes, data = self._current
-            self._current = None
+        if self._loader_config is not None:
+            plan = self.board.current
+            if plan is None or plan is self._consumed:
+                raise RuntimeError("Balancer.step() without a new batch from the Balancer's loader: "
+                                   "every step consumes exactly one batch it hands out")
         else:
-            epoch, sizes, data = 0, self._decision.copy(), self._decision.astype(np.float64)
-        self._running = (epoch, sizes, data)
-        weight = self._weight(sizes, data)
-        row = np.zeros(NUM_FIELDS)
-        row[COL["batch"]] = sizes[self.rank]
-        row[COL["data"]] = data[self.rank]
-        row[COL["memory"]] = self._probe.memory()
-        row[COL["cpu"]] = self._probe.cpu()
-        row[COL["checksum"]] = self._checksum
-        row[COL["plan"]] = decision_checksum(sizes)
-        row[COL["step"]] = self._step % EXACT_INT
-        row[COL["epoch"]] = epoch % EXACT_INT
-        row[COL["compute"]] = float("nan")
-        self._compute = None
-        native_hold = False
-        if self._state is not None:
-            # The native hook stamps the compute time itself, and holds an emulated step to its
-            # deadline when the emulator knows it in advance (a time model); Python runs in the
-            # last bucket's hook only otherwise, or to read another timer (CUDA events).
-            emu = self.emulator
-            known = emu is None or (getattr(emu, "model", None) is not None and hasattr(emu, "deadline"))
-            py_last = not self._state.native or type(self._timer) is not _CpuTimer or not known
-            native_hold = not py_last and emu is not None
-            self._state.reset(weight, row, self._on_last if py_last else None)
-        self._t0 = self._timer.start()
-        if native_hold:
-            self._state.hold_until(self.emulator.deadline(self._step, int(sizes[self.rank]), self._t0),
-                                   self.emulator.spin)
-        entered = self._t0 - t_enter  # both timers start from the host clock
+            plan = self._plan_without_loader()
+            self.board.current = plan
+        if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync \
+                and self.accumulate == 1:
+            raise RuntimeError("hetlb: ddp.no_sync() (gradient accumulation) needs "
+                               "Balancer(..., accumulate=K): bal.step() then enters no_sync itself "
+                               "and weights the whole window exactly")
+        self._begin(plan, explicit=True)
+        self._in_with = True
+        local = not plan.window_end and isinstance(self.model, DistributedDataParallel)
         try:
-            yield self
+            with self.model.no_sync() if local else contextlib.nullcontext():
+                yield self
         except BaseException:
-            self._release()
+            self._in_with = False
+            self._discard()
             raise
-        t_exit = time.perf_counter()
-        try:
-            self._finish(epoch, sizes, row)
-        finally:
-            self._release()
-        self.last_overhead = entered + time.perf_counter() - t_exit
+        self._in_with = False
+        self._consumed = plan
+        if plan.window_end:
+            self._finish()
+        else:
+            t = time.perf_counter()
+            self.telemetry.stamp(end_window=False)
+            self._window_data += float(plan.data[self.rank])
+            self.telemetry.close()
+            self._open = None
+            if self._loader_config is None:
+                self._micro += 1
+            self._spent += time.perf_counter() - t
 
-    def _release(self) -> None:
-        self._running = None
-        if self._state is not None:
-            # The hook state lives in the DDP reducer; without this reference back to the
-            # Balancer between steps, Balancer -> DDP -> state is not a cycle and frees promptly
-            # (a reducer left to the garbage collector can outlive its process group).
-            self._state.release()
+    def _discard(self) -> None:
+        """Drop the open step without finishing it (a peek, or an exception in its body)."""
+        self.telemetry.close()
+        self._open = None
 
-    def _weight(self, sizes: np.ndarray, data: np.ndarray) -> float:
-        """This rank's aggregation weight (the hot path of :func:`weights_for`)."""
-        if self.weighting == "samples":
-            total = int(sizes.sum())
-            if total > 0:
-                return int(sizes[self.rank]) / total
-        return float(weights_for(self.weighting, sizes, data)[self.rank])
-
-    def _collect(self, row: np.ndarray) -> np.ndarray:
-        table = None if self._state is None else self._state.collect_table()
-        if table is not None:
-            return table
-        # No last bucket carried the row: no gradients this step (or no_sync), or one process.
-        if self._compute is None:
-            self._on_last()
-        row[COL["compute"]] = self._compute
-        if self._state is None:
-            return row[None, :].copy()
-        self._state.row = row
-        log.debug("step %d: no gradient bucket carried telemetry; all-reduce it", self._step)
-        return allreduce_row_blocking(self._state)
-
-    def _verify(self, table: np.ndarray, sizes: np.ndarray) -> None:
+    def _finish(self) -> None:
+        """End the open step: its table, checks, record, the next decision, the position."""
+        t = time.perf_counter()
+        plan = self._open.plan
+        tele = self.telemetry
+        table = tele.table() if tele.hooked else None
+        if table is None:
+            if not tele.hooked:
+                tele.stamp()
+            # No hook carried the row (a step without gradients): all-reduce it on its own.
+            table = tele.exchange()
+        tele.close()
+        self._open = None
+        self._verify(table, plan)
+        self.board.complete(plan)
+        if self._loader_config is None:
+            self._micro = 0
+            self.board.current = None
         g = self._step
-        ids = table[:, _ID_COLS]
-        if (ids != ids[0]).any() or ids[0, 0] != g % EXACT_INT:  # one test on the common path
+        self._step += 1
+        self._partials[g] = (plan, table)
+        self._record(g, table)
+        self._spent += time.perf_counter() - t
+        self.last_overhead, self._spent = self._spent, 0.0
+
+    def _verify(self, table: np.ndarray, plan: StepPlan) -> None:
+        g = self._step
+        ids = table[:, _IDS].tolist()  # tiny rows: plain lists beat NumPy's per-call cost
+        first = ids[0]
+        if any(row != first for row in ids) or first[2] != g % EXACT_INT:
             steps = table[:, COL["step"]]
             if (steps != g % EXACT_INT).any():
                 raise DecisionMismatchError(f"step {g}: ranks are at different steps ({_groups(steps)})")
@@ -370,71 +548,128 @@ class Balancer:
                         f"step {g}: ranks disagree on the {what}; checksums by rank: {_groups(c)}. "
                         f"The policy must be a deterministic function of the shared telemetry and "
                         f"all ranks must draw their batches at the same point of the loop")
-        batch = np.rint(table[:, COL["batch"]]).astype(np.int64)
-        if not (batch == sizes).all():
-            bad = np.nonzero(batch != sizes)[0].tolist()
+        if table[:, COL["batch"]].tolist() != plan.sizes.tolist():  # exact: sizes < 2^24 ride in floats
+            batch = np.rint(table[:, COL["batch"]]).astype(np.int64)
+            bad = np.nonzero(batch != plan.sizes)[0].tolist()
             raise DecisionMismatchError(f"step {g}: ranks {bad} ran batch sizes "
-                                        f"{batch[bad].tolist()}, the plan says {sizes[bad].tolist()}")
+                                        f"{batch[bad].tolist()}, the plan says {plan.sizes[bad].tolist()}")
 
-    def _finish(self, epoch: int, sizes: np.ndarray, row: np.ndarray) -> None:
-        table = self._collect(row)
-        self._verify(table, sizes)
-        g = self._step
-        self._partials[g] = (epoch, table)
-        self._step += 1
-        done = g - self._timer.lag
+    def _record(self, g: int, table: np.ndarray) -> None:
+        done = g - self.telemetry.lag
         if done < 0 or done not in self._partials:
             return
-        ep, old = self._partials.pop(done)
-        record = StepRecord(step=done, epoch=ep,
-                            batch=np.rint(old[:, COL["batch"]]).astype(np.int64),
-                            compute=table[:, COL["compute"]].copy(),
+        plan, old = self._partials.pop(done)
+        compute = table[:, COL["compute"]] / plan.window_len
+        spe = self.board.steps_per_epoch if self._loader_config is not None else None
+        record = StepRecord(step=done, epoch=plan.epoch, epoch_end=spe is not None and plan.step + 1 >= spe,
+                            batch=np.rint(old[:, COL["batch"]]).astype(np.int64), compute=compute,
                             data=old[:, COL["data"]].copy(), memory=old[:, COL["memory"]].copy(),
-                            cpu=old[:, COL["cpu"]].copy())
+                            cpu=old[:, COL["cpu"]].copy(), predicted=old[:, COL["predicted"]].copy())
         try:
-            validate_record(record)
-        except ValueError as e:
+            self.history.append(record)  # refuses a structurally unusable record
+            if self._local is not None:
+                self._local.observe(record, self.rank)
+            decision = self.policy.decide(self.history)
+        except UnusableTelemetry as e:
             self._bad += 1
             if self._bad > self.max_bad_steps:
-                raise ValueError(f"{self._bad} consecutive steps of unusable telemetry; last: {e}") from e
+                raise UnusableTelemetry(f"{self._bad} consecutive steps of unusable telemetry; last: {e}") from e
             log.warning("%s; keeping the previous sizes", e)
             return
         self._bad = 0
-        self.history.append(record)
-        decision = self.policy.decide(self.history)
-        self._decision = check_sizes(decision, self.context, type(self.policy).__name__)
-        self._checksum = decision_checksum(self._decision)
+        if not isinstance(self.policy, SizedPolicy):  # (a SizedPolicy checked it in emit())
+            decision = check_decision(decision, self.context, type(self.policy).__name__)
+        self._decision = decision
+        self.board.post(decision)
+
+    # ------------------------------------------------------------------ called by the loader
+
+    def _iteration_starts(self) -> None:
+        """A new iteration over the loader: a step that trained is finished; a batch handed out
+        and never trained (a peek) is forgotten, and will be handed out again."""
+        o = self._open
+        if o is not None and not self._in_with:
+            if self.telemetry.hooked:
+                self._finish()
+            else:
+                self._discard()
+        self._consumed = None
+
+    def _before_next(self) -> None:
+        """The loop asks for the next batch: the previous one's step ends here."""
+        o = self._open
+        if o is not None and not self._in_with:
+            self._finish()  # trained (its hook ran), or stepped without gradients: exchanged
+        elif self.accumulate > 1 and self.board.current is not None \
+                and self.board.current is not self._consumed:
+            raise RuntimeError(f"hetlb: with accumulate={self.accumulate} every batch of the loader "
+                               f"goes through `with bal.step():`; step {self.board.current.step} "
+                               f"of epoch {self.board.current.epoch} did not")
+
+    def _handed(self, plan: StepPlan) -> None:
+        """The loop received ``plan``'s batch: without accumulation its step opens now."""
+        if self.accumulate == 1:
+            self._begin(plan, explicit=False)
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> Dict[str, Any]:
-        """Policy state, decision, telemetry history and loader position (call between steps)."""
-        if self._running is not None:
-            raise RuntimeError("state_dict() inside a step; call it between steps")
-        return {"world": self.world, "global_batch": self.global_batch, "step": self._step,
-                "decision": self._decision.tolist(), "policy": self.policy.state_dict(),
-                "history": self.history.state_dict(),
-                "loader": None if self._loader is None else self._loader.state_dict()}
+        """Policy state, decision, telemetry history and data position: tensors and plain Python
+        values, loadable with ``torch.load``'s default ``weights_only=True``.
+
+        A batch handed out but not trained yet is not counted: it is handed out again on resume
+        (so a checkpoint at the top of the loop body loses nothing). Takes no collective, so
+        one rank may save alone.
+        """
+        if self._in_with:
+            raise RuntimeError("state_dict() inside `with bal.step():`; call it between steps")
+        if self._open is not None and not self._open.explicit and self.telemetry.hooked:
+            self._finish()  # its backward ran: that step is trained
+        d = self._decision
+        decision = d.tolist() if isinstance(d, np.ndarray) else \
+            {"slope": d.slope.tolist(), "intercept": d.intercept.tolist()}
+        return {"format": _FORMAT, "world": self.world, "global_batch": self.global_batch,
+                "accumulate": self.accumulate, "steps": self._step,
+                "position": self.board.position(),
+                "loader": self._loader_config,
+                "decision": decision, "policy": to_state(self.policy.state_dict()),
+                "history": self.history.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Resume. On a different world size only the loader position and step count carry over
-        and the policy restarts from :meth:`Policy.start` (its state is per rank)."""
+        """Resume from :meth:`state_dict` (or the loader's: the same object); loading twice is
+        harmless. On a different world size the data position and step count carry over and the
+        policy restarts from :meth:`Policy.start` (its state is per rank)."""
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"not a hetlb {_FORMAT} checkpoint (format={state.get('format')!r})")
         if int(state["global_batch"]) != self.global_batch:
             raise ValueError(f"checkpoint global_batch={state['global_batch']} differs from "
                              f"{self.global_batch}")
-        self._step = int(state["step"])
+        if int(state.get("accumulate", 1)) != self.accumulate:
+            raise ValueError(f"checkpoint accumulate={state.get('accumulate')} differs from "
+                             f"{self.accumulate}")
+        if self._loader_config is not None:
+            check_loader_config(state, self._loader_config)
+        if self._open is not None:
+            self._discard()
+        self._consumed = None
         self._partials.clear()
-        self._current = None
-        if self._loader is not None and state.get("loader") is not None:
-            self._loader.load_state_dict(state["loader"])
+        self._micro = 0
+        self.board.load_position(state["position"])
+        self._step = int(state["steps"])
         if int(state["world"]) != self.world:
-            log.warning("checkpoint from %d ranks resumed on %d: policy restarts", state["world"], self.world)
-            self._decision = check_sizes(self.policy.start(self.context), self.context, type(self.policy).__name__)
+            log.warning("checkpoint from %d ranks resumed on %d: the policy restarts",
+                        state["world"], self.world)
+            self._decision = check_decision(self.policy.start(self.context), self.context,
+                                            type(self.policy).__name__)
         else:
-            self.policy.load_state_dict(state["policy"])
+            self.policy.load_state_dict(from_state(state["policy"]))
             self.history = History.from_state_dict(state["history"])
-            self._decision = check_sizes(np.asarray(state["decision"], dtype=np.int64), self.context, "checkpoint")
-        self._checksum = decision_checksum(self._decision)
+            d = state["decision"]
+            d = ScheduleRule(d["slope"], d["intercept"]) if isinstance(d, dict) else np.asarray(d, np.int64)
+            self._decision = check_decision(d, self.context, "checkpoint")
+            if self._local is not None:
+                self._local.rebuild(self.history, self.rank)
+        self.board.post(self._decision)
 
 
-__all__ = ["Balancer", "DecisionMismatchError"]
+__all__ = ["Balancer", "DecisionMismatchError", "BatchSizeError"]

@@ -2,81 +2,101 @@
 
 Every rank draws the same permutation of the dataset per epoch (seeded by ``seed + epoch``). Step
 ``s`` of an epoch takes the next ``global_batch`` indices of the permutation and rank ``r`` takes
-its contiguous slice ``[o + sum(B[:r]), o + sum(B[:r+1]))``. So each sample is seen exactly once per
-epoch whatever the sizes do, and every rank runs ``ceil(N / global_batch)`` steps (``floor`` with
-``drop_last``): uneven inputs never hang DDP. The short last step is split by the current shares.
+its contiguous slice ``[o + sum(B[:r]), o + sum(B[:r+1]))`` (or, for a size-aware step, the
+samples the step's schedule assigns it). So each sample is seen exactly once per epoch whatever
+the sizes do, and every rank runs ``ceil(N / global_batch)`` steps (``floor`` with ``drop_last``):
+uneven inputs never hang DDP. The short last step is split by the current shares.
 
-The sizes of a step are fixed when its indices are drawn. A DataLoader with workers draws
-``num_workers * prefetch_factor`` batches ahead, so a decision made at the end of step ``t`` is
-used from step ``t + 1 + lag`` on with ``lag`` that prefetch depth (0 without workers). The draw
-happens at the same point of the program on every rank, so every rank uses the same sizes; the
-Balancer verifies it each step against the sizes the ranks report.
+The sizes of a step are fixed when its indices are drawn (:class:`hetlb.plan.PlanBoard`). A
+DataLoader with workers draws ``num_workers * prefetch_factor`` batches ahead, so a decision made at
+the end of step ``t`` is used from step ``t + 1 + lag`` on, with ``lag`` that prefetch depth (0
+without workers). The draw happens at the same point of the program on every rank, so every rank
+uses the same sizes; the Balancer verifies it each step against the sizes the ranks report.
+
+What counts as consumed: a batch counts once a training step has run on it (its backward, or its
+``with bal.step():`` block). A batch handed out and not trained, as by a peek such as
+``next(iter(loader))`` or a checkpoint taken at the top of the loop body, is handed out again by
+the next iteration or after a resume.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from .solve import allocate_proportional
+from .checks import integer
+from .plan import PlanBoard, StepPlan
 
+__all__ = ["GlobalOrderSampler", "BalancedLoader"]
 
-def split_last(shares: np.ndarray, count: int) -> np.ndarray:
-    """Split a short last step of ``count`` samples by the current ``shares`` (int64 ``[world]``).
-
-    Largest-remainder rounding of ``count * shares / sum(shares)``; a rank may get 0 when
-    ``count`` is smaller than the world.
-    """
-    shares = np.asarray(shares, dtype=np.float64)
-    if count == int(shares.sum()):
-        return shares.astype(np.int64)
-    return allocate_proportional(shares, int(count))
+_REFUSED = {
+    "sampler": "hetlb draws every step's indices itself (the global order); drop sampler= and pass "
+               "shuffle=, seed= and drop_last= to the loader instead",
+    "batch_sampler": "hetlb draws every step's indices itself (the global order); drop batch_sampler=",
+    "generator": "the permutation of each epoch is seeded by seed + epoch (the same on every "
+                 "rank); pass seed= instead of generator=",
+    "sizes": "per-sample data amounts are called sample_sizes= (sizes means per-rank batch sizes "
+             "in hetlb)",
+}
 
 
 class GlobalOrderSampler:
-    """Batch sampler yielding this rank's index slice of every step, in the global order.
+    """Batch sampler yielding this rank's indices of every step, drawn from a :class:`PlanBoard`.
 
     Args:
         length: number of samples in the dataset.
-        global_batch: samples per step over all ranks.
-        rank, world: this rank and the number of ranks.
-        plan: ``plan(count) -> int64[world]`` called once per drawn step with the number of
-            samples of that step (``global_batch``, or fewer for the last step); returns the sizes.
+        board: the plan board shared with the Balancer (decisions, position).
         shuffle, seed, drop_last: as in ``DistributedSampler``.
+        sample_sizes: float64 ``[length]`` data amount of every sample, or None.
     """
 
-    def __init__(self, length: int, global_batch: int, rank: int, world: int,
-                 plan: Callable[[int], np.ndarray], shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
-        if length < 0:
-            raise ValueError(f"dataset length must be >= 0, got {length}")
-        if global_batch < 1:
-            raise ValueError(f"global_batch must be >= 1, got {global_batch}")
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} outside world of {world}")
-        self.length, self.global_batch = int(length), int(global_batch)
-        self.rank, self.world = int(rank), int(world)
-        self.plan, self.shuffle, self.seed, self.drop_last = plan, bool(shuffle), int(seed), bool(drop_last)
-        self.epoch = 0
-        self.start_step = 0  # first step of the epoch still to hand out (resume point)
-        self._perm: Optional[Tuple[tuple, np.ndarray]] = None
+    def __init__(self, length: int, board: PlanBoard, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, sample_sizes: Optional[np.ndarray] = None) -> None:
+        self.length = integer(length, "dataset length", 0)
+        self.board = board
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), integer(seed, "seed"), bool(drop_last)
+        self.sample_sizes = sample_sizes
+        self._perm: Optional[tuple] = None
+        board.steps_per_epoch = self.steps_per_epoch
+
+    @property
+    def global_batch(self) -> int:
+        return self.board.global_batch
+
+    @property
+    def full_steps(self) -> int:
+        """Steps of an epoch that hold a whole global batch."""
+        return self.length // self.global_batch
 
     @property
     def steps_per_epoch(self) -> int:
         if self.drop_last:
-            return self.length // self.global_batch
+            return self.full_steps
         return math.ceil(self.length / self.global_batch)
 
+    @property
+    def epoch(self) -> int:
+        return self.board.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (see :meth:`BalancedLoader.set_epoch`)."""
+        self.board.set_epoch(epoch)
+
     def __len__(self) -> int:
-        return max(0, self.steps_per_epoch - self.start_step)
+        spe, done = self.steps_per_epoch, self.board.done
+        return spe if done >= spe else spe - done
+
+    def config(self) -> Dict[str, Any]:
+        """What every rank must agree on for the global order to be one order."""
+        sizes_sum = None if self.sample_sizes is None else float(np.sum(self.sample_sizes))
+        return {"length": self.length, "shuffle": self.shuffle, "seed": self.seed,
+                "drop_last": self.drop_last, "sample_sizes": sizes_sum}
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """The epoch's global order (identical on every rank); read-only, cached per epoch
-        because per-step lookups (data amounts, checks) would otherwise redraw it every step."""
+        """The epoch's global order (identical on every rank); read-only, cached per epoch."""
         key = (epoch, self.seed, self.shuffle, self.length)
         if self._perm is None or self._perm[0] != key:
             if self.shuffle:
@@ -93,64 +113,113 @@ class GlobalOrderSampler:
         """Samples in step ``step`` of an epoch (the last one may be short)."""
         return min(self.global_batch, self.length - step * self.global_batch)
 
-    def slices(self, sizes: np.ndarray) -> List[Tuple[int, int]]:
-        """``(begin, end)`` of every rank inside a step, from the sizes."""
-        ends = np.cumsum(sizes)
-        begins = ends - sizes
-        return list(zip(begins.tolist(), ends.tolist()))
-
-    def draw(self) -> Iterator[Tuple[int, np.ndarray, List[int]]]:
-        """``(step, sizes, this rank's indices)`` for the rest of the epoch; sizes fixed on draw."""
-        perm = self.permutation(self.epoch)
-        for s in range(self.start_step, self.steps_per_epoch):
-            count = self.step_count(s)
-            sizes = np.asarray(self.plan(count), dtype=np.int64)
-            if sizes.shape != (self.world,) or int(sizes.sum()) != count or np.any(sizes < 0):
-                raise RuntimeError(f"step plan {sizes.tolist()} does not split {count} samples "
-                                   f"over {self.world} ranks")
-            o = s * self.global_batch
-            b, e = self.slices(sizes)[self.rank]
-            yield s, sizes, perm[o + b:o + e].tolist()
+    def step_indices(self, plan: StepPlan) -> List[np.ndarray]:
+        """Every rank's indices of a drawn step (for checks and tests)."""
+        perm = self.permutation(plan.epoch)
+        o = plan.step * self.global_batch
+        return [perm[o + plan.positions(r)] for r in range(self.board.world)]
 
     def __iter__(self) -> Iterator[List[int]]:
-        for _, _, idx in self.draw():
-            yield idx
-
-    def step_indices(self, epoch: int, step: int, sizes: np.ndarray) -> List[np.ndarray]:
-        """Every rank's indices of one step (for checks and per-rank data amounts)."""
+        board = self.board
+        if board.mode == "stream":
+            yield from self._stream()
+            return
+        epoch, start = board.epoch, board.done
         perm = self.permutation(epoch)
-        o = step * self.global_batch
-        return [perm[o + b:o + e] for b, e in self.slices(np.asarray(sizes, dtype=np.int64))]
+        full = self.full_steps
+        for s in range(start, self.steps_per_epoch):
+            count = self.step_count(s)
+            o = s * self.global_batch
+            window = perm[o:o + count]
+            sizes = None if self.sample_sizes is None else self.sample_sizes[window]
+            plan = board.draw(epoch, s, count, full, sizes)
+            yield window[plan.positions(board.rank)].tolist()
+
+    def _stream(self) -> Iterator[List[int]]:
+        """Stream mode: this rank's reference batches of its shard (see :mod:`hetlb.plan`)."""
+        board = self.board
+        perm = self.permutation(board.epoch)
+        length = (self.length // self.global_batch) * self.global_batch if self.drop_last else self.length
+        base = board.stream_offset()
+        while True:
+            plan = board.draw_stream(length)
+            if plan is None:
+                return
+            yield perm[base + plan.start:base + plan.start + plan.count].tolist()
 
 
 class BalancedLoader:
-    """This rank's batches of every step, sized by the Balancer; a thin shell over a DataLoader.
+    """This rank's batches of every step, sized by a :class:`hetlb.Balancer`; a thin shell over a
+    ``torch.utils.data.DataLoader``. Public as ``hetlb.DataLoader``.
 
-    Made by :meth:`hetlb.Balancer.loader`. Iterating yields what the DataLoader yields (collated
-    batches); ``set_epoch`` selects the permutation; ``state_dict``/``load_state_dict`` resume
-    mid-epoch (also on a different world size: the position is counted in samples).
+    Made by :meth:`hetlb.Balancer.loader`, or directly (before the model exists, as a DataLoader
+    often is) and then bound with ``hetlb.Balancer(ddp_model, loader=loader)``. Iterating yields
+    what the DataLoader yields (collated batches, empty ones for a rank given no samples);
+    ``set_epoch`` (also ``loader.sampler.set_epoch``) selects the permutation; ``state_dict`` /
+    ``load_state_dict`` save and restore the Balancer with the data position (one checkpoint
+    object, also when resumed on a different world size).
+
+    Args:
+        dataset: a map-style dataset.
+        batch_size: samples per rank and step *on average*: the global batch is ``batch_size *
+            world``. Optional with :meth:`hetlb.Balancer.loader` (which knows the global batch;
+            if given it must equal ``global_batch / world``).
+        shuffle, seed, drop_last: the permutation of each epoch (``seed + epoch``) and whether to
+            drop the short last step. ``seed`` must be the same on every rank (checked).
+        sample_sizes: per-sample data amounts (frames, tokens), required for
+            ``weighting="sizes"``.
+        **dataloader_kwargs: passed to ``torch.utils.data.DataLoader`` (num_workers,
+            collate_fn, pin_memory, prefetch_factor, persistent_workers, ...).
     """
 
-    def __init__(self, sampler: GlobalOrderSampler, dataset: Any, sizes: Optional[np.ndarray],
-                 on_batch: Callable[[int, int, np.ndarray, np.ndarray], None],
-                 **dataloader_kwargs: Any) -> None:
-        for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
-            if bad in dataloader_kwargs:
-                raise ValueError(f"{bad}= is decided by the Balancer; pass shuffle/drop_last/seed to "
-                                 f"Balancer.loader() and leave the rest to the policy")
-        self.sampler = sampler
-        self.sizes = sizes
-        self._on_batch = on_batch
-        self._drawn = _Drawn(sampler)
+    def __init__(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True, *,
+                 sample_sizes: Optional[Any] = None, seed: int = 0, drop_last: bool = False,
+                 board: Optional[PlanBoard] = None, **dataloader_kwargs: Any) -> None:
+        for key, why in _REFUSED.items():
+            if key in dataloader_kwargs:
+                raise ValueError(f"hetlb loader: {key}= is not accepted: {why}")
+        if dataloader_kwargs.get("in_order") is False:
+            raise ValueError("hetlb loader: in_order=False is not accepted: each batch must arrive "
+                             "with the plan it was drawn for")
+        if batch_size is not None:
+            batch_size = integer(batch_size, "batch_size", 1)
+        if board is None:
+            board = _board_from_process_group(batch_size)
+        elif batch_size is not None and batch_size * board.world != board.global_batch:
+            avg = board.global_batch / board.world
+            raise ValueError(
+                f"batch_size={batch_size} is not the Balancer's per-rank average "
+                f"global_batch / world = {board.global_batch} / {board.world} = {avg:g}; the "
+                f"Balancer sets every rank's size each step. Leave batch_size out, or make "
+                f"global_batch = batch_size * world")
+        n = len(dataset)
+        if sample_sizes is not None:
+            sample_sizes = np.asarray(sample_sizes, dtype=np.float64)
+            if sample_sizes.shape != (n,) or not np.all(np.isfinite(sample_sizes)) or np.any(sample_sizes < 0):
+                raise ValueError(f"sample_sizes must be {n} finite non-negative numbers (one per "
+                                 f"sample), got shape {sample_sizes.shape}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sample_sizes = sample_sizes
+        self.sampler = GlobalOrderSampler(n, board, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                          sample_sizes=sample_sizes)
+        self.board = board
+        self.balancer: Any = None  # set by the Balancer that binds this loader
+        self._pending: Optional[Dict[str, Any]] = None  # state loaded before binding
         collate = dataloader_kwargs.pop("collate_fn", None) or default_collate
-        self._dl = DataLoader(dataset, batch_sampler=self._drawn,
+        self._dl = DataLoader(dataset, batch_sampler=_Steps(self.sampler),
                               collate_fn=_EmptySafeCollate(dataset, collate), **dataloader_kwargs)
 
     @property
     def epoch(self) -> int:
-        return self.sampler.epoch
+        """The epoch the next batch belongs to (after a complete epoch: the next one), so
+        ``for epoch in range(loader.epoch, epochs)`` resumes where a checkpoint stopped."""
+        b = self.board
+        spe = self.sampler.steps_per_epoch
+        return b.epoch + 1 if spe > 0 and b.done >= spe else b.epoch
 
     def __len__(self) -> int:
+        """Steps the next iteration runs (the rest of a partly trained epoch, else a whole one)."""
         return len(self.sampler)
 
     @property
@@ -161,44 +230,112 @@ class BalancedLoader:
         return self._dl.num_workers * (self._dl.prefetch_factor or 2)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's permutation; a partly consumed epoch keeps its position."""
-        if epoch != self.sampler.epoch:
-            self.sampler.epoch = int(epoch)
-            self.sampler.start_step = 0
+        """Select the epoch's permutation, as ``DistributedSampler.set_epoch``.
+
+        A partly trained epoch keeps its position when selected again. Epochs run in order and
+        each once: selecting an epoch that is already complete, or an earlier one, raises, and
+        so does skipping the rest of the epoch a loaded checkpoint stopped in; that is how a
+        script whose epoch counter disagrees with the checkpoint finds out.
+        """
+        self.board.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        s = self.sampler
-        if s.start_step >= s.steps_per_epoch:
-            # The epoch was finished: move on, as a DataLoader user would expect on re-iteration.
-            s.epoch += 1
-            s.start_step = 0
-        pending = self._drawn.pending
-        pending.clear()
-        epoch = s.epoch
-        for batch in self._dl:
-            step, sizes = pending.popleft()
-            data = self._data_amounts(epoch, step, sizes)
-            s.start_step = step + 1
-            self._on_batch(epoch, step, sizes, data)
-            yield batch
-
-    def _data_amounts(self, epoch: int, step: int, sizes: np.ndarray) -> np.ndarray:
-        if self.sizes is None:
-            return sizes.astype(np.float64)
-        return np.array([float(self.sizes[idx].sum()) for idx in
-                         self.sampler.step_indices(epoch, step, sizes)])
+        if self.balancer is None:
+            raise RuntimeError("this hetlb loader is not bound to a Balancer yet: make one with "
+                               "hetlb.Balancer(ddp_model, loader=loader) before iterating")
+        return _Iteration(self)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"epoch": self.sampler.epoch, "next_sample": self.sampler.start_step * self.sampler.global_batch,
-                "seed": self.sampler.seed, "global_batch": self.sampler.global_batch}
+        """The whole Balancer state with the data position (the same object as
+        :meth:`hetlb.Balancer.state_dict`)."""
+        if self.balancer is not None:
+            return self.balancer.state_dict()
+        if self._pending is not None:
+            return self._pending
+        return {"position": self.board.position(), "loader": self.sampler.config()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if int(state["global_batch"]) != self.sampler.global_batch:
-            raise ValueError(f"checkpoint global_batch={state['global_batch']} differs from "
-                             f"{self.sampler.global_batch}; the epoch position would not line up")
-        self.sampler.epoch = int(state["epoch"])
-        self.sampler.seed = int(state["seed"])
-        self.sampler.start_step = int(state["next_sample"]) // self.sampler.global_batch
+        """Restore a state from :meth:`state_dict` (or the Balancer's: they are the same); before
+        the loader is bound, the Balancer part is kept until it is. Loading twice is harmless."""
+        if self.balancer is not None:
+            self.balancer.load_state_dict(state)
+            return
+        check_loader_config(state, self.sampler.config())
+        self.board.load_position(state["position"])
+        self._pending = state if "policy" in state else None
+
+
+def check_loader_config(state: Dict[str, Any], mine: Dict[str, Any]) -> None:
+    """A checkpoint taken in the middle of an epoch resumes only with the same global order
+    (``mine``: the resuming loader's :meth:`GlobalOrderSampler.config`)."""
+    saved = state.get("loader")
+    pos = state.get("position") or {}
+    if saved is None or not pos.get("step"):
+        return  # at an epoch boundary any order continues correctly
+    diff = {k: (saved.get(k), mine[k]) for k in mine if saved.get(k) != mine[k]}
+    if diff:
+        raise ValueError(
+            "the checkpoint was taken in the middle of an epoch with a different global order, so "
+            "its remaining samples are not the ones left in this order: " + ", ".join(
+                f"{k}={a!r} then, {b!r} now" for k, (a, b) in diff.items()) +
+            ". Resume with the same dataset, shuffle, seed and drop_last")
+
+
+def _board_from_process_group(batch_size: Optional[int]) -> PlanBoard:
+    import torch.distributed as dist
+    if batch_size is None:
+        raise ValueError("hetlb.DataLoader needs batch_size= (the per-rank average) when made "
+                         "before its Balancer; or make it with bal.loader(dataset, ...)")
+    on = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if on else 1
+    rank = dist.get_rank() if on else 0
+    return PlanBoard(world, rank, batch_size * world)
+
+
+class _Iteration:
+    """One pass over a :class:`BalancedLoader`: hands out batches with their plans and marks the
+    step boundaries for the Balancer."""
+
+    def __init__(self, loader: BalancedLoader) -> None:
+        self._bal = loader.balancer
+        self._board = loader.board
+        self._bal._iteration_starts()
+        self._board.restart()
+        self._generation = self._board.generation
+        self._it = iter(loader._dl)
+        self._done = False
+
+    def __iter__(self) -> "_Iteration":
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        if self._board.generation != self._generation:
+            raise RuntimeError("the loader's state was loaded while this iteration was running; "
+                               "start a new `for` loop over the loader")
+        self._bal._before_next()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._done = True
+            raise
+        self._bal._handed(self._board.hand())
+        return batch
+
+
+class _Steps:
+    """The DataLoader's batch sampler: the sampler's steps (it holds nothing else, so no cycle
+    runs through the DataLoader and a persistent-workers iterator is freed promptly)."""
+
+    def __init__(self, sampler: GlobalOrderSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter(self.sampler)
 
 
 def _empty_like(batch: Any) -> Any:
@@ -226,27 +363,3 @@ class _EmptySafeCollate:
         if len(samples) == 0:
             return _empty_like(self.collate([self.dataset[0]]))
         return self.collate(samples)
-
-
-class _Drawn:
-    """The DataLoader's batch sampler: records each drawn step's sizes for the loader.
-
-    It holds the sampler, not the :class:`BalancedLoader`: a reference back would make the
-    DataLoader part of a cycle, and a persistent-workers iterator freed by the garbage collector
-    instead of by reference counting shuts its workers down only after a 5 s timeout each.
-    """
-
-    def __init__(self, sampler: GlobalOrderSampler) -> None:
-        self.sampler = sampler
-        self.pending: Deque[Tuple[int, np.ndarray]] = deque()
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[List[int]]:
-        for step, sizes, idx in self.sampler.draw():
-            self.pending.append((step, sizes))
-            yield idx
-
-
-__all__ = ["GlobalOrderSampler", "BalancedLoader", "split_last"]

@@ -12,11 +12,15 @@ does the same for real runs: each step's compute is *stretched* to a target time
 maps ``target -> target * factor + extra`` in the order given. ``u`` and ``v`` are a pure function
 of ``(seed, rank, step)`` so a rerun, or a run resumed at step ``s``, reproduces every target.
 
-How it is used: the :class:`hetlb.Balancer` calls :meth:`Emulator.stretch` when a step's *last
-gradient bucket* is ready (the moment the rank would join the final all-reduce), passing the time
-the step's compute started; so the stretched time is exactly the compute time the other ranks wait
-for, and telemetry records it as this rank's compute time. The communication hook calls
-:meth:`Emulator.sleep_comm` with each bucket's size to emulate a bandwidth cap. Standalone::
+How it is used: the :class:`hetlb.Balancer` asks :meth:`Emulator.affine` for the step's
+``(factor, extra)``, with ``target = measured * factor + extra`` exactly (a time model gives
+``factor = 0``), before the step runs; the native step core then holds the step's *last gradient
+bucket* (the moment the rank would join the final all-reduce) until ``measured * factor + extra``
+seconds after the step's first forward, without entering Python. So the emulated time is exactly
+the compute time the other ranks wait for, and telemetry records it as this rank's compute time.
+A ``Disturbance(..., fail=True)`` makes the rank report ``+inf`` (no progress) for its steps, as a
+device that stopped working while its process still takes part would. A bandwidth cap delays
+every bucket's result by ``nbytes / bandwidth``. Standalone::
 
     emu = Emulator.for_rank(rank, speeds=[1.0, 0.5, 0.25], noise=0.1,
                             disturbances={2: [Disturbance(100, 200, extra=0.05)]})
@@ -82,12 +86,15 @@ def sleep_until(deadline: float, spin: float = DEFAULT_SPIN) -> None:
 class Disturbance:
     """From step ``start`` (inclusive) to ``stop`` (exclusive; ``None`` = forever) the target
     becomes ``target * factor + extra`` seconds. LBB's disturbance is ``extra=0.05``; a
-    ``Disturbance(0, extra=x)`` is the papers' static heterogeneity (a fixed prolongation)."""
+    ``Disturbance(0, extra=x)`` is the papers' static heterogeneity (a fixed prolongation).
+    ``fail=True``: the rank makes no progress in those steps (it reports ``+inf`` compute time;
+    WLBS redistributes its share)."""
 
     start: int
     stop: Optional[int] = None
     extra: float = 0.0
     factor: float = 1.0
+    fail: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "start", _int("Disturbance.start", self.start))
@@ -104,6 +111,9 @@ class Disturbance:
             raise ValueError(f"Disturbance.factor must be > 0, got {factor}")
         object.__setattr__(self, "extra", extra)
         object.__setattr__(self, "factor", factor)
+        if not isinstance(self.fail, (bool, np.bool_)):
+            raise ValueError(f"Disturbance.fail must be True or False, got {self.fail!r}")
+        object.__setattr__(self, "fail", bool(self.fail))
 
     def active(self, step: int) -> bool:
         """Whether the disturbance applies at ``step``."""
@@ -210,6 +220,29 @@ class Emulator:
                 t = d.apply(t)
         return t
 
+    def affine(self, step: int, batch: float) -> "tuple[float, float]":
+        """``(factor, extra)`` with ``target(step, batch, measured) == measured * factor + extra``
+        for every measured time (up to rounding): what the native step core holds a step to. With
+        a time model the target does not depend on the measured time (``factor == 0``)."""
+        step = _int("step", step)
+        batch = _finite_float("batch", batch)
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch}")
+        u, v = self._randoms(step)
+        scale = (1.0 + self.noise * u) / self.speed
+        if self.model is not None:
+            factor, extra = 0.0, max(float(self.model.time(batch)), 0.0) * scale + self.jitter * v
+        else:
+            factor, extra = scale, self.jitter * v
+        for d in self.disturbances:
+            if d.active(step):
+                factor, extra = factor * d.factor, extra * d.factor + d.extra
+        return factor, extra
+
+    def failed(self, step: int) -> bool:
+        """Whether the rank makes no progress at ``step`` (a ``fail=True`` disturbance is active)."""
+        return any(d.fail and d.active(step) for d in self.disturbances)
+
     def stretch(self, step: int, batch: float, start: float) -> float:
         """Wait until ``perf_counter() >= start + target`` and return the target; when the real
         compute already took longer, return at once with the measured seconds."""
@@ -219,15 +252,6 @@ class Emulator:
             return measured
         sleep_until(start + goal, self.spin)
         return goal
-
-    def deadline(self, step: int, batch: float, start: float) -> Optional[float]:
-        """When a step that started at ``start`` (``perf_counter`` seconds) should end, if that
-        is known before it runs: ``start + target`` with a time model, None without one (the
-        target then scales the measured compute). The native comm hook holds the last bucket
-        until this time, as :meth:`stretch` would, without entering Python."""
-        if self.model is None:
-            return None
-        return float(start) + self.target(step, batch)
 
     def comm_delay(self, nbytes: float) -> float:
         """Seconds ``nbytes`` take on the emulated link (0 without a bandwidth cap)."""

@@ -3,14 +3,16 @@
 Nothing here is fast; everything here is meant to be obviously right. The float arithmetic of the
 time models follows the same operation order as ``csrc/`` so results can be compared exactly.
 
-The native communication hook (``csrc/comm_hook.cpp``) has its plain version in
-:func:`hetlb.aggregate.weighted_allreduce_hook`, which must stay a DDP hook to be compared on real
-process groups (tests/test_comm_hook.py).
+The native communication hook (``csrc/comm_hook.cpp``) has its plain version here too,
+:func:`weighted_allreduce_hook`: a Python DDP hook over the same native step core (the one store
+of the row, weight and table), issuing the same collectives, so the two can be compared on real
+process groups (tests/test_comm_hook.py) and even mixed across ranks.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +23,7 @@ from .models import TimeModel
 __all__ = [
     "raw_time", "effective_times", "allocate", "proportional_shares", "allocate_proportional",
     "schedule", "rebalance", "continuous_bound", "ref_scale_", "ref_flatten_scaled", "ref_unflatten_", "ref_delay_compensate_",
+    "ReferenceHookState", "weighted_allreduce_hook",
 ]
 
 
@@ -290,3 +293,60 @@ def ref_delay_compensate_(grad: Tensor, param: Tensor, prev_param: Tensor, lam: 
     m = _opmath(grad.dtype)
     g, p, q = grad.to(m), param.to(m), prev_param.to(m)
     grad.copy_(g + lam * g * g * (p - q))
+
+
+# ----------------------------------------------------------------------------------------------
+# The weighted all-reduce communication hook (csrc/comm_hook.cpp), in Python
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class ReferenceHookState:
+    """State of :func:`weighted_allreduce_hook`: the rank's native step core (``hetlb._C.StepCore``)
+    and the process groups. ``buckets`` counts the buckets hooked since the object was made."""
+
+    core: Any
+    group: Any = None
+    side_group: Any = None
+    buckets: int = 0
+
+
+def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001, ANN201
+    """``sum_r w_r * bucket_r`` with the telemetry table riding along: the Python version of the
+    native hook, for Gloo groups (register with ``ddp.register_comm_hook(state, hook)``).
+
+    ``bucket`` is a ``torch.distributed.GradBucket``; returns a ``torch.futures.Future`` of the
+    reduced bucket. (No annotations: DDP compares them with its own types, and this module's
+    postponed annotations would be strings.)
+    """
+    import torch.distributed as dist
+
+    core = state.core
+    if not core.open:
+        raise RuntimeError("hetlb: a backward pass of the DDP model ran outside a balanced step")
+    state.buckets += 1
+    buf = bucket.buffer()
+    w = float(core.weight)
+    if w == 0.0:
+        buf.zero_()  # an idle rank's gradient may be NaN (mean over no samples)
+    last = bucket.is_last()
+    if last:
+        core.last_ready()
+    if last and core.carry:
+        n = buf.numel()
+        flat = ref_flatten_scaled([buf], 1.0 if w == 0.0 else w, extra=core.slots)
+        fut = dist.all_reduce(flat, group=state.group, async_op=True).get_future()
+
+        def unpack(f: torch.futures.Future) -> Tensor:
+            out = f.value()[0]
+            core.store_table(out[n:].to(torch.float64).view(core.world, core.fields).numpy())
+            return out[:n]  # DDP copies the result out of the view, as for the native hook
+        return fut.then(unpack)
+    if last:  # the table first, as the native hook does (same collectives, same order)
+        slots = core.slots
+        work = dist.all_reduce(slots, group=state.side_group if state.side_group is not None
+                               else state.group, async_op=True)
+        core.adopt_side(work, slots)
+    if w not in (0.0, 1.0):
+        ref_scale_([buf], w)
+    fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])

@@ -63,9 +63,19 @@ def allocate(models: Sequence[TimeModel], total: int, lower: Any = None, upper: 
     Returns:
         ``int64[n]`` with ``sum == total`` and ``lower <= b <= upper`` whose makespan
         ``max_i T_i(b_i)`` over workers with ``b_i > 0`` (effective times) is the least of all
-        integer allocations. Among those it has the smallest spread: the least time among workers
-        that can take part is as large as possible. Remaining ties are filled level by level, the
-        lowest-indexed worker first. A worker given 0 samples costs 0 (it sits the step out).
+        integer allocations. A worker given 0 samples costs 0 (it sits the step out).
+
+        Among the allocations of least makespan it has the smallest spread in this precise sense:
+        the least time ``min_i T_i(b_i)`` over the workers that *can take part* (those given
+        samples in at least one allocation of least makespan), counting a worker given 0 samples
+        at time 0, is as large as possible. So a worker that can help is kept busy rather than
+        idled: two workers ``T(b) = b`` capped at 10 and one with ``T = 10`` whatever its batch,
+        total 20, ``lower = 0``, gives ``[10, 9, 1]`` (least time 9), not ``[10, 10, 0]``, whose
+        spread over the two workers it uses is 0 but whose least time, counting the idle one, is 0.
+        Minimising the spread over the workers actually used, when idling some would shrink it,
+        is a search over which subset of workers sits out (combinatorial in general): this
+        solver does not attempt it. Remaining ties are filled level by level, the lowest-indexed
+        worker first.
 
     Raises:
         ValueError: empty ``models``, a non-model entry, NaN/negative coefficients, negative

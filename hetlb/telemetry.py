@@ -1,15 +1,28 @@
 """Per-step telemetry: the world table every rank sees, its history, and the probes that fill a row.
 
 A row is ``FIELDS`` as float64 on the host. Each rank fills its own row; the rows of all ranks
-reach every rank inside the gradient all-reduce (see :mod:`hetlb.aggregate`), so the table a
-policy reads is bit-identical on every rank and decisions can be replicated.
+reach every rank with the gradient all-reduce (see :mod:`hetlb.aggregate`), so the table a policy
+reads is bit-identical on every rank and decisions can be replicated.
+
+What the columns mean (one row per rank and step):
+
+* ``compute``: seconds from the step's first forward to its last gradient bucket being ready, the
+  rank's *computation* (with whatever communication of earlier buckets it could not overlap);
+  ``+inf`` reports a rank that made no progress. On CUDA: device time from events, reported one
+  step late so the host never waits for the device.
+* ``cpu``: machine CPU utilisation over the latest window (at least 0.2 s) ending when this step's
+  compute ended: the load the step ran under, the "current" reading of the next decision.
+* ``memory``: fraction of the device's memory in use by anyone when the step started (CUDA:
+  ``1 - free / total`` from ``torch.cuda.mem_get_info``, which sees co-located processes; CPU:
+  ``1 - available / total`` RAM).
+* ``predicted``: the rank's own prediction of its speed for the step after next, from a rank-local
+  predictor when the policy uses one (LB-BSP's per-worker NARX), else NaN.
 """
 from __future__ import annotations
 
 import math
 import os
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
@@ -17,19 +30,20 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 import torch
 
+from .checks import number
+
 #: Columns of the world table, in order.
-FIELDS = ("batch", "compute", "data", "memory", "cpu", "checksum", "plan", "step", "epoch")
+FIELDS = ("batch", "compute", "data", "memory", "cpu", "predicted", "checksum", "plan", "step", "epoch")
 NUM_FIELDS = len(FIELDS)
 COL = {name: i for i, name in enumerate(FIELDS)}
 
-#: Integers that ride in a float32 slot must stay exact: checksums and step counters wrap here.
-EXACT_INT = 1 << 24
+#: The per-rank arrays of a :class:`StepRecord`, in table order.
+RECORD_ARRAYS = ("batch", "compute", "data", "memory", "cpu", "predicted")
 
 
-def decision_checksum(sizes: Any) -> int:
-    """CRC32 of an int64 size vector, folded to 24 bits so it survives a float32 slot exactly."""
-    arr = np.ascontiguousarray(np.asarray(sizes, dtype=np.int64))
-    return zlib.crc32(arr.tobytes()) % EXACT_INT
+class UnusableTelemetry(ValueError):
+    """A step's telemetry cannot be used (NaN times, negative sizes, ...): the Balancer keeps the
+    previous sizes and counts it; policies raise it for values they cannot interpret."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +54,15 @@ class StepRecord:
         step: global step index (counted from the start of training, across epochs).
         epoch: epoch the step belongs to.
         batch: samples each rank processed, int64 ``[world]``.
-        compute: seconds of forward+backward up to the last gradient bucket, ``[world]``.
+        compute: seconds of computation (see the module docstring), ``[world]``; ``+inf`` for a
+            rank that made no progress.
         data: data amount each rank processed (sum of sample sizes; equals ``batch`` when samples
             have no size), ``[world]``.
-        memory: fraction of device memory in use in ``[0, 1]`` (CUDA memory, or process RSS over
-            total RAM on CPU), ``[world]``.
-        cpu: machine CPU utilisation in ``[0, 1]`` seen by each rank, ``[world]``.
+        memory: fraction of device memory in use in ``[0, 1]``, ``[world]``.
+        cpu: machine CPU utilisation in ``[0, 1]`` over the step, ``[world]``.
+        predicted: each rank's own predicted speed (samples/s) or NaN, ``[world]``.
+        epoch_end: whether this was the last step of its epoch (known from the loader's plan;
+            False when there is no loader).
     """
 
     step: int
@@ -55,6 +72,12 @@ class StepRecord:
     data: np.ndarray
     memory: np.ndarray
     cpu: np.ndarray
+    predicted: np.ndarray = field(default=None)  # type: ignore[assignment]
+    epoch_end: bool = False
+
+    def __post_init__(self) -> None:
+        if self.predicted is None:
+            object.__setattr__(self, "predicted", np.full(self.batch.shape[0], np.nan))
 
     @property
     def world(self) -> int:
@@ -62,35 +85,46 @@ class StepRecord:
 
     @property
     def speed(self) -> np.ndarray:
-        """Samples per second of each rank (0 where the rank had no samples)."""
+        """Samples per second of each rank (0 where the rank had no samples or made no
+        progress)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             v = np.where(self.batch > 0, self.batch / self.compute, 0.0)
-        return v
+        return np.where(np.isfinite(v), v, 0.0)
 
     @classmethod
-    def from_table(cls, table: np.ndarray) -> "StepRecord":
-        """Build a record from a ``[world, NUM_FIELDS]`` table (checksum column dropped)."""
+    def from_table(cls, table: np.ndarray, step: Optional[int] = None,
+                   epoch: Optional[int] = None) -> "StepRecord":
+        """A record from a ``[world, NUM_FIELDS]`` table; ``step``/``epoch`` override the table's
+        (which wrap at 2^24 to stay exact in float32)."""
         t = np.asarray(table, dtype=np.float64)
         if t.ndim != 2 or t.shape[1] != NUM_FIELDS:
             raise ValueError(f"telemetry table must be [world, {NUM_FIELDS}], got shape {t.shape}")
-        return cls(step=int(t[0, COL["step"]]), epoch=int(t[0, COL["epoch"]]),
+        return cls(step=int(t[0, COL["step"]]) if step is None else int(step),
+                   epoch=int(t[0, COL["epoch"]]) if epoch is None else int(epoch),
                    batch=np.rint(t[:, COL["batch"]]).astype(np.int64),
                    compute=t[:, COL["compute"]].copy(), data=t[:, COL["data"]].copy(),
-                   memory=t[:, COL["memory"]].copy(), cpu=t[:, COL["cpu"]].copy())
+                   memory=t[:, COL["memory"]].copy(), cpu=t[:, COL["cpu"]].copy(),
+                   predicted=t[:, COL["predicted"]].copy())
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"step": self.step, "epoch": self.epoch, "batch": self.batch.tolist(),
-                "compute": self.compute.tolist(), "data": self.data.tolist(),
-                "memory": self.memory.tolist(), "cpu": self.cpu.tolist()}
+        """Plain Python values (lists of floats/ints): loads with ``torch.load(weights_only=True)``."""
+        out: Dict[str, Any] = {"step": int(self.step), "epoch": int(self.epoch),
+                               "epoch_end": bool(self.epoch_end)}
+        for name in RECORD_ARRAYS:
+            out[name] = getattr(self, name).tolist()
+        return out
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "StepRecord":
+        world = len(d["batch"])
         return cls(step=int(d["step"]), epoch=int(d["epoch"]),
                    batch=np.asarray(d["batch"], dtype=np.int64),
                    compute=np.asarray(d["compute"], dtype=np.float64),
                    data=np.asarray(d["data"], dtype=np.float64),
                    memory=np.asarray(d["memory"], dtype=np.float64),
-                   cpu=np.asarray(d["cpu"], dtype=np.float64))
+                   cpu=np.asarray(d["cpu"], dtype=np.float64),
+                   predicted=np.asarray(d.get("predicted", [math.nan] * world), dtype=np.float64),
+                   epoch_end=bool(d.get("epoch_end", False)))
 
 
 class History:
@@ -106,8 +140,11 @@ class History:
         self._records: Deque[StepRecord] = deque(maxlen=int(maxlen))
 
     def append(self, record: StepRecord) -> None:
+        """Add the latest step; raises :class:`UnusableTelemetry` (see :func:`validate_record`)
+        for a record that cannot describe a step, so every record a policy reads is sound."""
         if record.world != self.world:
             raise ValueError(f"record has {record.world} ranks, history has {self.world}")
+        validate_record(record)
         if self._records and record.step <= self._records[-1].step:
             raise ValueError(f"steps must increase: got {record.step} after {self._records[-1].step}")
         self._records.append(record)
@@ -125,7 +162,8 @@ class History:
         """The latest ``k`` records (fewer if the history is shorter), oldest first."""
         if k <= 0:
             return []
-        return list(self._records)[-k:]
+        n = len(self._records)
+        return [self._records[i] for i in range(max(0, n - k), n)]
 
     def column(self, name: str, k: Optional[int] = None) -> np.ndarray:
         """``[steps, world]`` array of one field over the latest ``k`` records (all if None)."""
@@ -138,6 +176,11 @@ class History:
         return {"world": self.world, "maxlen": self._records.maxlen,
                 "records": [r.to_dict() for r in self._records]}
 
+    def extend(self, records: Any) -> None:
+        """Append several records (oldest first)."""
+        for r in records:
+            self.append(r)
+
     @classmethod
     def from_state_dict(cls, d: Dict[str, Any]) -> "History":
         h = cls(d["world"], d.get("maxlen") or 1024)
@@ -147,90 +190,27 @@ class History:
 
 
 def validate_record(record: StepRecord) -> None:
-    """Raise ``ValueError`` naming the ranks whose telemetry cannot be used (NaN, inf, <= 0 time
-    with samples, negative sizes)."""
+    """Structural check of a record: raise :class:`UnusableTelemetry` naming the ranks whose
+    values cannot describe a step (negative sizes; compute time NaN, negative, or zero with
+    samples; non-finite data, memory or CPU). ``+inf`` compute passes: it is how a rank reports
+    that it made no progress, and each policy decides what that means."""
     b, t, d = record.batch, record.compute, record.data
-    bad = (b < 0) | ~np.isfinite(t) | (t < 0) | ((b > 0) & (t == 0)) | ~np.isfinite(d)
+    bad = (b < 0) | np.isnan(t) | (t < 0) | ((b > 0) & (t == 0)) | ~np.isfinite(d) | (d < 0)
+    bad |= ~np.isfinite(record.memory) | ~np.isfinite(record.cpu)
     if bad.any():
-        raise ValueError(f"step {record.step}: unusable telemetry from " + ", ".join(
-            f"rank {r} (batch={int(b[r])}, compute={float(t[r])!r}, data={float(d[r])!r})" for r in np.flatnonzero(bad)))
+        raise UnusableTelemetry(f"step {record.step}: unusable telemetry from " + ", ".join(
+            f"rank {r} (batch={int(b[r])}, compute={float(t[r])!r}, data={float(d[r])!r}, "
+            f"memory={float(record.memory[r])!r}, cpu={float(record.cpu[r])!r})"
+            for r in np.flatnonzero(bad)))
 
 
-# ---------------------------------------------------------------------------------------------
-# Probes: memory and CPU of this process / machine.
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Probe:
-    """Reads memory and CPU load for this rank's telemetry row.
-
-    On CUDA the memory fraction is ``torch.cuda.memory_reserved / total`` (no synchronisation);
-    on CPU it is process RSS over total RAM via psutil. CPU is machine utilisation since the
-    previous reading (psutil's non-blocking ``cpu_percent(None)``).
-
-    Readings are refreshed at most every ``interval`` seconds and reused in between: psutil costs
-    ~50 µs, and a CPU percentage over a window of a few milliseconds is noise anyway. Steps
-    longer than ``interval`` always get fresh readings.
-    """
-
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    interval: float = 0.2
-
-    def __post_init__(self) -> None:
-        import psutil
-        if not (math.isfinite(self.interval) and self.interval >= 0):
-            raise ValueError(f"Probe: interval must be a finite number >= 0, got {self.interval!r}")
-        self._psutil = psutil
-        self._proc = psutil.Process(os.getpid())
-        self._total_ram = float(psutil.virtual_memory().total)
-        psutil.cpu_percent(None)  # prime the non-blocking counter
-        self._cuda_total: Optional[float] = None
-        if self.device.type == "cuda":
-            self._cuda_total = float(torch.cuda.get_device_properties(self.device).total_memory)
-        self._at = {"memory": -math.inf, "cpu": -math.inf}
-        self._last = {"memory": 0.0, "cpu": 0.0}
-
-    def _fresh(self, what: str) -> bool:
-        now = time.monotonic()
-        if now - self._at[what] < self.interval:
-            return False
-        self._at[what] = now
-        return True
-
-    def memory(self) -> float:
-        """Fraction of device memory (CUDA) or RAM (CPU) this rank holds, in [0, 1]."""
-        if self._fresh("memory"):
-            if self._cuda_total is not None:
-                self._last["memory"] = float(torch.cuda.memory_reserved(self.device)) / self._cuda_total
-            else:
-                self._last["memory"] = float(self._proc.memory_info().rss) / self._total_ram
-        return self._last["memory"]
-
-    def cpu(self) -> float:
-        """Machine CPU utilisation in [0, 1] since the previous fresh reading."""
-        if self._fresh("cpu"):
-            self._last["cpu"] = float(self._psutil.cpu_percent(None)) / 100.0
-        return self._last["cpu"]
-
-
-def hardware_info(device: Optional[torch.device] = None) -> Dict[str, float]:
-    """Static indicators of this rank's hardware, for policies that start from them (WLBS).
-
-    Keys: ``cpus`` (usable CPU count), ``memory`` (bytes of RAM), and on CUDA ``gpu_sms``
-    (multiprocessors), ``gpu_clock`` (kHz, 0 if unknown), ``gpu_memory`` (bytes).
-    """
-    import psutil
-    try:
-        cpus = float(len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        cpus = float(os.cpu_count() or 1)
-    info: Dict[str, float] = {"cpus": cpus, "memory": float(psutil.virtual_memory().total)}
-    if device is not None and device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        info["gpu_sms"] = float(p.multi_processor_count)
-        info["gpu_clock"] = float(getattr(p, "clock_rate", 0) or 0)
-        info["gpu_memory"] = float(p.total_memory)
-    return info
+def require_progress(record: StepRecord, who: str) -> None:
+    """For policies that cannot act on a rank without progress: raise
+    :class:`UnusableTelemetry` if any rank reported ``+inf`` compute."""
+    stuck = np.flatnonzero(np.isinf(record.compute))
+    if stuck.size:
+        raise UnusableTelemetry(f"step {record.step}: ranks {stuck.tolist()} made no progress "
+                                f"(compute=inf); {who} cannot balance without their speed")
 
 
 def straggler_effect(compute: Sequence[float], batch: Optional[Sequence[int]] = None) -> float:
@@ -242,6 +222,68 @@ def straggler_effect(compute: Sequence[float], batch: Optional[Sequence[int]] = 
     if batch is not None:
         t = t[np.asarray(batch) > 0]
     mean = float(t.mean()) if t.size else 0.0
-    if t.size == 0 or mean <= 0:
+    if t.size == 0 or not (mean > 0) or not math.isfinite(mean):
         return 0.0
     return float((t.max() - t.min()) / mean)
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes: memory in use and static hardware indicators of this rank.
+# ---------------------------------------------------------------------------------------------
+
+class Probe:
+    """Reads the memory fraction in use for this rank's telemetry row.
+
+    CUDA: ``1 - free / total`` of the device from ``torch.cuda.mem_get_info`` (every process's
+    allocations, as LB-BSP's memory guard needs). CPU: ``1 - available / total`` RAM (psutil).
+    Readings are refreshed at most every ``interval`` seconds and reused in between (psutil costs
+    ~50 µs; memory does not change meaningfully within milliseconds).
+    """
+
+    def __init__(self, device: Optional[torch.device] = None, interval: float = 0.2) -> None:
+        import psutil
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.interval = number(interval, "Probe: interval", minimum=0.0)
+        self._psutil = psutil
+        self._at = -math.inf
+        self._last = 0.0
+
+    def memory(self) -> float:
+        """Fraction of the device's memory (CUDA) or of RAM (CPU) in use, in [0, 1]."""
+        now = time.monotonic()
+        if now - self._at >= self.interval:
+            self._at = now
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+            else:
+                vm = self._psutil.virtual_memory()
+                free, total = vm.available, vm.total
+            self._last = min(max(1.0 - float(free) / float(total), 0.0), 1.0) if total else 0.0
+        return self._last
+
+
+def hardware_info(device: Optional[torch.device] = None) -> Dict[str, float]:
+    """Static indicators of this rank's hardware, for policies that start from them (WLBS).
+
+    Keys: ``cpus`` (logical CPUs this process may use), ``cores`` (physical cores of the machine),
+    ``memory`` (bytes of RAM), and on CUDA ``gpu_sms`` (multiprocessors), ``gpu_clock`` (kHz, 0
+    if unknown), ``gpu_memory`` (bytes).
+    """
+    import psutil
+    try:
+        cpus = float(len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        cpus = float(os.cpu_count() or 1)
+    cores = float(psutil.cpu_count(logical=False) or cpus)
+    info: Dict[str, float] = {"cpus": cpus, "cores": cores, "memory": float(psutil.virtual_memory().total)}
+    if device is not None and torch.device(device).type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info["gpu_sms"] = float(p.multi_processor_count)
+        info["gpu_clock"] = float(getattr(p, "clock_rate", 0) or 0)
+        info["gpu_memory"] = float(p.total_memory)
+    return info
+
+
+__all__ = ["FIELDS", "NUM_FIELDS", "COL", "RECORD_ARRAYS", "UnusableTelemetry", "StepRecord",
+           "History", "validate_record", "require_progress", "straggler_effect", "Probe",
+           "hardware_info"]

@@ -18,12 +18,15 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def _entry(fn: Callable, rank: int, world: int, store: str, out: str, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world: int, store: str, out: str, args: tuple,
+           backend: str = "gloo") -> None:
     import torch
     torch.set_num_threads(1)
     result: Any
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world, timeout=COLLECTIVE_TIMEOUT)
         try:
             result = ("ok", fn(rank, world, *args))
@@ -50,7 +53,7 @@ def gloo_threads() -> List[str]:
     return sorted(n for n in names if "gloo" in n)
 
 
-def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0) -> List[Any]:
+def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0, backend: str = "gloo") -> List[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result.
 
     Raises ``AssertionError`` with the rank's traceback if any rank failed, and kills every
@@ -59,7 +62,7 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0) -> List[An
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, tmp, args), daemon=False)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, tmp, args, backend), daemon=False)
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -256,3 +256,15 @@ def test_model_roundtrip(m):
     np.testing.assert_array_equal(again.time(np.arange(1, 9)), m.time(np.arange(1, 9)))
     for b in range(1, 9):
         assert ref.raw_time(m, b) == pytest.approx(float(m.time(b)), rel=1e-15)
+
+
+def test_the_stated_spread_definition_on_the_documented_example():
+    # Two workers T(b) = b capped at 10 and one with T = 10 for any batch, total 20, lower 0.
+    # [10, 10, 0] and [10, 9, 1] both have makespan 10; allocate keeps the third worker busy
+    # (least time 9 over the workers that can take part, the idle one counting 0).
+    models = [hetlb.LinearModel(0.0, 1.0), hetlb.LinearModel(0.0, 1.0), hetlb.LinearModel(10.0, 0.0)]
+    b = hetlb.allocate(models, 20, lower=[0, 0, 0], upper=[10, 10, 20])
+    assert b.tolist() == [10, 9, 1]
+    best, floor, part = brute_force(models, 20, [0, 0, 0], [10, 10, 20])
+    assert (best, floor, part) == (10.0, 9.0, [0, 1, 2])
+    assert objectives(models, b, part) == (best, floor)

@@ -1,92 +1,305 @@
-"""Global-order sampler: exactly-once coverage, equal step counts, resume — in one process.
+"""Plan board and global-order sampler: exactly-once coverage, equal step counts, windows, epochs
+and resume, in one process.
 
-The ranks are simulated by one sampler per rank fed the same plan sequence (what replicated
+The ranks are simulated by one board and sampler per rank fed the same decisions (what replicated
 decisions guarantee); the multi-process versions live in test_balancer_dist.py.
 """
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from hetlb.data import GlobalOrderSampler, split_last
+from hetlb.data import GlobalOrderSampler
+from hetlb.plan import PlanBoard, ScheduleRule, decision_checksum, split_last
 
 
-def random_plan(world, global_batch, seed):
-    """Deterministic 'policy': fresh random sizes for every drawn step (same on every rank)."""
-    rng = np.random.default_rng(seed)
-    draws = []
-
-    def plan(count):
-        w = rng.random(world) + 0.01
-        sizes = split_last(np.maximum(1, np.round(w / w.sum() * 1000)).astype(np.int64), count)
-        draws.append(sizes)
-        return sizes
-    return plan, draws
+def ranks(n, B, world, seed=0, drop_last=False, shuffle=True, accumulate=1, sample_sizes=None):
+    boards = [PlanBoard(world, r, B, accumulate) for r in range(world)]
+    samplers = [GlobalOrderSampler(n, b, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                   sample_sizes=sample_sizes) for b in boards]
+    return boards, samplers
 
 
-def epoch_slices(n, B, world, seed, epoch, start_step=0, drop_last=False, shuffle=True):
-    samplers = []
-    for r in range(world):
-        p, _ = random_plan(world, B, seed * 7919 + epoch)
-        s = GlobalOrderSampler(n, B, r, world, p, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        s.epoch, s.start_step = epoch, start_step
-        samplers.append(s)
-    return [list(s) for s in samplers]
+def random_decision(rng, world, B):
+    w = rng.random(world) + 0.01
+    return split_last(np.maximum(1, np.round(w / w.sum() * 1000)).astype(np.int64), B)
+
+
+def run_epoch(boards, samplers, rng, stop=None, train=True, restart=True):
+    """Draw, hand out and (``train``) complete steps on every rank in lockstep, a new decision
+    per step; ``restart``: a new iteration (else the one under way goes on). Returns each rank's
+    list of index lists and the plans."""
+    world = len(boards)
+    B = boards[0].global_batch
+    if restart:
+        for b in boards:
+            b.restart()
+    its = [iter(s) for s in samplers]
+    out = [[] for _ in range(world)]
+    plans = []
+    while stop is None or len(plans) < stop:
+        d = random_decision(rng, world, B)
+        for b in boards:
+            b.post(d)
+        try:
+            idx = [next(it) for it in its]
+        except StopIteration:
+            break
+        hp = [b.hand() for b in boards]
+        assert len({p.checksum for p in hp}) == 1  # every rank drew the same plan
+        plans.append(hp[0])
+        for r in range(world):
+            out[r].append(idx[r])
+            if train:
+                boards[r].complete(hp[r])
+    return out, plans
 
 
 @given(n=st.integers(0, 300), B=st.integers(1, 64), world=st.integers(1, 6),
        seed=st.integers(0, 2**16), epochs=st.integers(1, 3))
 def test_exactly_once_and_equal_steps(n, B, world, seed, epochs):
+    rng = np.random.default_rng(seed)
+    boards, samplers = ranks(n, B, world, seed=seed)
     for epoch in range(epochs):
-        per_rank = epoch_slices(n, B, world, seed, epoch)
-        counts = {len(x) for x in per_rank}
-        assert counts == {int(np.ceil(n / B))}, "every rank runs the same number of steps"
+        per_rank, plans = run_epoch(boards, samplers, rng)
+        assert {len(x) for x in per_rank} == {int(np.ceil(n / B))}, "every rank runs the same number of steps"
         seen = np.concatenate([np.asarray(i, dtype=np.int64) for steps in per_rank for i in steps]
                               or [np.zeros(0, np.int64)])
         assert np.array_equal(np.sort(seen), np.arange(n)), "each sample exactly once per epoch"
-        for step in range(len(per_rank[0])):
-            total = sum(len(per_rank[r][step]) for r in range(world))
-            assert total == min(B, n - step * B)
+        for step, plan in enumerate(plans):
+            assert plan.count == min(B, n - step * B) and plan.epoch == boards[0].epoch
+            assert sum(len(per_rank[r][step]) for r in range(world)) == plan.count
+            for r in range(world):
+                assert len(per_rank[r][step]) == plan.sizes[r]
 
 
 @given(n=st.integers(1, 200), B=st.integers(1, 32), world=st.integers(1, 4), seed=st.integers(0, 999))
 def test_drop_last_drops_only_the_short_step(n, B, world, seed):
-    per_rank = epoch_slices(n, B, world, seed, 0, drop_last=True)
+    boards, samplers = ranks(n, B, world, seed=seed, drop_last=True)
+    per_rank, _ = run_epoch(boards, samplers, np.random.default_rng(seed))
     seen = sorted(i for steps in per_rank for s in steps for i in s)
     assert len(seen) == (n // B) * B and len(set(seen)) == len(seen)
 
 
 def test_permutation_depends_on_seed_and_epoch_only():
-    a = GlobalOrderSampler(50, 8, 0, 2, lambda c: split_last(np.array([1, 1]), c), seed=5)
-    b = GlobalOrderSampler(50, 8, 1, 3, lambda c: split_last(np.array([1, 1, 1]), c), seed=5)
+    a = GlobalOrderSampler(50, PlanBoard(2, 0, 8), seed=5)
+    b = GlobalOrderSampler(50, PlanBoard(3, 1, 8), seed=5)
     assert np.array_equal(a.permutation(2), b.permutation(2))
     assert not np.array_equal(a.permutation(2), a.permutation(3))
-    assert np.array_equal(GlobalOrderSampler(9, 2, 0, 1, None, shuffle=False).permutation(4), np.arange(9))
+    assert np.array_equal(GlobalOrderSampler(9, PlanBoard(1, 0, 2), shuffle=False).permutation(4), np.arange(9))
 
 
 @given(n=st.integers(1, 200), B=st.integers(1, 32), world=st.integers(1, 4), seed=st.integers(0, 999),
-       cut=st.integers(0, 50))
-def test_resume_mid_epoch_covers_the_rest(n, B, world, seed, cut):
+       cut=st.integers(0, 50), handed=st.integers(0, 3), new_world=st.integers(1, 4))
+def test_resume_mid_epoch_covers_the_rest(n, B, world, seed, cut, handed, new_world):
+    # Train `cut` steps, hand out `handed` more without training them (a peek, or a checkpoint at
+    # the top of the loop body, or prefetch), checkpoint, resume on another world size.
+    rng = np.random.default_rng(seed)
     steps = int(np.ceil(n / B))
     cut = min(cut, steps)
-    first = epoch_slices(n, B, world, seed, 1)
-    done = [i for r in range(world) for s in first[r][:cut] for i in s]
-    # Same permutation (seed stays); the sizes after the resume differ from before.
-    rest = [GlobalOrderSampler(n, B, r, world, random_plan(world, B, 3)[0], seed=seed) for r in range(world)]
-    for s in rest:
-        s.epoch, s.start_step = 1, cut
-    later = [i for s in rest for idx in s for i in idx]
-    assert sorted(done + later) == list(range(n))
-    assert all(len(s) == steps - cut for s in rest)
+    boards, samplers = ranks(n, B, world, seed=seed)
+    first, _ = run_epoch(boards, samplers, rng, stop=cut)
+    run_epoch(boards, samplers, rng, stop=handed, train=False, restart=False)
+    state = boards[0].position()
+    assert all(b.position() == state for b in boards) and state["step"] == cut
+    boards2, samplers2 = ranks(n, B, new_world, seed=seed)
+    for b in boards2:
+        b.load_position(state)
+    later, _ = run_epoch(boards2, samplers2, rng)
+    done = [i for r in range(world) for s in first[r] for i in s]
+    rest = [i for r in range(new_world) for s in later[r] for i in s]
+    if cut < steps:
+        assert sorted(done + rest) == list(range(n))
+        assert all(len(s) == steps - cut for s in later)
+    else:  # the checkpoint closed the epoch: the resumed loader runs the next one, whole
+        assert sorted(done) == list(range(n)) and sorted(rest) == list(range(n))
+        assert boards2[0].epoch == 1
 
 
-def test_split_last_and_bad_plan():
+def test_a_peek_does_not_consume_a_step():
+    rng = np.random.default_rng(0)
+    boards, samplers = ranks(40, 4, 2, seed=3)
+    peek, _ = run_epoch(boards, samplers, rng, stop=1, train=False)  # next(iter(loader))
+    rest, _ = run_epoch(boards, samplers, rng)
+    assert rest[0][0] == peek[0][0]  # the peeked step is handed out again
+    assert sorted(i for r in rest for s in r for i in s) == list(range(40))
+
+
+@given(n=st.integers(1, 120), B=st.integers(1, 16), world=st.integers(1, 4), K=st.integers(2, 5),
+       seed=st.integers(0, 999))
+def test_accumulation_windows_have_fixed_sizes(n, B, world, K, seed):
+    boards, samplers = ranks(n, B, world, seed=seed, accumulate=K)
+    per_rank, plans = run_epoch(boards, samplers, np.random.default_rng(seed))
+    full = n // B
+    assert sorted(i for r in per_rank for s in r for i in s) == list(range(n))
+    for p in plans:
+        if p.step < full:
+            start = (p.step // K) * K
+            assert p.window_pos == p.step - start and p.window_len == min(K, full - start)
+        else:
+            assert (p.window_pos, p.window_len) == (0, 1)  # the short last step: its own window
+    for a, b in zip(plans, plans[1:]):
+        if b.window_pos > 0:
+            assert b.sizes.tolist() == a.sizes.tolist(), "sizes change only at a window start"
+
+
+def test_windows_redraw_from_the_position_after_a_restart():
+    boards, samplers = ranks(64, 4, 2, seed=1, accumulate=4)
+    rng = np.random.default_rng(4)
+    run_epoch(boards, samplers, rng, stop=4)  # one whole window trained
+    run_epoch(boards, samplers, rng, stop=2, train=False, restart=False)  # two micro-steps handed out
+    assert boards[0].done == 4
+    _, plans = run_epoch(boards, samplers, rng, stop=4)
+    assert [p.step for p in plans] == [4, 5, 6, 7] and plans[0].window_pos == 0
+
+
+def test_data_amounts_follow_the_slices():
+    sizes = np.arange(20, dtype=np.float64) + 1
+    boards, samplers = ranks(20, 6, 2, seed=0, shuffle=False, sample_sizes=sizes)
+    for b in boards:
+        b.post(np.array([2, 4]))
+    plan = None
+    for b, s in zip(boards, samplers):
+        next(iter(s))
+        plan = b.hand()
+    assert plan.data.tolist() == [1.0 + 2.0, 3.0 + 4.0 + 5.0 + 6.0]
+    boards, samplers = ranks(3, 6, 3, seed=0, shuffle=False, sample_sizes=np.ones(3))
+    for b in boards:
+        b.post(np.array([2, 2, 2]))
+        samplers[b.rank] and next(iter(samplers[b.rank]))
+    p = boards[2].hand()  # 3 samples by shares 2:2:2 -> a rank gets none
+    assert p.sizes.sum() == 3 and p.data.tolist() == p.sizes.astype(float).tolist()
+
+
+def test_size_aware_plan_assigns_every_sample_once():
+    sizes = np.random.default_rng(2).lognormal(2, 1, 37)
+    boards, samplers = ranks(37, 12, 3, seed=5, sample_sizes=sizes)
+    rule = ScheduleRule([1e-3, 2e-3, 4e-3], [0.01, 0.0, 0.0])
+    seen = []
+    for b in boards:
+        b.restart()
+    its = [iter(s) for s in samplers]
+    while True:
+        for b in boards:
+            b.post(rule)
+        try:
+            idx = [next(it) for it in its]
+        except StopIteration:
+            break
+        plans = [b.hand() for b in boards]
+        p = plans[0]
+        assert p.assignment is not None and np.bincount(p.assignment, minlength=3).tolist() == p.sizes.tolist()
+        for r in range(3):
+            assert len(idx[r]) == p.sizes[r]
+            assert p.data[r] == pytest.approx(sizes[idx[r]].sum())
+            seen += idx[r]
+        for b, q in zip(boards, plans):
+            b.complete(q)
+    assert sorted(seen) == list(range(37))
+    with pytest.raises(ValueError, match="gradient accumulation"):
+        PlanBoard(2, 0, 8, accumulate=2).post(ScheduleRule([1, 1], [0, 0]))
+
+
+def test_set_epoch_rules():
+    b = PlanBoard(1, 0, 4)
+    b.steps_per_epoch = 3
+    b.set_epoch(0)
+    b.done = 3  # epoch 0 trained
+    with pytest.raises(ValueError, match="already complete"):
+        b.set_epoch(0)
+    b.set_epoch(1)
+    assert (b.epoch, b.done) == (1, 0)
+    with pytest.raises(ValueError, match="already at epoch 1"):
+        b.set_epoch(0)
+    b.done = 1
+    b.set_epoch(4)  # without a restore, skipping the rest of an epoch is the script's choice
+    assert (b.epoch, b.done) == (4, 0)
+    # After a restore the script must continue where the checkpoint stopped.
+    b.load_position({"epoch": 2, "step": 1, "global_batch": 4})
+    with pytest.raises(ValueError, match="step 1 of 3 of epoch 2"):
+        b.set_epoch(3)
+    b.set_epoch(2)
+    b.load_position({"epoch": 2, "step": 3, "global_batch": 4})
+    with pytest.raises(ValueError, match="epoch 2 is already complete .as the loaded checkpoint says"):
+        b.set_epoch(2)
+    with pytest.raises(ValueError, match="next epoch is 3"):
+        b.set_epoch(5)
+    b.set_epoch(3)
+    # Iterating a finished epoch without set_epoch moves on (a DataLoader iterated again).
+    b.done = 3
+    b.restart()
+    assert (b.epoch, b.done) == (4, 0)
+    with pytest.raises(ValueError, match="global_batch=8 differs"):
+        b.load_position({"epoch": 0, "step": 0, "global_batch": 8})
+
+
+def test_split_last_and_checksums():
     assert split_last(np.array([1, 2, 3, 4]), 10).tolist() == [1, 2, 3, 4]
     assert split_last(np.array([1, 2, 3, 4]), 5).sum() == 5
     assert split_last(np.array([10, 10]), 1).tolist() in ([1, 0], [0, 1])
-    s = GlobalOrderSampler(10, 4, 0, 2, lambda c: np.array([1, 1]))
-    with pytest.raises(RuntimeError, match="does not split 4 samples"):
-        list(s)
-    with pytest.raises(ValueError, match="rank 2 outside world of 2"):
-        GlobalOrderSampler(10, 4, 2, 2, None)
-    with pytest.raises(ValueError, match="global_batch must be >= 1"):
-        GlobalOrderSampler(10, 0, 0, 1, None)
+    assert decision_checksum([3, 7]) != decision_checksum([7, 3])
+    assert decision_checksum(ScheduleRule([1, 2], [0, 0])) != decision_checksum(ScheduleRule([2, 1], [0, 0]))
+    with pytest.raises(ValueError, match="rank 2 outside a world of 2"):
+        PlanBoard(2, 2, 4)
+    with pytest.raises(ValueError, match="global_batch must be an integer >= 1"):
+        PlanBoard(1, 0, 0)
+    with pytest.raises(ValueError, match="finite 1-D arrays"):
+        ScheduleRule([1.0, np.nan], [0, 0])
+
+
+@given(n=st.integers(0, 200), world=st.integers(1, 5), seed=st.integers(0, 999),
+       cut=st.integers(0, 30), refs=st.lists(st.integers(1, 9), min_size=5, max_size=5))
+def test_streams_cover_the_epoch_once_at_each_rank_s_own_pace(n, world, seed, cut, refs):
+    # Delayed synchronous training: every rank draws reference batches of its own size from its
+    # own shard; a checkpoint keeps every rank's count; a resume (on the same ranks) continues.
+    rng = np.random.default_rng(seed)
+    w = rng.random(world) + 0.1
+    shards = split_last(np.maximum(1, np.round(w / w.sum() * 1000)).astype(np.int64), n)
+    boards = [PlanBoard(world, r, 8, mode="stream") for r in range(world)]
+    samplers = [GlobalOrderSampler(n, b, seed=seed) for b in boards]
+    seen = []
+    for r, (b, s) in enumerate(zip(boards, samplers)):
+        b.post_shards(shards, refs[r])
+        b.restart()
+        for k, idx in enumerate(s):
+            assert 1 <= len(idx) <= refs[r]
+            if k < cut:
+                seen += idx
+            else:
+                break
+    used = np.array([min(cut * refs[r], shards[r]) for r in range(world)])
+    for b in boards:
+        b.consumed(used)
+    state = boards[0].position()
+    assert state["used"] == used.tolist() and state["shards"] == shards.tolist()
+    rest = [PlanBoard(world, r, 8, mode="stream") for r in range(world)]
+    for r, b in enumerate(rest):
+        b.load_position(state)
+        if n and np.array_equal(used, shards):  # the checkpoint closed the epoch: the next one
+            b.restart()
+            assert b.epoch == 1 and b.shards is None
+            with pytest.raises(RuntimeError, match="shards of epoch 1: post_shards"):
+                list(GlobalOrderSampler(n, b, seed=seed))
+            continue
+        b.post_shards(shards, refs[r])
+        b.restart()
+        seen += [i for idx in GlobalOrderSampler(n, b, seed=seed) for i in idx]
+        b.consumed(shards)
+    assert sorted(seen) == list(range(n))
+
+
+def test_stream_misuse():
+    b = PlanBoard(2, 0, 8, mode="stream")
+    with pytest.raises(RuntimeError, match="post_shards"):
+        b.draw_stream(10)
+    b.post_shards([6, 4], 3)
+    with pytest.raises(RuntimeError, match="do not cover the epoch's 11"):
+        b.draw_stream(11)
+    b.consumed([3, 0])
+    with pytest.raises(ValueError, match="cannot change"):
+        b.post_shards([5, 5], 3)
+    with pytest.raises(ValueError, match="within the shards"):
+        b.consumed([7, 0])
+    with pytest.raises(ValueError, match="mode='stream'"):
+        PlanBoard(2, 0, 8).post_shards([4, 4], 2)
+    with pytest.raises(ValueError, match="mode must be"):
+        PlanBoard(2, 0, 8, mode="async")

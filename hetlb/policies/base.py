@@ -1,8 +1,16 @@
-"""The policy protocol shared by the trainer (``hetlb.Balancer``) and the simulator.
+"""The policy kit shared by every policy, the trainer (``hetlb.Balancer``) and the simulator.
 
-A policy is a pure function of the telemetry history plus its own state: ``start(ctx)`` gives
-the sizes of the first step, ``decide(history)`` the sizes of the next one. It never touches the
-network, so every rank computes the same decision from the same table.
+A policy is a pure function of the telemetry history plus its own state: ``start(ctx)`` gives the
+sizes of the first step, ``decide(history)`` the sizes of the next one. It never touches the
+network, so every rank computes the same decision from the same table. Records reach a policy
+through a :class:`hetlb.telemetry.History`, which refuses structurally unusable ones (one place
+for that check); a policy checks only what values *mean* to it (``+inf`` compute: a rank that made
+no progress, which only WLBS acts on).
+
+The kit: :class:`Context` (what a policy knows up front), :class:`Policy` (the protocol),
+:class:`SizedPolicy` (bounds, the latest decision, "did this record run it", equal and
+proportional splits), :class:`EpochMeter` (per-epoch speeds, for DBS and WLBS), and the checks and
+state conversions the Balancer applies to every policy.
 """
 from __future__ import annotations
 
@@ -11,8 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+import torch
 
 from ..models import TimeModel
+from ..plan import ScheduleRule
+from ..solve import allocate_proportional
+from ..telemetry import History, StepRecord, require_progress
+
+__all__ = ["Context", "Policy", "SizedPolicy", "EpochMeter", "EpochPolicy", "check_sizes",
+           "check_decision", "to_state", "from_state"]
 
 
 @dataclass
@@ -23,11 +38,11 @@ class Context:
         world: number of ranks.
         global_batch: samples per step over all ranks (``sum(sizes) == global_batch``).
         lower, upper: int64 ``[world]`` bounds on each rank's batch (``upper`` from memory
-            limits, e.g. ``Profile.limit``).
+            limits, e.g. ``Profile.limit`` when profiling ran out of memory).
         hardware: per rank, the dict of :func:`hetlb.telemetry.hardware_info` (may be empty).
         profiles: per rank, ``None`` or a dict with ``"model"`` (fitted cubic
             :class:`~hetlb.TimeModel`), ``"linear"`` (fitted :class:`~hetlb.LinearModel`) and
-            ``"limit"`` (largest batch that fit in memory).
+            ``"limit"`` (largest batch that was tried and fit).
     """
 
     world: int
@@ -38,10 +53,10 @@ class Context:
     profiles: List[Optional[Dict[str, Any]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.lower = np.broadcast_to(np.asarray(self.lower, dtype=np.int64), (self.world,)).copy()
-        self.upper = np.broadcast_to(np.asarray(self.upper, dtype=np.int64), (self.world,)).copy()
         if self.world < 1:
             raise ValueError(f"world must be >= 1, got {self.world}")
+        self.lower = np.broadcast_to(np.asarray(self.lower, dtype=np.int64), (self.world,)).copy()
+        self.upper = np.broadcast_to(np.asarray(self.upper, dtype=np.int64), (self.world,)).copy()
         if self.global_batch < int(self.lower.sum()):
             raise ValueError(f"global_batch={self.global_batch} is smaller than the sum of the lower "
                              f"bounds {int(self.lower.sum())} over {self.world} ranks "
@@ -84,12 +99,19 @@ class Policy:
         """Remember ``ctx`` and return the int64 sizes of the first step."""
         raise NotImplementedError
 
-    def decide(self, history: "History") -> np.ndarray:  # noqa: F821
-        """Return the int64 sizes of the next step from the history (latest record last)."""
+    def decide(self, history: History) -> Any:
+        """The decision for the next step from the history (latest record last): int64 sizes,
+        or a :class:`hetlb.plan.ScheduleRule` for size-aware scheduling."""
         raise NotImplementedError
 
+    def local_predictor(self, rank: int) -> Any:
+        """A per-rank component the trainer runs on ``rank`` (it observes that rank's records and
+        publishes a value in the rank's telemetry row, e.g. LB-BSP's NARX speed prediction), or
+        None. The policy reads only the published values, so it stays a function of the table."""
+        return None
+
     def state_dict(self) -> Dict[str, Any]:
-        """Everything needed to continue deciding identically (JSON/pickle friendly)."""
+        """Everything needed to continue deciding identically (public attributes)."""
         return {k: copy.deepcopy(v) for k, v in vars(self).items() if not k.startswith("_")}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -97,8 +119,154 @@ class Policy:
             setattr(self, k, copy.deepcopy(v))
 
 
+class SizedPolicy(Policy):
+    """Base of the policies that decide per-rank sizes: the bounds and the latest decision, kept as
+    public state so :meth:`state_dict` carries them and a restored instance decides without
+    :meth:`start`; helpers for the latest record, the lag rule and the common splits.
+
+    ``last`` is the policy's latest decision, the base of every incremental move.
+    """
+
+    #: Whether the policy acts on ``+inf`` compute (a rank that made no progress); others refuse
+    #: such a record (the Balancer then keeps the previous sizes and counts the step as bad).
+    accepts_no_progress = False
+
+    def _setup(self, ctx: Context) -> None:
+        if not isinstance(ctx, Context):
+            raise ValueError(f"{self.name}.start expects a hetlb Context, got {type(ctx).__name__}")
+        self._ctx: Optional[Context] = ctx
+        self.world = int(ctx.world)
+        self.global_batch = int(ctx.global_batch)
+        self.lower = ctx.lower.copy()
+        self.upper = ctx.upper.copy()
+        self.last = np.zeros(self.world, np.int64)
+
+    def _context(self) -> Context:
+        """The context for :func:`check_sizes`; rebuilt from state after a restore."""
+        ctx = getattr(self, "_ctx", None)
+        if ctx is None:
+            if not hasattr(self, "world"):
+                raise RuntimeError(f"{self.name}: call start(ctx) (or load_state_dict) before decide")
+            ctx = Context(self.world, self.global_batch, self.lower, self.upper)
+            self._ctx = ctx
+        return ctx
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore the state; the cached context is rebuilt from the restored bounds."""
+        super().load_state_dict(state)
+        self._ctx = None
+
+    def latest(self, history: History) -> StepRecord:
+        """The latest record, of the right world size and (unless :attr:`accepts_no_progress`)
+        with progress on every rank."""
+        self._context()
+        if len(history) == 0:
+            raise ValueError(f"{self.name}.decide: empty history (decide is called after a step)")
+        rec = history[-1]
+        if rec.world != self.world:
+            raise ValueError(f"{self.name}.decide: record has {rec.world} ranks, policy was "
+                             f"started with world={self.world}")
+        if not self.accepts_no_progress:
+            require_progress(rec, self.name)
+        return rec
+
+    def ran_latest(self, rec: StepRecord) -> bool:
+        """Whether ``rec`` ran this policy's latest decision. A decision can reach the ranks a few
+        steps late (the loader's prefetch); incremental moves act only on records that ran it."""
+        return bool(np.array_equal(rec.batch, self.last))
+
+    def emit(self, sizes: Any) -> np.ndarray:
+        """Check a decision against the bounds, remember it as ``last`` and return a copy."""
+        s = check_sizes(np.asarray(sizes, dtype=np.int64), self._context(), self.name)
+        self.last = s.copy()
+        return s.copy()
+
+    def uniform(self) -> np.ndarray:
+        """Equal split within the bounds, remainder to the lowest ranks."""
+        return allocate_proportional(np.ones(self.world), self.global_batch, self.lower, self.upper)
+
+    def proportional(self, speeds: np.ndarray) -> np.ndarray:
+        """Sizes proportional to ``speeds`` (samples/s) within the bounds."""
+        return allocate_proportional(np.asarray(speeds, np.float64), self.global_batch,
+                                     self.lower, self.upper)
+
+
+class EpochMeter:
+    """Per-rank samples and compute seconds summed over the records of one epoch.
+
+    :meth:`add` returns the finished epoch's totals when a record closes it: a record marked
+    ``epoch_end`` (the trainer knows the epoch's last step), the first record of a later epoch,
+    or, with ``steps_per_epoch``, a record whose step completes a multiple of it.
+    """
+
+    def __init__(self, world: int, steps_per_epoch: Optional[int] = None) -> None:
+        self.world = int(world)
+        self.steps_per_epoch = steps_per_epoch
+        self.reset(-1)
+
+    def reset(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        self.steps = 0
+        self.samples = np.zeros(self.world)
+        self.time = np.zeros(self.world)
+
+    def add(self, rec: StepRecord) -> Optional[Dict[str, Any]]:
+        """Count ``rec``; the totals of the epoch it closed, if any (then the meter restarts)."""
+        closed = None
+        if self.steps and rec.epoch != self.epoch:
+            closed = self._close()  # the previous epoch ended without its last step being known
+        if not self.steps:
+            self.epoch = int(rec.epoch)
+        self.steps += 1
+        self.samples = self.samples + rec.batch
+        self.time = self.time + rec.compute
+        spe = self.steps_per_epoch
+        if rec.epoch_end or (spe is not None and (rec.step + 1) % spe == 0):
+            closed = self._close()  # (an epoch of one step closes right after the previous one)
+            self.epoch = int(rec.epoch) + 1
+        return closed
+
+    def _close(self) -> Dict[str, Any]:
+        out = {"epoch": self.epoch, "steps": self.steps, "samples": self.samples, "time": self.time}
+        self.reset(self.epoch)
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "steps": self.steps, "samples": self.samples.tolist(),
+                "time": self.time.tolist(), "steps_per_epoch": self.steps_per_epoch}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.epoch, self.steps = int(state["epoch"]), int(state["steps"])
+        self.samples = np.asarray(state["samples"], np.float64)
+        self.time = np.asarray(state["time"], np.float64)
+        self.steps_per_epoch = state.get("steps_per_epoch")
+
+
+class EpochPolicy(SizedPolicy):
+    """A :class:`SizedPolicy` that also adjusts per epoch (DBS, WLBS): it owns an
+    :class:`EpochMeter` (made by :meth:`_start_meter` in ``start``) and checkpoints it with its
+    own state. Subclasses set ``steps_per_epoch`` (None: epoch ends come from the records)."""
+
+    steps_per_epoch: Optional[int] = None
+
+    def _start_meter(self) -> None:
+        self._meter = EpochMeter(self.world, self.steps_per_epoch)
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = super().state_dict()
+        state["meter"] = self._meter.state_dict()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        meter = state.pop("meter")
+        super().load_state_dict(state)
+        self._start_meter()
+        self._meter.load_state_dict(meter)
+
+
 def check_sizes(sizes: Any, ctx: Context, who: str) -> np.ndarray:
-    """Validate a policy's output against the context; raise ``ValueError`` naming the policy."""
+    """Validate a policy's sizes against the context; raise ``ValueError`` naming the policy."""
     s = np.asarray(sizes)
     if s.shape != (ctx.world,) or s.dtype.kind not in "iu":
         raise ValueError(f"{who} returned sizes {s!r}; expected {ctx.world} integers")
@@ -110,3 +278,38 @@ def check_sizes(sizes: Any, ctx: Context, who: str) -> np.ndarray:
         raise ValueError(f"{who} returned sizes {s.tolist()} outside bounds "
                          f"lower={ctx.lower.tolist()} upper={ctx.upper.tolist()}")
     return s
+
+
+def check_decision(decision: Any, ctx: Context, who: str) -> Any:
+    """:func:`check_sizes` for sizes; a :class:`ScheduleRule` must have one model per rank."""
+    if isinstance(decision, ScheduleRule):
+        if decision.slope.shape != (ctx.world,):
+            raise ValueError(f"{who} returned a ScheduleRule for {decision.slope.shape[0]} ranks; "
+                             f"expected {ctx.world}")
+        return decision
+    return check_sizes(decision, ctx, who)
+
+
+def to_state(obj: Any) -> Any:
+    """``obj`` with NumPy arrays as tensors and NumPy scalars as Python numbers, recursively: what
+    ``torch.load(weights_only=True)`` accepts."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj).copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: to_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_state(v) for v in obj)
+    return obj
+
+
+def from_state(obj: Any) -> Any:
+    """Inverse of :func:`to_state` (tensors back to NumPy arrays)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numpy().copy()
+    if isinstance(obj, dict):
+        return {k: from_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_state(v) for v in obj)
+    return obj

@@ -7,70 +7,74 @@ Follows Algorithm 2 and section 3.2 of the LBB paper:
 * **every step**: the straggler effect ``SE = (max T - min T) / mean T`` (Eq. 4) of the latest step,
   over ranks that had samples.
 
-  - ``SE < fine``: keep the sizes.
-  - ``fine <= SE < rapid`` (or inside the observation window): **fine-tune**, move ``step``
-    samples from the slowest rank to the fastest.
+  - ``SE < fine`` (FT, 0.05): keep the sizes.
+  - ``fine <= SE < rapid`` (RT, 0.3), or inside the observation window: **fine-tune**, move
+    ``step`` samples (paper: "usually 1") from the slowest rank to the fastest.
   - ``SE >= rapid`` outside the window: **rapid-tune**, rebuild rough linear models
     ``T_i(b) = a0_i + (CT_i - a0_i) / CB_i * b`` from the step's measured (batch, time) pairs and
-    re-solve Eq. 3; then open an observation window of ``window`` decisions in which only
-    fine-tuning is allowed (so a rapid-tune whose sizes have not taken effect yet, or that did
-    not balance perfectly, is not repeated every step).
+    re-solve Eq. 3; then open the observation window, in which only fine-tuning is allowed.
 
-Interpretations of what the paper leaves open (see the class docstring for the knobs):
+Interpretations of what the paper leaves open:
 
 * Algorithm 2 moves ``floor(step/2)`` out of the slowest rank and ``ceil(step/2)`` into the
-  fastest, which changes the global batch for odd ``step``; here exactly ``step`` samples move.
-* "Priority to workers much slower than the others": when the slowest rank's time exceeds the
-  mean by ``priority`` (relative) or more, a fine-tune moves enough samples out of it to halve
-  its excess under a linear model (when that is more than ``step``; else a plain move), shared
-  among the ranks below the new level in proportion to their room under it, so no receiver
-  becomes the new straggler.
-  Its per-sample time is a secant through an earlier step of the same rank at a clearly
-  different batch size (e.g. the step before the rapid-tune), trusted within a factor 4 of the
-  rough model's ``(CT - a0) / CB``; without such a step, the rough slope itself. The rough slope
-  counts a fixed extra cost (a disturbance) as per-sample cost and so errs on the small-move
-  side; the secant makes the halving real, so a disturbance settles in a few steps.
+  fastest, which changes the global batch for odd ``step`` (and moves nothing out for step 1);
+  here exactly ``step`` samples move, so the global batch stays fixed as Eq. 3 requires.
+* The observation window (size not given) counts **records that ran the rapid-tune's sizes** (or
+  a later decision), default 10: a decision reaches the ranks a few steps late when the loader
+  prefetches, and records from before it says nothing about the rapid-tune; counting decisions
+  instead would let stale records trigger a second rapid-tune.
 * Incremental moves (fine-tune) start from the policy's own last decision and act only on a
-  record whose ``batch`` equals that decision (the data loader may apply a decision one or more
-  steps late); rapid-tunes use the record's own (batch, time) pairs, which are always consistent.
+  record that ran that decision; rapid-tunes use the record's own (batch, time) pairs, which are
+  always consistent.
 * Ranks given 0 samples take no part in SE, and fine-tuning neither takes from nor gives to them;
   a rapid-tune re-solves over all ranks, using the last known slope of a rank without samples.
+
+**Priority** (opt-in, ``priority=0.1``; off by default): the paper says LBB "prioritizes
+fine-tuning for workers that are significantly slower than other nodes" without saying how.
+With ``priority`` set, when the slowest rank's time exceeds the mean by that fraction or more, a
+fine-tune moves enough samples out of it to halve its excess under a linear model (when that is
+more than ``step``), shared among the ranks below the new level in proportion to their room, so
+no receiver becomes the new straggler. Its per-sample time is a secant through an earlier step of
+the same rank at a clearly different batch size, trusted within a factor 4 of the rough model's
+slope. ``bench/bench_policies.py`` compares it with the paper's plain fine-tune.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import numpy as np
 
+from ..checks import integer, number
 from ..models import LinearModel
 from ..solve import allocate, allocate_proportional
-from ..telemetry import StepRecord, straggler_effect
-from .base import Context
-from .uniform import _SizedPolicy
+from ..telemetry import History, StepRecord, straggler_effect
+from .base import Context, SizedPolicy
 
 __all__ = ["LBB"]
 
 
-class LBB(_SizedPolicy):
+class LBB(SizedPolicy):
     """Load Balance Batching.
 
     Args:
         fine: fine-tuning threshold FT on SE (paper default 0.05); below it nothing changes.
         rapid: rapid-tuning threshold RT on SE (paper default 0.3).
-        step: samples a plain fine-tune moves from the slowest rank to the fastest (paper: 1).
-        window: decisions after a rapid-tune during which only fine-tuning is allowed. The paper
-            gives no value; 10 covers a few steps of data-loader lag plus the few fine-tunes the
-            paper reports rapid-tuning needs to settle (its Fig. 7 shows fine-tuning for a few
-            to tens of iterations after each rapid-tune).
-        priority: relative excess ``(T_slowest - mean T) / mean T`` from which the slowest rank
-            counts as much slower and a fine-tune halves its excess instead of moving ``step``
-            samples; ``math.inf`` gives Algorithm 2's plain fine-tune.
+        step: samples a fine-tune moves from the slowest rank to the fastest (paper: 1).
+        window: records that ran a rapid-tune's sizes (or later ones) during which only
+            fine-tuning is allowed. The paper gives no value; 10 covers the few fine-tunes it
+            reports a rapid-tune needs to settle (its Fig. 7).
+        priority: opt-in improvement (default off, ``math.inf``): the relative excess
+            ``(T_slowest - mean T) / mean T`` from which the slowest rank counts as much slower
+            and a fine-tune halves its excess instead of moving ``step`` samples (see the module
+            docstring), e.g. 0.1.
 
     Attributes:
         actions: one of ``"none"``, ``"fine"``, ``"rapid"`` per :meth:`decide` call, the latest
             :attr:`ACTIONS_KEPT` of them (it is checkpointed with the policy, so it is bounded).
         last_se: SE of the latest record seen by :meth:`decide`.
+        window_left: records still to count in the observation window.
+        waiting: the rapid-tune sizes the window waits for before counting (None: counting).
     """
 
     name = "lbb"
@@ -78,21 +82,15 @@ class LBB(_SizedPolicy):
     ACTIONS_KEPT = 1024
 
     def __init__(self, fine: float = 0.05, rapid: float = 0.3, step: int = 1, window: int = 10,
-                 priority: float = 0.1) -> None:
-        fine, rapid, priority = float(fine), float(rapid), float(priority)
-        if not (math.isfinite(fine) and fine >= 0):
-            raise ValueError(f"LBB: fine must be a finite number >= 0, got {fine}")
-        if not (rapid >= fine):  # also rejects NaN; inf disables rapid-tuning
-            raise ValueError(f"LBB: rapid must be >= fine ({fine}), got {rapid}")
-        if isinstance(step, bool) or int(step) != step or step < 1:
-            raise ValueError(f"LBB: step must be an integer >= 1, got {step!r}")
-        if isinstance(window, bool) or int(window) != window or window < 0:
-            raise ValueError(f"LBB: window must be an integer >= 0, got {window!r}")
-        if not (priority > 0):
-            raise ValueError(f"LBB: priority must be > 0 (inf to disable), got {priority}")
+                 priority: float = math.inf) -> None:
+        fine = number(fine, "LBB: fine", minimum=0.0)
+        rapid = number(rapid, "LBB: rapid", minimum=fine, finite=False)  # inf disables rapid-tuning
+        priority = number(priority, "LBB: priority", above=0.0, finite=False)
         self.fine, self.rapid, self.priority = fine, rapid, priority
-        self.step, self.window = int(step), int(window)
+        self.step = integer(step, "LBB: step", 1)
+        self.window = integer(window, "LBB: window", 0)
         self.window_left = 0
+        self.waiting: Optional[List[int]] = None
         self.actions: List[str] = []
         self.last_se = 0.0
 
@@ -107,6 +105,7 @@ class LBB(_SizedPolicy):
         # Last known per-sample time of each rank: only used for a rank that had no samples.
         self.slope = np.array([float(m.a1) if m is not None else np.nan for m in lin])
         self.window_left = 0
+        self.waiting = None
         self.actions = []
         self.last_se = 0.0
         # The cubic profile models first; linear ones are the next best thing.
@@ -114,14 +113,16 @@ class LBB(_SizedPolicy):
         if models is not None:
             sizes = allocate(models, self.global_batch, self.lower, self.upper)
         else:
-            sizes = self._uniform()
-        return self._emit(sizes)
+            sizes = self.uniform()
+        return self.emit(sizes)
 
-    def decide(self, history: Any) -> np.ndarray:
+    def decide(self, history: History) -> np.ndarray:
         """Keep, fine-tune or rapid-tune from the latest record (see the module docstring)."""
-        rec = self._latest(history)
-        in_window = self.window_left > 0
-        if in_window:
+        rec = self.latest(history)
+        if self.waiting is not None and rec.batch.tolist() == self.waiting:
+            self.waiting = None  # the rapid-tune's sizes have reached the ranks: start counting
+        in_window = self.waiting is not None or self.window_left > 0
+        if self.waiting is None and self.window_left > 0:
             self.window_left -= 1
         se = straggler_effect(rec.compute, rec.batch)
         self.last_se = se
@@ -130,8 +131,10 @@ class LBB(_SizedPolicy):
             pass
         elif se >= self.rapid and not in_window:
             action, sizes = "rapid", self._rapid_tune(rec)
-            self.window_left = self.window
-        elif np.array_equal(rec.batch, self.last):
+            if self.window > 0:
+                self.window_left = self.window
+                self.waiting = [int(v) for v in sizes]
+        elif self.ran_latest(rec):
             # Incremental: only once the last decision is what the ranks actually ran.
             moved = self._fine_tune(history, rec)
             if moved is not None:
@@ -139,7 +142,7 @@ class LBB(_SizedPolicy):
         self.actions.append(action)
         if len(self.actions) > self.ACTIONS_KEPT:
             del self.actions[:-self.ACTIONS_KEPT]
-        return self._emit(sizes)
+        return self.emit(sizes)
 
     # -- tuning -----------------------------------------------------------------------------
 
@@ -164,7 +167,7 @@ class LBB(_SizedPolicy):
         models = [LinearModel(a0[i], slope[i]) for i in range(self.world)]
         return allocate(models, self.global_batch, self.lower, self.upper)
 
-    def _fine_tune(self, history: Any, rec: StepRecord) -> Optional[np.ndarray]:
+    def _fine_tune(self, history: History, rec: StepRecord) -> Optional[np.ndarray]:
         """Move samples from the slowest rank; None when no move is possible."""
         t, last = rec.compute, self.last
         active = last > 0
@@ -174,7 +177,7 @@ class LBB(_SizedPolicy):
         s = int(np.argmax(np.where(givers, t, -np.inf)))
         mean = float(t[active].mean())
         excess = float(t[s]) - mean
-        if excess >= self.priority * mean:
+        if math.isfinite(self.priority) and excess >= self.priority * mean:
             moved = self._priority_move(history, rec, s, excess)
             if moved is not None:
                 return moved
@@ -189,7 +192,7 @@ class LBB(_SizedPolicy):
         new[f] += m
         return new
 
-    def _per_sample(self, history: Any, rec: StepRecord, r: int) -> float:
+    def _per_sample(self, history: History, rec: StepRecord, r: int) -> float:
         """Marginal seconds per sample of rank ``r``.
 
         The rough model's ``(CT - a0) / CB`` counts any extra fixed cost (a co-located job, a
@@ -210,7 +213,7 @@ class LBB(_SizedPolicy):
                 break  # the rank's speed changed in between: the secant says nothing
         return rough
 
-    def _priority_move(self, history: Any, rec: StepRecord, s: int,
+    def _priority_move(self, history: History, rec: StepRecord, s: int,
                        excess: float) -> Optional[np.ndarray]:
         """Halve the excess of a much slower rank ``s``; None if that is no more than ``step``."""
         t, last = rec.compute, self.last

@@ -1,143 +1,128 @@
 """LB-BSP: load-balanced BSP by per-worker batch sizes (LB-BSP paper, sections 3.2 and 3.3).
 
-**CPU mode** (Algorithm 1). After every step each rank's speed ``v = batch / compute`` feeds a
-per-rank predictor (:mod:`hetlb.policies.predictors`; default :class:`NARX` with the paper's
-look-back 2 and 500-step warm-up, predicting with an EMA of alpha 0.2 until then) and the next
-sizes are ``x_i = v_i / sum(v) * B`` (:func:`hetlb.allocate_proportional`: largest-remainder
-rounding inside the bounds). The latest record's CPU and memory usage are the "current" readings
-``c^k, m^k`` of Eq. 4. Speeds are measured per record, so this mode acts on every record,
-whatever sizes the ranks actually ran (lag-free).
+**GPU mode** (Algorithm 2, exactly, by default). From the policy's own last decision ``x``:
 
-**GPU mode** (Algorithm 2). From the policy's own last decision: the *leader* is the rank with
-the shortest compute time among those with memory in use ``<= memory_guard`` (paper: at least 5 %
-free) that are below their upper bound; the *straggler* is the rank with the longest. Then, in
-this order:
+1. the *leader* is the rank with the shortest compute time among those with at most
+   ``memory_guard`` (0.95) of their device memory in use; the *straggler* the one with the
+   longest;
+2. if the straggler's batch is ``<= Δ``: keep the sizes and log a warning (logger
+   ``hetlb.policies``, once per rank) that it should be removed from the job
+   (``remove_warning`` names it);
+3. else if the leader's time was below the straggler's in each of the last ``D`` records: move
+   ``Δ`` samples from the straggler to the leader (fewer if a bound is in the way);
+4. else if in some earlier record the leader's time was above the straggler's (oscillation): the
+   fine-tune phase begins, ``Δ = fine_step`` (1), ``D = fine_window`` (20), for good.
 
-1. the straggler's batch ``<= Δ``: keep the sizes, log a warning on logger ``hetlb.policies``
-   that the straggler should be removed from the job (once per rank), and set
-   ``remove_warning`` to its rank;
-2. the leader preceded the straggler in each of the last ``D`` records: move ``Δ`` samples
-   from the straggler to the leader (fewer if a bound is in the way);
-3. fast phase only: a former leader (a rank that gained samples in this fast phase) is now the
-   straggler, or a former straggler is now the leader: oscillation, switch to the fine phase.
+It starts in the fast-approach phase, ``Δ = step`` (5), ``D = window`` (5).
 
-Phases: ``"fast"`` (``Δ = step = 5``, ``D = window = 5``) until oscillation, then ``"fine"``
-(``Δ = fine_step = 1``, ``D = fine_window = 20``).
+Two opt-in improvements, named, tested and benchmarked against the paper's algorithm
+(``bench/bench_policies.py``):
 
-Interpretations of what the paper leaves open:
+* ``settle=True``: Algorithm 2's fine phase moves one sample whenever the leader preceded the
+  straggler for ``D`` records, which at integer granularity never stops: the best integer split
+  still has a straggler, so samples cycle between ranks. With ``settle``, the fine-phase leader is
+  the rank whose time scaled by ``(b + Δ) / b`` is least, and the move is skipped when that
+  estimate reaches the straggler's time (it could only swap who straggles).
+* ``reequilibrate=SE`` (e.g. 0.3): the paper's fine phase never ends, so a large change of a
+  rank's speed later in training is approached one sample per 20 records. With this option, when
+  the straggler effect exceeded ``SE`` in each of the last ``window`` records and the leader
+  preceded the straggler in all of them, the policy returns to the fast phase and moves ``step``.
 
-* Lag rule: a decision may reach the ranks a few steps after it is made (loader prefetch).
-  GPU mode acts only on a record whose ``batch`` equals its latest decision and otherwise
-  returns that decision unchanged; the ``D``-record observation window itself slides over the
-  history as in Algorithm 2 (records before the last move count), so once a move has taken
-  effect the next one can follow at once if the imbalance persists.
-* The warning test uses the true straggler (longest time among ranks with samples). A move
-  takes from the slowest rank that can still give (batch above its lower bound), so a straggler
-  pinned at its lower bound does not freeze the rest of the cluster.
-* Algorithm 2's oscillation test ("∃h: t_leader^h > t_straggler^h") is read as the prose
-  describes it: a rank that gained samples in this fast phase is now the straggler, or one that
-  gave samples is now the leader.
-* Re-equilibration (the paper has none; its fine phase never ends): in the fine phase, when the
-  straggler effect ``SE = (max T - min T) / mean T`` exceeded ``rapid`` (0.3) in each of the last
-  ``window`` records and the current leader preceded the current straggler in all of them, the
-  policy returns to the fast phase and moves ``step`` samples at once. A change of one rank's
-  speed that leaves SE above 0.3 is thus re-approached at fast-phase pace; a smaller one is
-  corrected by fine-phase moves (1 sample per ``fine_window``-consistent record).
-* Settling (the paper's fine phase moves one sample whenever the leader preceded the straggler
-  for ``D`` records, which at integer granularity never stops: the best integer split still has
-  a straggler, so samples cycle between ranks and the mean step time sits above the best split).
-  With ``settle=True`` (default) the fine-phase leader is the rank whose time scaled by
-  ``(b + Δ) / b`` is least, and the move is skipped when that estimate reaches the straggler's
-  time: the move could only swap who straggles. The
-  proportional estimate over-states the leader's new time by at most its start-up cost times
-  ``Δ / b``, so a skipped move could have shortened the step by at most that much.
-* CPU mode rounds predicted speeds to 20 significant bits of the fastest before allocating, so
-  a last-bit difference between ranks' floating point (different CPU generations) cannot change
-  the integer decision, except at a rounding boundary.
+**CPU mode** (Algorithm 1). Sizes proportional to each rank's predicted speed,
+``x_i = v_i / sum(v) * X`` (:func:`hetlb.allocate_proportional`: largest remainder inside the
+bounds). The predictor (Table 3): :class:`NARX` (the paper's; default) runs on every rank over its
+own history and publishes its prediction in the telemetry table, the policy reading the shared
+numbers and using its own EMA (``alpha`` 0.2) of the shared speeds for a rank that has none yet;
+:class:`Memoryless` and :class:`EMA` run here, on the shared table. Speeds are measured per
+record, so this mode acts on every record whatever sizes it ran (lag-free).
+
+What the paper's "batch processing time" is here: the paper balances a worker's computation plus
+the part of its communication it cannot overlap, measured as iteration time minus barrier wait.
+hetlb measures each rank's compute from its first forward to its last gradient bucket being
+ready; with DDP's asynchronous bucket all-reduces that includes any wait of the backward pass on
+communication it could not overlap, and excludes the final all-reduce, whose transfer every rank
+of a collective shares (a slow link slows the whole ring, which no batch split can fix) and whose
+barrier wait is exactly what balancing removes.
+
+Other readings of the paper: the lag rule (a decision may reach the ranks a few steps late when
+the loader prefetches; GPU mode acts only on a record that ran its latest decision, which at zero
+lag is every record, so the paper's algorithm is unchanged); the oscillation test uses the
+records in the history (the latest ``history`` steps the Balancer keeps).
 """
 from __future__ import annotations
 
 import copy
 import logging
-import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from ..telemetry import StepRecord, straggler_effect, validate_record
-from .base import Context
-from .predictors import NARX, SpeedPredictor, predictor_from_state
-from .uniform import _SizedPolicy
+from ..checks import integer, number
+from ..telemetry import History, StepRecord, straggler_effect
+from .base import Context, SizedPolicy
+from .narx import NARX
+from .predictors import EMA, SpeedPredictor, predictor_from_state
 
 __all__ = ["LBBSP"]
 
 log = logging.getLogger("hetlb.policies")
 
-#: Predicted speeds are rounded to this many parts of the fastest before allocation.
+#: Predicted speeds are rounded to this many parts of the fastest before allocation, so a last-bit
+#: difference between ranks' floating point cannot change the integer decision.
 _SPEED_GRID = float(1 << 20)
 
 
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"LBBSP: {what} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
-class LBBSP(_SizedPolicy):
+class LBBSP(SizedPolicy):
     """LB-BSP batch-size policy (see the module docstring for the algorithm).
 
     Args:
         mode: ``"gpu"`` (Algorithm 2, leader/straggler steps) or ``"cpu"`` (Algorithm 1, sizes
             proportional to predicted speed).
-        predictor: CPU mode's speed predictor; default ``NARX()`` (look-back 2, warm-up 500
-            steps during which it predicts with ``EMA(0.2)``). Not allowed in GPU mode.
-        step: fast-phase step size Δ (paper: 5).
-        window: fast-phase observation window D (paper: 5); also the window of the
-            re-equilibration rule.
-        fine_step: fine-phase step size (paper: 1).
-        fine_window: fine-phase observation window (paper: 20).
-        memory_guard: a rank with a larger fraction of memory in use cannot lead (paper: 0.95).
-        rapid: SE above which a fine phase returns to the fast phase (see the module docstring);
-            ``math.inf`` disables it.
-        settle: skip fine-phase moves that could only swap the straggler (see the module
-            docstring); ``False`` is the paper's Algorithm 2 as written.
+        predictor: CPU mode's speed predictor: ``NARX()`` (default), ``EMA(0.2)`` or
+            ``Memoryless()``. Not allowed in GPU mode.
+        step: fast-approach step size Δ (paper: 5).
+        window: fast-approach observation window D (paper: 5).
+        fine_step: fine-tune step size (paper: 1).
+        fine_window: fine-tune observation window (paper: 20).
+        memory_guard: a rank with a larger fraction of its device memory in use cannot lead
+            (paper: 0.95, "at least 5 percent available").
+        settle: opt-in (default False): skip fine moves that could only swap the straggler.
+        reequilibrate: opt-in (default None): SE above which a persistent imbalance returns the
+            fine phase to the fast phase, e.g. 0.3.
 
     Attributes:
         phase: ``"fast"`` or ``"fine"`` (GPU mode).
         remove_warning: rank flagged for removal by the latest GPU decision, else None.
         last_action: ``"start"``, ``"wait"`` (record not at the latest decision yet),
-            ``"keep"``, ``"move"``, ``"settled"`` (fine move skipped by ``settle``), ``"fine"``
-            (switched to fine phase), ``"fast"`` (switched back and moved), ``"warn"`` or
-            ``"predict"`` (CPU mode).
+            ``"keep"``, ``"move"``, ``"settled"``, ``"fine"`` (switched to the fine phase),
+            ``"fast"`` (switched back and moved), ``"warn"`` or ``"predict"`` (CPU mode).
         last_se: straggler effect of the latest record acted on.
     """
 
     name = "lbbsp"
 
-    def __init__(self, mode: str = "gpu", predictor: Optional[SpeedPredictor] = None,
+    def __init__(self, mode: str = "gpu", predictor: Optional[Union[SpeedPredictor, NARX]] = None,
                  step: int = 5, window: int = 5, fine_step: int = 1, fine_window: int = 20,
-                 memory_guard: float = 0.95, rapid: float = 0.3, settle: bool = True) -> None:
+                 memory_guard: float = 0.95, settle: bool = False,
+                 reequilibrate: Optional[float] = None) -> None:
         if mode not in ("gpu", "cpu"):
             raise ValueError(f"LBBSP: mode must be 'gpu' or 'cpu', got {mode!r}")
-        if predictor is not None and not isinstance(predictor, SpeedPredictor):
-            raise ValueError(f"LBBSP: predictor must be a hetlb SpeedPredictor (Memoryless, EMA, "
-                             f"NARX), got {type(predictor).__name__}")
+        if predictor is not None and not isinstance(predictor, (SpeedPredictor, NARX)):
+            raise ValueError(f"LBBSP: predictor must be a hetlb predictor (NARX, EMA, Memoryless), "
+                             f"got {type(predictor).__name__}")
         if mode == "gpu" and predictor is not None:
             raise ValueError("LBBSP: a predictor is only used in mode='cpu'")
-        guard, rapid = float(memory_guard), float(rapid)
-        if not (guard > 0):
-            raise ValueError(f"LBBSP: memory_guard must be > 0, got {memory_guard!r}")
-        if not (rapid > 0):
-            raise ValueError(f"LBBSP: rapid must be > 0 (inf to disable), got {rapid!r}")
         self.mode = mode
-        self.predictor: Optional[SpeedPredictor] = (
+        self.predictor: Optional[Union[SpeedPredictor, NARX]] = (
             predictor if predictor is not None else (NARX() if mode == "cpu" else None))
-        self.step = _positive_int(step, "step")
-        self.window = _positive_int(window, "window")
-        self.fine_step = _positive_int(fine_step, "fine_step")
-        self.fine_window = _positive_int(fine_window, "fine_window")
-        self.memory_guard, self.rapid = guard, rapid
+        self.step = integer(step, "LBBSP: step", 1)
+        self.window = integer(window, "LBBSP: window", 1)
+        self.fine_step = integer(fine_step, "LBBSP: fine_step", 1)
+        self.fine_window = integer(fine_window, "LBBSP: fine_window", 1)
+        self.memory_guard = number(memory_guard, "LBBSP: memory_guard", above=0.0)
         self.settle = bool(settle)
+        self.reequilibrate = None if reequilibrate is None else \
+            number(reequilibrate, "LBBSP: reequilibrate", above=0.0)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -147,8 +132,6 @@ class LBBSP(_SizedPolicy):
         self.last_action = "start"
         self.last_se = 0.0
         self.last_step: Optional[int] = None  # step of the latest record consumed
-        self.gainers: List[int] = []  # ranks that gained / gave samples in this fast phase
-        self.givers: List[int] = []
 
     @property
     def current_step(self) -> int:
@@ -160,77 +143,88 @@ class LBBSP(_SizedPolicy):
         """D of the current phase."""
         return self.window if self.phase == "fast" else self.fine_window
 
+    def local_predictor(self, rank: int) -> Optional[NARX]:
+        """The rank's own NARX (CPU mode with NARX), which publishes its predicted speed."""
+        return self.predictor.for_rank(rank) if isinstance(self.predictor, NARX) else None
+
     # -- protocol ---------------------------------------------------------------------------
 
     def start(self, ctx: Context) -> np.ndarray:
         """Remember ``ctx`` and return the equal split within the bounds."""
         self._setup(ctx)
         self._reset_state()
-        if self.predictor is not None:
-            self.predictor.reset(self.world)
-        return self._emit(self._uniform())
-
-    def decide(self, history: Any) -> np.ndarray:
-        """Sizes of the next step from the history (latest record last)."""
-        rec = self._latest(history)
         if self.mode == "cpu":
-            return self._emit(self._decide_cpu(history, rec))
-        return self._emit(self._decide_gpu(history, rec))
+            self._central().reset(self.world)
+        return self.emit(self.uniform())
+
+    def decide(self, history: History) -> np.ndarray:
+        """Sizes of the next step from the history (latest record last)."""
+        rec = self.latest(history)
+        if self.mode == "cpu":
+            return self.emit(self._decide_cpu(history, rec))
+        return self.emit(self._decide_gpu(history, rec))
 
     def state_dict(self) -> Dict[str, Any]:
-        """Public attributes, the predictor as its own (plain-value) state dict."""
+        """Public attributes, the central predictor as its own (plain-value) state dict."""
         state = {k: copy.deepcopy(v) for k, v in vars(self).items()
                  if not k.startswith("_") and k != "predictor"}
-        state["predictor"] = None if self.predictor is None else self.predictor.state_dict()
+        p = self.predictor
+        state["predictor"] = None if p is None else (
+            {"type": "NARX", **p.config()} if isinstance(p, NARX) else p.state_dict())
+        if getattr(self, "_ema", None) is not None:
+            state["ema"] = self._ema.state_dict()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a fresh instance then decides identically."""
         state = dict(state)
         pstate = state.pop("predictor", None)
+        ema = state.pop("ema", None)
         super().load_state_dict(state)
         if pstate is None:
             self.predictor = None
-        elif self.predictor is not None and pstate.get("type") == type(self.predictor).__name__:
+        elif pstate.get("type") == "NARX":
+            self.predictor = NARX(**{k: v for k, v in pstate.items() if k != "type"})
+        elif isinstance(self.predictor, SpeedPredictor) and pstate.get("type") == type(self.predictor).__name__:
             self.predictor.load_state_dict(pstate)
         else:
             self.predictor = predictor_from_state(pstate)
-
-    # -- checks -----------------------------------------------------------------------------
-
-    def _validate(self, rec: StepRecord) -> None:
-        validate_record(rec)
-        fields = ("memory", "cpu") if self.mode == "cpu" else ("memory",)
-        for f in fields:
-            a = np.asarray(getattr(rec, f), np.float64)
-            if not np.all(np.isfinite(a)):
-                bad = np.flatnonzero(~np.isfinite(a)).tolist()
-                raise ValueError(f"step {rec.step}: non-finite {f} usage from ranks {bad} "
-                                 f"({f}={a.tolist()})")
+        if ema is not None:
+            self._ema = predictor_from_state(ema)
 
     # -- CPU mode (Algorithm 1) -------------------------------------------------------------
 
-    def _decide_cpu(self, history: Any, rec: StepRecord) -> np.ndarray:
+    def _central(self) -> SpeedPredictor:
+        """The predictor run on the shared table: the configured one, or NARX's EMA fallback."""
+        if isinstance(self.predictor, SpeedPredictor):
+            return self.predictor
+        if getattr(self, "_ema", None) is None:
+            self._ema = EMA(self.predictor.alpha)
+        return self._ema
+
+    def _decide_cpu(self, history: History, rec: StepRecord) -> np.ndarray:
         new = self._unseen(history)
         if not new:
             return self.last  # the same history again: nothing new to learn from
-        for r in new[:-1]:  # all checked before any is learned from: a retry sees the same
-            self._validate(r)
+        central = self._central()
         for r in new:
-            self.predictor.update(r)
+            central.update(r)
         self.last_step = int(rec.step)
         self.last_se = straggler_effect(rec.compute, rec.batch)
-        pred = self.predictor.predict(rec.cpu, rec.memory)
+        pred = central.predict(rec.cpu, rec.memory)
+        if isinstance(self.predictor, NARX):
+            published = np.asarray(rec.predicted, np.float64)
+            pred = np.where(np.isfinite(published) & (published > 0), published, pred)
         top = float(pred.max())
         speeds = np.rint(pred / top * _SPEED_GRID) if top > 0 else np.zeros(self.world)
         self.last_action = "predict"
-        return self._proportional(speeds)
+        return self.proportional(speeds)
 
-    def _unseen(self, history: Any) -> List[StepRecord]:
+    def _unseen(self, history: History) -> List[StepRecord]:
         """Records after the latest one consumed, oldest first (all of them on the first call)."""
         if self.last_step is None:
             return list(history)
-        if history[-1].step < self.last_step:  # step counter wrapped or history replaced
+        if history[-1].step < self.last_step:  # history replaced
             return [history[-1]]
         out = []
         for i in range(len(history) - 1, -1, -1):
@@ -242,12 +236,12 @@ class LBBSP(_SizedPolicy):
 
     # -- GPU mode (Algorithm 2) -------------------------------------------------------------
 
-    def _decide_gpu(self, history: Any, rec: StepRecord) -> np.ndarray:
+    def _decide_gpu(self, history: History, rec: StepRecord) -> np.ndarray:
         if self.last_step is not None and rec.step == self.last_step:
             return self.last  # already acted on this record
         self.last_step = int(rec.step)
         x = self.last
-        if not np.array_equal(rec.batch, x):
+        if not self.ran_latest(rec):
             self.last_action = "wait"  # our latest decision has not reached the ranks yet
             return x
         t = np.asarray(rec.compute, np.float64)
@@ -256,34 +250,30 @@ class LBBSP(_SizedPolicy):
         busy = x > 0
         if not busy.any():
             return x
-        worst = int(np.argmax(np.where(busy, t, -np.inf)))
         delta = self.current_step
-        if x[worst] <= delta:
+        lead_ok = busy & (np.asarray(rec.memory) <= self.memory_guard) & (x < self.upper)
+        settling = self.phase == "fine" and self.settle
+        # Settling: the leader is the rank fastest *after* taking Δ (proportional estimate).
+        est = np.where(x > 0, t * (x + delta) / np.maximum(x, 1), t) if settling else t
+        strag = int(np.argmax(np.where(busy, t, -np.inf)))
+        if x[strag] <= delta:
             # Algorithm 2, lines 5-6: taking Δ would leave the straggler nothing (or less).
-            if worst not in self.warned:  # once per rank: two tied stragglers would alternate
-                self.warned.append(worst)
+            if strag not in self.warned:  # once per rank: two tied stragglers would alternate
+                self.warned.append(strag)
                 log.warning("LB-BSP: straggler rank %d has batch %d <= step %d; it is too slow "
                             "to keep up and should be removed from the job (sizes kept)",
-                            worst, int(x[worst]), delta)
-            self.remove_warning = worst
+                            strag, int(x[strag]), delta)
+            self.remove_warning = strag
             self.last_action = "warn"
             return x
         self.remove_warning = None
-        lead_ok = (np.asarray(rec.memory) <= self.memory_guard) & (x < self.upper)
-        give_ok = busy & (x > self.lower)
-        if not lead_ok.any() or not give_ok.any():
+        if not lead_ok.any():
             return x
-        settling = self.phase == "fine" and self.settle
-        # Settling: the leader is the rank fastest *after* taking Δ (proportional estimate), so
-        # a tie between a small and a large batch goes to the one the move slows down least.
-        est = np.where(x > 0, t * (x + delta) / np.maximum(x, 1), t) if settling else t
         leader = int(np.argmin(np.where(lead_ok, est, np.inf)))
-        strag = int(np.argmax(np.where(give_ok, t, -np.inf)))
-        if leader == strag or not t[leader] < t[strag]:
+        if leader == strag:
             return x
         if self.phase == "fine" and self._reequilibrate(history, leader, strag):
             self.phase = "fast"
-            self.gainers, self.givers = [], []
             self.last_action = "fast"
             return self._move(x, leader, strag, self.step)
         if self._preceded(history, leader, strag, self.current_window):
@@ -292,24 +282,30 @@ class LBBSP(_SizedPolicy):
                 return x
             self.last_action = "move"
             return self._move(x, leader, strag, delta)
-        if self.phase == "fast" and (strag in self.gainers or leader in self.givers):
+        if self.phase == "fast" and self._oscillated(history, leader, strag):
             self.phase = "fine"
             self.last_action = "fine"
         return x
 
     @staticmethod
-    def _preceded(history: Any, leader: int, strag: int, d: int) -> bool:
+    def _preceded(history: History, leader: int, strag: int, d: int) -> bool:
         """The leader's time was below the straggler's in each of the last ``d`` records."""
         recs = history.last(d)
         return len(recs) >= d and all(r.compute[leader] < r.compute[strag] for r in recs)
 
-    def _reequilibrate(self, history: Any, leader: int, strag: int) -> bool:
-        """Fine phase: a large, persistent imbalance (SE > rapid over the fast window)."""
-        if not math.isfinite(self.rapid):
+    @staticmethod
+    def _oscillated(history: History, leader: int, strag: int) -> bool:
+        """Algorithm 2's switch: in some earlier record the leader was slower than the straggler."""
+        return any(r.compute[leader] > r.compute[strag] for r in history)
+
+    def _reequilibrate(self, history: History, leader: int, strag: int) -> bool:
+        """Opt-in: a large, persistent imbalance in the fine phase (SE above the threshold over
+        the fast window, leader ahead throughout)."""
+        if self.reequilibrate is None:
             return False
         recs = history.last(self.window)
         return (len(recs) >= self.window
-                and all(straggler_effect(r.compute, r.batch) > self.rapid for r in recs)
+                and all(straggler_effect(r.compute, r.batch) > self.reequilibrate for r in recs)
                 and self._preceded(history, leader, strag, self.window))
 
     def _move(self, x: np.ndarray, leader: int, strag: int, delta: int) -> np.ndarray:
@@ -317,9 +313,4 @@ class LBBSP(_SizedPolicy):
         new = x.copy()
         new[leader] += m
         new[strag] -= m
-        if self.phase == "fast":
-            if leader not in self.gainers:
-                self.gainers.append(leader)
-            if strag not in self.givers:
-                self.givers.append(strag)
         return new

@@ -1,0 +1,255 @@
+"""hetlb's cost on a homogeneous cluster with real compute: Balancer(Uniform) + its loader against
+plain DDP + DistributedSampler, the same model, data and optimizer, side by side.
+
+Each rank is one Gloo process with one thread; each round runs every variant for ``--steps`` steps
+(the first ``--warmup`` not counted) in a rotated order, so slow drifts of a shared machine hit
+every variant alike; the per-step wall time of a variant in a round is the median over its steps
+(rank 0's loop). Reported: each variant's ratio to plain DDP per round, and the median and spread
+(min..max) over rounds.
+
+Models: ``mlp`` (512-1024-1024-10, 1.6 M parameters, DDP's last bucket ~2 MB) and ``wide``
+(6144-1024-10, 6.3 M parameters: the last bucket is the full 25 MB). Variants: ``plain`` (DDP),
+``torchhook`` (DDP with torch's own ``allreduce_hook``: what any communication hook costs, since
+DDP then copies gradients into buckets without averaging and the hook averages in a pass of its
+own), ``side`` (the table in its own small all-reduce), ``carry`` (hetlb's default on CPU: the
+table in the last bucket). ``--bucket-view`` builds every DDP with ``gradient_as_bucket_view=True``
+(no copy into buckets; plain DDP then averages in place, a pass as hetlb's weighting is). With
+``--hetlb-path`` the hetlb package is imported from there (an older checkout, for before/after
+figures; that version's API is used as it was).
+
+    python bench/bench_overhead.py [--model mlp wide] [--rounds 9] [--steps 120] [--out FILE]
+
+``--instructions`` measures the work instead of the time, which a noisy machine cannot disturb:
+every run has both ranks under valgrind's callgrind (every thread counted, Gloo's included), twice
+(``--steps`` and 4 steps), and the difference is the instructions of the extra steps. What a
+variant adds to plain DDP does not depend on the batch, so variants run at a tiny batch (cheap
+under valgrind) and plain DDP once more at the real batch gives the step to compare with.
+
+    python bench/bench_overhead.py --instructions [--model mlp] [--steps 12]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+
+from report import emit
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MODELS = {"mlp": (512, [1024, 1024], 10), "wide": (6144, [1024], 10)}
+
+
+def make_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    inp, hidden, out = MODELS[name]
+    layers, d = [], inp
+    for h in hidden:
+        layers += [torch.nn.Linear(d, h), torch.nn.ReLU()]
+        d = h
+    layers.append(torch.nn.Linear(d, out))
+    return torch.nn.Sequential(*layers)
+
+
+def run_variant(variant: str, model_name: str, args: argparse.Namespace, rank: int, world: int) -> float:
+    import hetlb
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    inp = MODELS[model_name][0]
+    n = args.global_batch * args.steps
+    g = torch.Generator().manual_seed(1)
+    ds = torch.utils.data.TensorDataset(torch.randn(n, inp, generator=g), torch.randint(0, 10, (n,), generator=g))
+    ddp = DDP(make_model(model_name), gradient_as_bucket_view=args.bucket_view)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    new_api = hasattr(hetlb, "DataLoader")
+    if variant == "torchhook":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        ddp.register_comm_hook(None, allreduce_hook)
+    if variant in ("plain", "torchhook"):
+        sampler = torch.utils.data.distributed.DistributedSampler(ds, seed=1)
+        loader = torch.utils.data.DataLoader(ds, batch_size=args.global_batch // world, sampler=sampler)
+        bal = None
+    else:
+        kw = {"transport": variant} if new_api else {}
+        bal = hetlb.Balancer(ddp, args.global_batch, policy=hetlb.Uniform(), **kw)
+        loader = bal.loader(ds, seed=1)
+    times, cpu = [], []
+    t_prev, c_prev = time.perf_counter(), time.process_time()
+    for x, y in loader:
+        if bal is not None and not new_api:
+            with bal.step():
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        else:
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        now, c_now = time.perf_counter(), time.process_time()
+        times.append(now - t_prev)
+        cpu.append(c_now - c_prev)
+        t_prev, c_prev = now, c_now
+    return statistics.median(times[args.warmup:]), statistics.median(cpu[args.warmup:])
+
+
+def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: List[tuple], out: str) -> None:
+    if args.hetlb_path:
+        sys.path.insert(0, args.hetlb_path)
+    import hetlb  # noqa: F401  (before init_process_group)
+    torch.set_num_threads(1)
+    if args.pin:  # one core per rank (its communication threads inherit it): fewer migrations
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    results = []
+    try:
+        for model_name, rnd, variant in jobs:
+            dist.barrier()
+            results.append((model_name, rnd, variant, run_variant(variant, model_name, args, rank, world)))
+    finally:
+        import gc
+        gc.collect()
+        dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, out)
+
+
+def one_run(args: argparse.Namespace) -> None:
+    """``--worker``: this process is one rank of one variant (run under valgrind)."""
+    if args.hetlb_path:
+        sys.path.insert(0, args.hetlb_path)
+    import hetlb  # noqa: F401
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
+                            world_size=args.world, timeout=datetime.timedelta(seconds=3600))
+    args.warmup = min(args.warmup, args.steps - 1)
+    run_variant(args.variants[0], args.model[0], args, args.rank, args.world)
+    import gc
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def count(args: argparse.Namespace, model: str, variant: str, steps: int, global_batch: int) -> float:
+    """Instructions of one rank (mean over the ranks) for a run of ``steps`` steps, under callgrind."""
+    here = os.path.abspath(__file__)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for r in range(args.world):
+            cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.{r}",
+                   sys.executable, here, "--worker", "--rank", str(r), "--store", f"{tmp}/store",
+                   "--world", str(args.world), "--model", model, "--variants", variant,
+                   "--steps", str(steps), "--global-batch", str(global_batch)]
+            if args.hetlb_path:
+                cmd += ["--hetlb-path", args.hetlb_path]
+            if args.bucket_view:
+                cmd.append("--bucket-view")
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        total = 0.0
+        for r, pr in enumerate(procs):
+            _, err = pr.communicate()
+            if pr.returncode != 0:
+                raise RuntimeError(f"{model} {variant} rank {r} failed:\n{err[-3000:]}")
+            total += float(re.search(r"Collected : (\d+)", err).group(1))
+    n = total / args.world
+    print(f"{model} {variant} batch {global_batch}, {steps} steps: {n:.4g} instructions per rank", flush=True)
+    return n
+
+
+def instructions(args: argparse.Namespace) -> List[str]:
+    """Per-step instructions (see the module docstring). What hetlb adds does not depend on the
+    batch (its passes scale with the parameters, the rest is per step), so the variants run at a
+    small batch where the matrix products are cheap under valgrind, and plain DDP once more at
+    the real batch gives the step it is compared with."""
+    short, long = 4, args.steps
+    small = 4 * args.world
+    lines = [f"### Instructions per step (callgrind, every thread of a rank, mean of {args.world} ranks"
+             f"{'; gradient_as_bucket_view=True' if args.bucket_view else ''}"
+             f"{'; ' + args.label if args.label else ''})", "",
+             f"Each variant at global batch {small} ({long} minus {short} steps), so the difference to "
+             f"plain DDP is what the variant adds per step; relative to plain DDP's step at global batch "
+             f"{args.global_batch}.", "",
+             "| model | variant | added per step | plain DDP step at the real batch | added / step |",
+             "|---|---|---:|---:|---:|"]
+    for m in args.model:
+        per = {}
+        for v in args.variants:
+            per[v] = (count(args, m, v, long, small) - count(args, m, v, short, small)) / (long - short)
+        real = (count(args, m, "plain", 10, args.global_batch) - count(args, m, "plain", short, args.global_batch)) / (10 - short)
+        for v in args.variants:
+            if v == "plain":
+                continue
+            name = {"torchhook": "DDP + torch allreduce_hook"}.get(v, f"hetlb {v}")
+            added = per[v] - per["plain"]
+            lines.append(f"| {m} | {name} | {added / 1e6:.2f} M | {real / 1e6:.1f} M | {added / real:.4f} |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["mlp", "wide"])
+    p.add_argument("--variants", nargs="+", default=["plain", "side", "carry"])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
+    p.add_argument("--pin", action="store_true", help="pin rank r to core r")
+    p.add_argument("--hetlb-path", default=None, help="import hetlb from this checkout instead")
+    p.add_argument("--label", default="", help="a name for this code version in the table")
+    p.add_argument("--out", default=None)
+    p.add_argument("--instructions", action="store_true", help="count instructions (callgrind)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return one_run(args)
+    if args.instructions:
+        return emit(instructions(args), args.out)
+    variants = list(args.variants)
+    jobs = []
+    for m in args.model:
+        for rnd in range(args.rounds):
+            k = rnd % len(variants)
+            for v in variants[k:] + variants[:k]:  # rotated order per round
+                jobs.append((m, rnd, v))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.pt")
+        mp.spawn(worker, args=(args.world, os.path.join(tmp, "store"), args, jobs, out), nprocs=args.world, join=True)
+        res = torch.load(out)
+    wall: Dict[tuple, float] = {(m, r, v): t[0] for m, r, v, t in res}
+    cpu: Dict[tuple, float] = {(m, r, v): t[1] for m, r, v, t in res}
+    lines = [f"### Homogeneous overhead with real compute{' (' + args.label + ')' if args.label else ''}: "
+             f"{args.world} Gloo ranks x 1 thread{', pinned' if args.pin else ''}, global batch {args.global_batch}, "
+             f"{'gradient_as_bucket_view=True, ' if args.bucket_view else ''}"
+             f"{args.rounds} interleaved rounds of {args.steps} steps (first {args.warmup} not counted)",
+             "", "Wall: median step time of rank 0's loop; CPU: median per-step CPU time of rank 0's "
+             "process (all its threads). Ratios are to plain DDP in the same round.", "",
+             "| model | variant | wall (ms) | wall ratio: median | min | max | CPU (ms) | CPU ratio: median | min | max |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    R = range(args.rounds)
+    for m in args.model:
+        lines.append(f"| {m} | plain DDP | {1e3 * statistics.median([wall[(m, r, 'plain')] for r in R]):.2f} | 1 | | | "
+                     f"{1e3 * statistics.median([cpu[(m, r, 'plain')] for r in R]):.2f} | 1 | | |")
+        for v in variants:
+            if v == "plain":
+                continue
+            rw = [wall[(m, r, v)] / wall[(m, r, "plain")] for r in R]
+            rc = [cpu[(m, r, v)] / cpu[(m, r, "plain")] for r in R]
+            name = "DDP + torch allreduce_hook" if v == "torchhook" else f"hetlb {v}"
+            lines.append(f"| {m} | {name} | {1e3 * statistics.median([wall[(m, r, v)] for r in R]):.2f} | "
+                         f"**{statistics.median(rw):.4f}** | {min(rw):.4f} | {max(rw):.4f} | "
+                         f"{1e3 * statistics.median([cpu[(m, r, v)] for r in R]):.2f} | "
+                         f"**{statistics.median(rc):.4f}** | {min(rc):.4f} | {max(rc):.4f} |")
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()

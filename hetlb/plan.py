@@ -1,0 +1,393 @@
+"""The plan board: what every step of training runs, shared by the Balancer and the sampler.
+
+The :class:`hetlb.Balancer` posts decisions here (per-rank batch sizes, or a :class:`ScheduleRule`
+for size-aware scheduling); the sampler draws steps from the board as the DataLoader asks for
+indices, each fixed at draw time as a :class:`StepPlan`; the loader hands the drawn plans to the
+training loop in order; the Balancer marks a step complete once it has trained. No callbacks run
+between them: each side reads and writes values on the board.
+
+The board also owns the **data position**: the epoch and the number of its steps that have been
+*trained* (not drawn, not handed out). That is what a checkpoint records, so it is exact whatever
+the DataLoader prefetched, a batch handed to the loop but not yet trained is handed out again on
+resume, and a state loaded before the loader exists is not lost. Every rank holds an identical
+board: the same decisions, the same draws, the same position.
+
+Gradient accumulation (``accumulate=K``): the full steps of an epoch are grouped into windows of
+``K`` consecutive steps (the last window of an epoch may be shorter; a short last step is a window
+of its own), and every step of a window runs the sizes decided when its first step was drawn, so
+the window's gradient can be weighted exactly (see :mod:`hetlb.aggregate`).
+
+Streams (``mode="stream"``, for delayed synchronous training, where a rank computes as many
+reference batches as fit before an all-reduce completes, so no step has sizes planned ahead): the
+epoch's global order is cut into one contiguous **shard** per rank (sizes posted by
+:meth:`PlanBoard.post_shards`, fixed for the epoch), and each rank draws reference batches of its
+own size from its shard at its own pace. The position is then every rank's count of trained
+samples of its shard (:meth:`PlanBoard.consumed`); the epoch ends when every shard is used up.
+"""
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Optional, Union
+
+import numpy as np
+
+from .checks import integer
+from .solve import allocate_proportional, schedule
+
+__all__ = ["StepPlan", "StreamPlan", "ScheduleRule", "PlanBoard", "decision_checksum", "split_last",
+           "EXACT_INT"]
+
+#: Integers that ride in a float32 slot must stay exact: checksums and step counters wrap here.
+EXACT_INT = 1 << 24
+
+
+def decision_checksum(decision: Any) -> int:
+    """CRC32 of a decision (int64 sizes, or a :class:`ScheduleRule`'s float64 models), folded to 24
+    bits so it survives a float32 slot exactly."""
+    if isinstance(decision, ScheduleRule):
+        data = decision.slope.tobytes() + decision.intercept.tobytes()
+    else:
+        data = np.ascontiguousarray(np.asarray(decision, dtype=np.int64)).tobytes()
+    return zlib.crc32(data) % EXACT_INT
+
+
+def split_last(shares: np.ndarray, count: int) -> np.ndarray:
+    """Split a short step of ``count`` samples by the current ``shares`` (int64 ``[world]``).
+
+    Largest-remainder rounding of ``count * shares / sum(shares)``; a rank may get 0 when
+    ``count`` is smaller than the world.
+    """
+    shares = np.asarray(shares, dtype=np.int64)
+    if count == int(shares.sum()):
+        return shares.copy()
+    return allocate_proportional(shares.astype(np.float64), int(count))
+
+
+@dataclass(frozen=True)
+class ScheduleRule:
+    """A size-aware decision: assign each step's samples to ranks with :func:`hetlb.schedule`
+    under per-rank linear time models ``intercept[r] + slope[r] * (sum of sizes)``.
+
+    Args:
+        slope, intercept: float64 ``[world]`` (seconds per unit of sample size, seconds).
+    """
+
+    slope: np.ndarray
+    intercept: np.ndarray
+
+    def __post_init__(self) -> None:
+        s = np.ascontiguousarray(np.asarray(self.slope, dtype=np.float64))
+        i = np.ascontiguousarray(np.asarray(self.intercept, dtype=np.float64))
+        if s.ndim != 1 or s.shape != i.shape or not (np.all(np.isfinite(s)) and np.all(np.isfinite(i))):
+            raise ValueError(f"ScheduleRule: slope and intercept must be finite 1-D arrays of one "
+                             f"length, got shapes {s.shape} and {i.shape}")
+        object.__setattr__(self, "slope", s)
+        object.__setattr__(self, "intercept", i)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as drawn: identical on every rank.
+
+    Attributes:
+        epoch, step: the epoch and the step's index in it.
+        sizes: int64 ``[world]`` samples of every rank.
+        data: float64 ``[world]`` data amount of every rank (sum of its samples' sizes; equals
+            ``sizes`` when samples have no size).
+        checksum: :func:`decision_checksum` of ``sizes``.
+        window_pos, window_len: this step's place in its accumulation window.
+        assignment: int64 ``[count]`` rank of each of the step's samples (in the global order)
+            for a size-aware step, or None (rank ``r`` takes the ``r``-th contiguous slice).
+    """
+
+    epoch: int
+    step: int
+    sizes: np.ndarray
+    data: np.ndarray
+    checksum: int
+    window_pos: int = 0
+    window_len: int = 1
+    assignment: Optional[np.ndarray] = field(default=None, compare=False)
+
+    @property
+    def count(self) -> int:
+        """Samples in the step over all ranks."""
+        return int(self.sizes.sum())
+
+    @property
+    def window_end(self) -> bool:
+        """Whether this step ends its accumulation window (the step that synchronises)."""
+        return self.window_pos == self.window_len - 1
+
+    def positions(self, rank: int) -> np.ndarray:
+        """Positions, within the step, of ``rank``'s samples."""
+        if self.assignment is not None:
+            return np.flatnonzero(self.assignment == rank)
+        begin = int(self.sizes[:rank].sum())
+        return np.arange(begin, begin + int(self.sizes[rank]))
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """One reference batch of a stream (``mode="stream"``): ``count`` samples of this rank's shard
+    of ``epoch``, starting ``start`` samples into it."""
+
+    epoch: int
+    start: int
+    count: int
+
+
+Decision = Union[np.ndarray, ScheduleRule]
+
+
+class PlanBoard:
+    """Decisions, drawn steps and the data position of one training job (one rank's copy).
+
+    Args:
+        world, rank: the ranks.
+        global_batch: samples per step over all ranks.
+        accumulate: steps per gradient-accumulation window.
+    """
+
+    def __init__(self, world: int, rank: int, global_batch: int, accumulate: int = 1,
+                 mode: str = "steps") -> None:
+        if mode not in ("steps", "stream"):
+            raise ValueError(f"PlanBoard: mode must be 'steps' or 'stream', got {mode!r}")
+        self.mode = mode
+        self.world = integer(world, "world", 1)
+        self.rank = integer(rank, "rank", 0)
+        if self.rank >= self.world:
+            raise ValueError(f"rank {rank} outside a world of {world}")
+        self.global_batch = integer(global_batch, "global_batch", 1)
+        self.accumulate = integer(accumulate, "accumulate", 1)
+        self.decision: Decision = np.zeros(self.world, np.int64)
+        self.checksum = 0
+        # The data position: epoch and steps of it trained.
+        self.epoch = 0
+        self.done = 0
+        self.steps_per_epoch: Optional[int] = None
+        #: True from a restore until iteration starts: set_epoch then checks the script resumes
+        #: where the checkpoint stopped.
+        self.restored = False
+        #: Bumped by a restore; an iterator started before it refuses to go on.
+        self.generation = 0
+        self.drawn: Deque[StepPlan] = deque()
+        self.current: Optional[StepPlan] = None
+        self._window: Optional[tuple] = None  # (epoch, window key, sizes) of the open window
+        # Streams: shard sizes of the epoch, each rank's trained samples of its shard, this rank's
+        # reference batch size, and how far this rank has drawn.
+        self.shards: Optional[np.ndarray] = None
+        self.used = np.zeros(self.world, np.int64)
+        self.reference = 1
+        self._cursor = 0
+
+    # ------------------------------------------------------------------ decisions
+
+    def post(self, decision: Decision) -> None:
+        """Publish the decision that steps drawn from now on run."""
+        if isinstance(decision, ScheduleRule):
+            if decision.slope.shape != (self.world,):
+                raise ValueError(f"ScheduleRule has {decision.slope.shape[0]} ranks, the job {self.world}")
+            if self.accumulate > 1:
+                raise ValueError("size-aware scheduling assigns every step its own sizes, so it "
+                                 "cannot run with gradient accumulation (accumulate > 1)")
+        else:
+            decision = np.asarray(decision, dtype=np.int64)
+            d = self.decision
+            if isinstance(d, np.ndarray) and d.shape == decision.shape and np.array_equal(d, decision):
+                return  # unchanged (the common case): keep the checksum
+            decision = decision.copy()
+        self.decision = decision
+        self.checksum = decision_checksum(decision)
+
+    # ------------------------------------------------------------------ drawing
+
+    def _window_of(self, step: int, full_steps: int) -> tuple:
+        """``(key, position, length)`` of a step's accumulation window."""
+        k = self.accumulate
+        if step >= full_steps:  # the short last step: a window of its own
+            return ("short",), 0, 1
+        start = (step // k) * k
+        return (start,), step - start, min(k, full_steps - start)
+
+    def draw(self, epoch: int, step: int, count: int, full_steps: int,
+             sample_sizes: Optional[np.ndarray] = None) -> StepPlan:
+        """Plan step ``step`` of ``epoch`` (``count`` samples) and queue it for handing out.
+
+        Args:
+            full_steps: steps of the epoch that hold a whole ``global_batch``.
+            sample_sizes: float64 ``[count]`` sizes of the step's samples in the global order, or
+                None when samples have no size.
+        """
+        key, pos, length = self._window_of(step, full_steps)
+        assignment = None
+        if isinstance(self.decision, ScheduleRule):
+            amounts = np.ones(count) if sample_sizes is None else np.asarray(sample_sizes, np.float64)
+            assignment = np.asarray(schedule(amounts, self.decision.slope, self.decision.intercept),
+                                    dtype=np.int64)
+            sizes = np.bincount(assignment, minlength=self.world).astype(np.int64)
+        elif pos > 0 and self._window is not None and self._window[:2] == (epoch, key):
+            sizes = self._window[2]
+        else:
+            sizes = split_last(self.decision, count)
+        if pos == 0:
+            self._window = (epoch, key, sizes)
+        if sizes.shape != (self.world,) or int(sizes.sum()) != count or np.any(sizes < 0):
+            raise RuntimeError(f"step plan {sizes.tolist()} does not split {count} samples over "
+                               f"{self.world} ranks")
+        if sample_sizes is None:
+            data = sizes.astype(np.float64)
+        else:
+            s = np.asarray(sample_sizes, np.float64)
+            owner = assignment if assignment is not None else np.repeat(np.arange(self.world), sizes)
+            data = np.bincount(owner, weights=s, minlength=self.world).astype(np.float64)
+        plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=data,
+                        checksum=decision_checksum(sizes), window_pos=pos, window_len=length,
+                        assignment=assignment)
+        self.drawn.append(plan)
+        return plan
+
+    def restart(self) -> int:
+        """A new iteration over the loader begins: forget plans drawn or handed out but not
+        trained (they are drawn again) and return the step to draw from. A finished epoch moves
+        on to the next one (a DataLoader iterated again starts a new epoch)."""
+        self.drawn.clear()
+        self.current = None
+        self._window = None
+        self.restored = False
+        if self.mode == "stream":
+            if self.stream_finished():
+                self.epoch += 1
+                self.shards, self.used = None, np.zeros(self.world, np.int64)
+            self._cursor = int(self.used[self.rank])
+            return self._cursor
+        spe = self.steps_per_epoch
+        if spe is not None and spe > 0 and self.done >= spe:
+            self.epoch += 1
+            self.done = 0
+        return self.done
+
+    def hand(self) -> StepPlan:
+        """The next drawn plan, now handed to the training loop."""
+        if not self.drawn:
+            raise RuntimeError("hetlb: the DataLoader delivered a batch the sampler never drew "
+                               "(batches must come back in order: do not set in_order=False)")
+        self.current = self.drawn.popleft()
+        return self.current
+
+    def complete(self, plan: StepPlan) -> None:
+        """``plan`` has trained (for accumulation: its window has): the position moves past it."""
+        if plan.epoch == self.epoch:
+            self.done = max(self.done, plan.step + 1)
+        if self.current is plan:
+            self.current = None
+
+    # ------------------------------------------------------------------ epochs and checkpoints
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to iterate (see :meth:`hetlb.data.BalancedLoader.set_epoch`)."""
+        e = integer(epoch, "epoch", 0)
+        spe = self.steps_per_epoch
+        finished = spe is not None and spe > 0 and self.done >= spe
+        where = " (as the loaded checkpoint says)" if self.restored else ""
+        if e == self.epoch:
+            if finished:
+                raise ValueError(
+                    f"set_epoch({e}): epoch {e} is already complete{where}; each epoch's samples "
+                    f"are drawn once. Continue with set_epoch({e + 1}) (a script resuming from a "
+                    f"checkpoint taken at the end of epoch {e} starts at epoch {e + 1})")
+            return
+        if e < self.epoch:
+            raise ValueError(f"set_epoch({e}): the loader is already at epoch {self.epoch}{where}; "
+                             f"epochs run in order")
+        if self.restored and not finished:
+            raise ValueError(
+                f"set_epoch({e}): the loaded checkpoint was taken at step {self.done} of "
+                f"{spe if spe is not None else '?'} of epoch {self.epoch}; finish that epoch first "
+                f"(set_epoch({self.epoch})), or its remaining samples would be skipped")
+        if self.restored and e > self.epoch + 1:
+            raise ValueError(f"set_epoch({e}): the loaded checkpoint completed epoch {self.epoch}; "
+                             f"the next epoch is {self.epoch + 1}")
+        self.epoch, self.done = e, 0
+        self.drawn.clear()
+        self.current = None
+        self._window = None
+
+    # ------------------------------------------------------------------ streams
+
+    def post_shards(self, shards: Any, reference: int) -> None:
+        """Stream mode: the epoch's shard sizes (int64 ``[world]``, summing to the epoch's
+        samples; fixed once the epoch has started) and this rank's reference batch size."""
+        if self.mode != "stream":
+            raise ValueError("post_shards is for a PlanBoard(mode='stream')")
+        shards = np.asarray(shards, dtype=np.int64)
+        if shards.shape != (self.world,) or np.any(shards < 0):
+            raise ValueError(f"shards must be {self.world} non-negative integers, got {shards.tolist()}")
+        if self.shards is not None and self.used.any() and not np.array_equal(shards, self.shards):
+            raise ValueError("the shards of an epoch under way cannot change (post them at its start)")
+        self.shards = shards.copy()
+        self.reference = integer(reference, "reference batch", 1)
+
+    def draw_stream(self, length: int) -> Optional[StreamPlan]:
+        """This rank's next reference batch of the epoch (None once its shard is drawn)."""
+        if self.shards is None:
+            raise RuntimeError("a stream needs shards: post_shards() first")
+        if int(self.shards.sum()) != length:
+            raise RuntimeError(f"shards {self.shards.tolist()} do not cover the epoch's {length} samples")
+        left = int(self.shards[self.rank]) - self._cursor
+        if left <= 0:
+            return None
+        plan = StreamPlan(self.epoch, self._cursor, min(self.reference, left))
+        self._cursor += plan.count
+        return plan
+
+    def stream_offset(self) -> int:
+        """Where this rank's shard starts in the epoch's global order."""
+        if self.shards is None:
+            raise RuntimeError(f"a stream needs the shards of epoch {self.epoch}: post_shards() first")
+        return int(self.shards[:self.rank].sum())
+
+    def consumed(self, used: Any) -> None:
+        """Every rank's trained samples of its shard (from the shared telemetry): the stream's
+        position. A new iteration draws this rank's shard from its count on."""
+        used = np.asarray(used, dtype=np.int64)
+        if used.shape != (self.world,) or np.any(used < 0) or (self.shards is not None and np.any(used > self.shards)):
+            raise ValueError(f"used must be {self.world} counts within the shards, got {used.tolist()}")
+        self.used = used.copy()
+
+    def stream_finished(self) -> bool:
+        """Whether every shard of the epoch has been trained (an empty epoch never starts)."""
+        return (self.shards is not None and int(self.shards.sum()) > 0
+                and bool(np.array_equal(self.used, self.shards)))
+
+    def position(self) -> Dict[str, Any]:
+        """The data position (plain values): epoch and steps of it trained (a stream: the shards
+        and every rank's trained samples of its own)."""
+        if self.mode == "stream":
+            return {"epoch": int(self.epoch), "global_batch": self.global_batch,
+                    "shards": None if self.shards is None else self.shards.tolist(),
+                    "used": self.used.tolist()}
+        return {"epoch": int(self.epoch), "step": int(self.done), "global_batch": self.global_batch}
+
+    def load_position(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`position` output; iterators started earlier refuse to go on."""
+        gb = integer(state["global_batch"], "checkpoint global_batch", 1)
+        if gb != self.global_batch:
+            raise ValueError(f"checkpoint global_batch={gb} differs from {self.global_batch}; "
+                             f"the epoch position would not line up")
+        self.epoch = integer(state["epoch"], "checkpoint epoch", 0)
+        if self.mode == "stream":
+            shards = state.get("shards")
+            self.shards = None if shards is None else np.asarray(shards, np.int64)
+            self.used = np.asarray(state["used"], np.int64)
+            if self.used.shape != (self.world,):
+                raise ValueError(f"a stream position of {self.used.size} ranks cannot resume on {self.world}")
+        else:
+            self.done = integer(state["step"], "checkpoint step", 0)
+        self.restored = True
+        self.generation += 1
+        self.drawn.clear()
+        self.current = None
+        self._window = None

@@ -1,0 +1,157 @@
+"""GPU checks of hetlb that no CPU machine can run (called by tools/gpu_check.sh).
+
+Each check prints ``PASS name: detail`` or ``FAIL name: error``; the exit code is the number of
+failures. Run from the repository root with the extension built in place (``PYTHONPATH=.``):
+
+* ``nccl_premul``: the hook's NCCL path on a one-rank NCCL group: PREMUL_SUM with a tensor factor
+  in float32/bfloat16/float16, a weight-0 bucket holding NaN (zeroed before it is sent), and the
+  side table on the Gloo side group.
+* ``nccl_balancer``: a one-rank NCCL Balancer on a CUDA model: steps through the loader, the
+  compute column from CUDA events (one step late), the memory column from ``mem_get_info``.
+* ``gloo_cuda``: two Gloo ranks with CUDA tensors sharing the GPU, sizes 3:7: the gradient equals
+  one process over the union, with the native hook and with the Python reference.
+* ``profile_oom``: ``hetlb.profile`` stops at a real CUDA out-of-memory and frees it.
+* ``probe``: the memory probe sees another allocation on the device.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+import hetlb  # noqa: E402  (before any process group)
+from distributed import run, unwrap  # noqa: E402
+
+
+def nccl_premul_worker(rank, world):
+    import torch.distributed as dist
+    from hetlb import _C
+    from hetlb.aggregate import make_side_group
+    from hetlb.telemetry import COL, NUM_FIELDS
+    pg = dist.distributed_c10d._get_default_group()
+    side = make_side_group(None)  # NCCL: a Gloo group for the table
+    out = {}
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 1e-3)):
+        core = _C.StepCore(0, 1, NUM_FIELDS, False, True, COL["compute"], COL["cpu"], torch.device("cuda", 0))
+        row = np.arange(NUM_FIELDS, dtype=np.float64)
+        core.start(0.375, row)
+        buf = torch.randn(1000, device="cuda", dtype=dtype)
+        got = core.reduce(buf.clone(), False, pg, side)
+        err = ((got.float() - buf.float() * 0.375).abs().max() / buf.float().abs().max()).item()
+        assert err < tol, (dtype, err)
+        core.start(0.0, row)
+        nan = torch.full((1000,), float("nan"), device="cuda", dtype=dtype)
+        got = core.reduce(nan, True, pg, side)  # the last bucket: also the side table
+        assert torch.count_nonzero(got).item() == 0 and not torch.isnan(got).any(), dtype
+        table = core.take_table()
+        assert table is not None and table[0, COL["batch"]] == row[COL["batch"]]
+        out[str(dtype)] = err
+    return out
+
+
+def nccl_balancer_worker(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
+    ddp = DDP(net, device_ids=[0])
+    bal = hetlb.Balancer(ddp, 32, policy=hetlb.LBB())
+    ds = torch.utils.data.TensorDataset(torch.randn(320, 64), torch.randn(320, 8))
+    for x, y in bal.loader(ds):
+        torch.nn.functional.mse_loss(ddp(x.cuda()), y.cuda()).backward()
+    h = bal.history
+    compute = h.column("compute")
+    assert bal.steps == 10 and len(h) == 9  # CUDA events: each record completes one step later
+    assert np.all(np.isfinite(compute)) and np.all(compute > 0), compute
+    assert np.all((h.column("memory") > 0) & (h.column("memory") < 1))
+    return {"transport": bal.transport, "compute_ms": float(np.median(compute) * 1e3)}
+
+
+def gloo_cuda_worker(rank, world, native):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from fixed_policy import Fixed
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double().cuda()
+    ddp = DDP(net, device_ids=[0])
+    bal = hetlb.Balancer(ddp, 10, policy=Fixed([3, 7]), native_hook=native)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    loader = bal.loader(torch.utils.data.TensorDataset(x, y), seed=2)
+    errs = []
+    for step, (xb, yb) in enumerate(loader):
+        plan = bal.board.current
+        (ddp(xb.cuda()) - yb.cuda()).pow(2).sum(1).mean().backward()
+        idx = np.concatenate(loader.sampler.step_indices(plan))
+        ref = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+        ref.load_state_dict({k: v.cpu() for k, v in net.state_dict().items()})
+        (ref(x[idx]) - y[idx]).pow(2).sum(1).mean().backward()
+        errs.append(max((p.grad.cpu() - r.grad).abs().max().item() for p, r in zip(net.parameters(), ref.parameters())))
+        ddp.zero_grad()
+    compute = bal.history.column("compute")
+    assert np.all(np.isfinite(compute)) and np.all(compute > 0), compute
+    return {"err": max(errs), "transport": bal.transport}
+
+
+def check_profile_oom():
+    free, total = torch.cuda.mem_get_info()
+    chunk = max(int(free // 40), 1 << 20)  # bytes per sample: fits up to ~32 samples
+
+    def step(b):
+        t = torch.empty(b * chunk, dtype=torch.uint8, device="cuda")
+        t.fill_(1)
+        torch.cuda.synchronize()
+
+    p = hetlb.profile(step, repeats=1, trim=0, warmup=0, device="cuda")
+    torch.cuda.synchronize()
+    after = torch.cuda.mem_get_info()[0]
+    assert p.oom_at is not None and p.limit < p.oom_at, p
+    assert after > free * 0.9, (free, after)
+    return {"limit": p.limit, "oom_at": p.oom_at}
+
+
+def check_probe():
+    from hetlb.telemetry import Probe
+    probe = Probe(torch.device("cuda", 0), interval=0.0)
+    before = probe.memory()
+    block = torch.empty(int(torch.cuda.mem_get_info()[1] * 0.2), dtype=torch.uint8, device="cuda")
+    during = probe.memory()
+    del block
+    torch.cuda.empty_cache()
+    assert 0 <= before < during <= 1 and during - before > 0.15, (before, during)
+    return {"before": before, "during": during}
+
+
+def main() -> int:
+    checks = {
+        "nccl_premul": lambda: unwrap(run(nccl_premul_worker, 1, backend="nccl", timeout=300))[0],
+        "nccl_balancer": lambda: unwrap(run(nccl_balancer_worker, 1, backend="nccl", timeout=300))[0],
+        "gloo_cuda (native)": lambda: _gloo(True),
+        "gloo_cuda (reference)": lambda: _gloo(False),
+        "profile_oom": check_profile_oom,
+        "probe": check_probe,
+    }
+    failures = 0
+    for name, fn in checks.items():
+        try:
+            detail = fn()
+            print(f"PASS {name}: {detail}", flush=True)
+        except Exception as e:  # noqa: BLE001 (every check reports)
+            failures += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
+    return failures
+
+
+def _gloo(native: bool):
+    res = unwrap(run(gloo_cuda_worker, 2, native, timeout=300))
+    assert all(r["err"] < 1e-12 for r in res), res
+    return res[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
