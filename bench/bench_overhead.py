@@ -142,6 +142,7 @@ def count(args: argparse.Namespace, model: str, variant: str, steps: int, global
         procs = []
         for r in range(args.world):
             cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.{r}",
+                   f"--separate-threads={'yes' if args.main_thread else 'no'}",
                    sys.executable, here, "--worker", "--rank", str(r), "--store", f"{tmp}/store",
                    "--world", str(args.world), "--model", model, "--variants", variant,
                    "--steps", str(steps), "--global-batch", str(global_batch)]
@@ -155,9 +156,13 @@ def count(args: argparse.Namespace, model: str, variant: str, steps: int, global
             _, err = pr.communicate()
             if pr.returncode != 0:
                 raise RuntimeError(f"{model} {variant} rank {r} failed:\n{err[-3000:]}")
-            total += float(re.search(r"Collected : (\d+)", err).group(1))
+            if args.main_thread:  # thread 1's own file (the training loop, the hook, DDP)
+                with open(f"{tmp}/cg.{r}-01") as f:
+                    total += float(re.search(r"^(?:summary|totals): (\d+)", f.read(), re.M).group(1))
+            else:
+                total += float(re.search(r"Collected : (\d+)", err).group(1))
     n = total / args.world
-    print(f"{model} {variant} batch {global_batch}, {steps} steps: {n:.4g} instructions per rank", flush=True)
+    print(f"{model} {variant} batch {global_batch}, {steps} steps: {n:.6g} instructions per rank", flush=True)
     return n
 
 
@@ -168,8 +173,9 @@ def instructions(args: argparse.Namespace) -> List[str]:
     the real batch gives the step it is compared with."""
     short, long = 4, args.steps
     small = 4 * args.world
-    lines = [f"### Instructions per step (callgrind, every thread of a rank, mean of {args.world} ranks"
+    lines = [f"### Instructions per step (callgrind, {'main thread' if args.main_thread else 'every thread'} of a rank, mean of {args.world} ranks"
              f"{'; gradient_as_bucket_view=True' if args.bucket_view else ''}"
+             f"{'; main thread only' if args.main_thread else ''}"
              f"{'; ' + args.label if args.label else ''})", "",
              f"Each variant at global batch {small} ({long} minus {short} steps), so the difference to "
              f"plain DDP is what the variant adds per step; relative to plain DDP's step at global batch "
@@ -205,6 +211,9 @@ def main() -> None:
     p.add_argument("--label", default="", help="a name for this code version in the table")
     p.add_argument("--out", default=None)
     p.add_argument("--instructions", action="store_true", help="count instructions (callgrind)")
+    p.add_argument("--main-thread", action="store_true",
+                   help="with --instructions: count the main thread only (communication threads "
+                        "poll, so their counts vary from run to run)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--store", default=None, help=argparse.SUPPRESS)
