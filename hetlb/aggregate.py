@@ -61,6 +61,11 @@ def weights_for(weighting: str, batch: Sequence[int], data: Optional[Sequence[fl
         batch: int ``[world]`` samples per rank this step.
         data: ``[world]`` data amount per rank (required for "sizes").
     """
+    if weighting == "samples" and isinstance(batch, np.ndarray) and batch.dtype.kind in "iu" \
+            and batch.ndim == 1:
+        total = int(batch.sum())  # integers: finite, so the checks below reduce to these two
+        if total > 0 and int(batch.min()) >= 0:
+            return batch / total
     b = np.asarray(batch, dtype=np.float64)
     if weighting == "samples":
         amount = b

@@ -35,13 +35,17 @@ from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, choose_transpo
 from .data import BalancedLoader, check_loader_config
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
 from .policies.base import Context, Policy, SizedPolicy, check_decision, from_state, to_state
-from .telemetry import COL, NUM_FIELDS, History, StepRecord, UnusableTelemetry, hardware_info
+from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
+                        UnusableTelemetry, hardware_info)
 
 log = logging.getLogger("hetlb.balancer")
 
 # checksum, plan and step are adjacent columns: one view of the table checks all three.
 assert (COL["plan"], COL["step"]) == (COL["checksum"] + 1, COL["checksum"] + 2)
 _IDS = slice(COL["checksum"], COL["step"] + 1)
+# A StepRecord's arrays are the table's first columns, in order (one slice copies them all).
+assert tuple(FIELDS[:len(RECORD_ARRAYS)]) == RECORD_ARRAYS
+_RECORD_COLS = len(RECORD_ARRAYS)
 _FORMAT = 2
 
 BatchDim = Union[None, int, Callable[[tuple, dict], Optional[int]]]
@@ -427,11 +431,7 @@ class Balancer:
         """This rank's aggregation weight; for a window shorter than ``accumulate`` (the end of an
         epoch) scaled by ``accumulate / length``, since each micro-step's loss is divided by
         ``accumulate``."""
-        if self.weighting == "samples":
-            total = int(plan.sizes.sum())
-            w = int(plan.sizes[self.rank]) / total if total > 0 else 0.0
-        else:
-            w = float(weights_for(self.weighting, plan.sizes, plan.data)[self.rank])
+        w = float(weights_for(self.weighting, plan.sizes, plan.data)[self.rank])
         if self.accumulate > 1 and plan.window_len < self.accumulate:
             w *= self.accumulate / plan.window_len
         return w
@@ -559,12 +559,17 @@ class Balancer:
         if done < 0 or done not in self._partials:
             return
         plan, old = self._partials.pop(done)
-        compute = table[:, COL["compute"]] / plan.window_len
+        # One copy holds the record's float columns (the table's first columns, in record order);
+        # the batch is the plan's, which _verify matched to the table exactly.
+        cols = old[:, :_RECORD_COLS].T.copy()
+        cols[COL["compute"]] = table[:, COL["compute"]]
+        if plan.window_len != 1:
+            cols[COL["compute"]] /= plan.window_len
         spe = self.board.steps_per_epoch if self._loader_config is not None else None
         record = StepRecord(step=done, epoch=plan.epoch, epoch_end=spe is not None and plan.step + 1 >= spe,
-                            batch=np.rint(old[:, COL["batch"]]).astype(np.int64), compute=compute,
-                            data=old[:, COL["data"]].copy(), memory=old[:, COL["memory"]].copy(),
-                            cpu=old[:, COL["cpu"]].copy(), predicted=old[:, COL["predicted"]].copy())
+                            batch=plan.sizes.copy(), compute=cols[COL["compute"]],
+                            data=cols[COL["data"]], memory=cols[COL["memory"]],
+                            cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]])
         try:
             self.history.append(record)  # refuses a structurally unusable record
             if self._local is not None:

@@ -117,7 +117,8 @@ class GlobalOrderSampler:
         """Every rank's indices of a drawn step (for checks and tests)."""
         perm = self.permutation(plan.epoch)
         o = plan.step * self.global_batch
-        return [perm[o + plan.positions(r)] for r in range(self.board.world)]
+        step = perm[o:o + plan.count]
+        return [step[plan.positions(r)] for r in range(self.board.world)]
 
     def __iter__(self) -> Iterator[List[int]]:
         board = self.board

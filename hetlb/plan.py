@@ -121,12 +121,15 @@ class StepPlan:
         """Whether this step ends its accumulation window (the step that synchronises)."""
         return self.window_pos == self.window_len - 1
 
-    def positions(self, rank: int) -> np.ndarray:
-        """Positions, within the step, of ``rank``'s samples."""
+    def positions(self, rank: int) -> Union[np.ndarray, slice]:
+        """Positions, within the step, of ``rank``'s samples: an index array for a size-aware
+        step, else the contiguous slice of the rank (either indexes an array of the step's
+        samples)."""
         if self.assignment is not None:
             return np.flatnonzero(self.assignment == rank)
-        begin = int(self.sizes[:rank].sum())
-        return np.arange(begin, begin + int(self.sizes[rank]))
+        sizes = self.sizes.tolist()
+        begin = sum(sizes[:rank])
+        return slice(begin, begin + sizes[rank])
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,8 @@ class PlanBoard:
         self.accumulate = integer(accumulate, "accumulate", 1)
         self.decision: Decision = np.zeros(self.world, np.int64)
         self.checksum = 0
+        self._total = -1  # samples of a posted sizes decision (-1: none posted)
+        self._amounts = np.zeros(self.world)  # its data amounts when samples have no size
         # The data position: epoch and steps of it trained.
         self.epoch = 0
         self.done = 0
@@ -196,9 +201,17 @@ class PlanBoard:
         else:
             decision = np.asarray(decision, dtype=np.int64)
             d = self.decision
-            if isinstance(d, np.ndarray) and d.shape == decision.shape and np.array_equal(d, decision):
+            if isinstance(d, np.ndarray) and d.tolist() == decision.tolist():
                 return  # unchanged (the common case): keep the checksum
+            if decision.shape != (self.world,) or (decision < 0).any():
+                raise ValueError(f"a decision must be {self.world} non-negative sizes, got "
+                                 f"{decision.tolist()}")
+            # Read-only: whole steps share it as their sizes (draw's fast path).
             decision = decision.copy()
+            decision.flags.writeable = False
+            self._amounts = decision.astype(np.float64)
+            self._amounts.flags.writeable = False
+            self._total = int(decision.sum())
         self.decision = decision
         self.checksum = decision_checksum(decision)
 
@@ -222,6 +235,15 @@ class PlanBoard:
                 None when samples have no size.
         """
         key, pos, length = self._window_of(step, full_steps)
+        if pos == 0 and sample_sizes is None and count == self._total and \
+                isinstance(self.decision, np.ndarray):
+            # A whole step of the posted sizes (the common case): they were checked when posted.
+            sizes = self.decision
+            self._window = (epoch, key, sizes)
+            plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=self._amounts,
+                            checksum=self.checksum, window_pos=0, window_len=length)
+            self.drawn.append(plan)
+            return plan
         assignment = None
         if isinstance(self.decision, ScheduleRule):
             amounts = np.ones(count) if sample_sizes is None else np.asarray(sample_sizes, np.float64)
@@ -243,6 +265,7 @@ class PlanBoard:
             s = np.asarray(sample_sizes, np.float64)
             owner = assignment if assignment is not None else np.repeat(np.arange(self.world), sizes)
             data = np.bincount(owner, weights=s, minlength=self.world).astype(np.float64)
+        sizes.flags.writeable = data.flags.writeable = False  # a plan is a value: shared, not changed
         plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=data,
                         checksum=decision_checksum(sizes), window_pos=pos, window_len=length,
                         assignment=assignment)

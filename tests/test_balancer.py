@@ -6,6 +6,7 @@ import io
 import time
 from collections import namedtuple
 
+from hypothesis import given, strategies as st
 import numpy as np
 import pytest
 import torch
@@ -395,6 +396,15 @@ def test_weights_for():
         weights_for("sizes", b)
     with pytest.raises(ValueError, match="finite non-negative"):
         weights_for("sizes", b, np.array([1.0, np.nan, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="finite non-negative"):
+        weights_for("samples", np.array([2, -1, 3]))  # integer sizes take a fast path first
+
+
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=80).filter(lambda b: sum(b) > 0))
+def test_weights_for_integer_fast_path_matches_the_float_path(b):
+    fast = weights_for("samples", np.asarray(b, np.int64))
+    slow = weights_for("samples", [float(v) for v in b])
+    assert fast.dtype == np.float64 and fast.tolist() == slow.tolist()
 
 
 def test_empty_batches_keep_their_structure():

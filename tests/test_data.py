@@ -303,3 +303,37 @@ def test_stream_misuse():
         PlanBoard(2, 0, 8).post_shards([4, 4], 2)
     with pytest.raises(ValueError, match="mode must be"):
         PlanBoard(2, 0, 8, mode="async")
+
+
+@given(shares=st.lists(st.integers(0, 9), min_size=1, max_size=6).filter(lambda s: sum(s) > 0),
+       accumulate=st.integers(1, 3), seed=st.integers(0, 100))
+def test_whole_step_fast_path_draws_the_general_plan(shares, accumulate, seed):
+    """A whole step of the posted sizes takes draw()'s fast path (the decision shared, read-only);
+    its plans equal the general path's (with per-sample sizes of 1, which takes that path)."""
+    world, B = len(shares), sum(shares)
+    n = B * 5 + seed % B  # a short last step too
+    d = np.asarray(shares, np.int64)
+    fast, slow = PlanBoard(world, 0, B, accumulate), PlanBoard(world, 0, B, accumulate)
+    for b in fast, slow:
+        b.post(d)
+    full = n // B
+    for step in range(full + (n % B > 0)):
+        count = min(B, n - step * B)
+        p = fast.draw(0, step, count, full)
+        q = slow.draw(0, step, count, full, sample_sizes=np.ones(count))
+        assert (p.epoch, p.step, p.checksum, p.window_pos, p.window_len) == \
+               (q.epoch, q.step, q.checksum, q.window_pos, q.window_len)
+        assert p.sizes.tolist() == q.sizes.tolist() and p.data.tolist() == q.data.tolist()
+        assert p.checksum == decision_checksum(p.sizes)
+        with pytest.raises(ValueError, match="read-only"):
+            p.sizes[0] += 1  # steps share the posted sizes: nobody may change them in place
+    d[0] += 1  # the board holds its own copy of what was posted
+    assert fast.decision.tolist() == shares
+
+
+def test_post_refuses_sizes_that_cannot_be_a_decision():
+    b = PlanBoard(3, 0, 6)
+    with pytest.raises(ValueError, match="3 non-negative sizes, got \\[2, 4\\]"):
+        b.post(np.array([2, 4]))
+    with pytest.raises(ValueError, match="got \\[2, -1, 5\\]"):
+        b.post(np.array([2, -1, 5]))

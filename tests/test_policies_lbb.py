@@ -116,6 +116,29 @@ def test_uniform_respects_upper_bounds():
     assert all(d.tolist() == [4, 13, 13] for d in r.decisions)
 
 
+def test_emit_checks_every_new_decision_and_hands_out_copies():
+    """emit() skips the bounds check only for the unchanged decision it already checked; the
+    remembered decision is read-only, so it cannot change unchecked."""
+    p = Uniform()
+    ctx = Context.simple(3, 9)
+    first = p.start(ctx)
+    first[0] = 100  # a copy: the policy's own decision is unaffected
+    assert p.emit(p.last).tolist() == [3, 3, 3]
+    with pytest.raises(ValueError, match="read-only"):
+        p.last[0] += 1
+    moved = p.last.copy()
+    moved[0] += 1
+    with pytest.raises(ValueError, match="summing to 10"):
+        p.emit(moved)
+    p.last = np.array([9, 0, 0])  # replaced, not checked yet
+    with pytest.raises(ValueError, match="outside bounds"):
+        p.emit(p.last)
+    restored = Uniform()
+    restored.load_state_dict({**p.state_dict(), "last": np.array([4, 4, 4])})
+    with pytest.raises(ValueError, match="summing to 12"):
+        restored.emit(restored.last)  # a restored decision is checked on its first emit
+
+
 # -- LBB ---------------------------------------------------------------------------------------
 
 def test_lbb_with_profiles_balanced_at_once():

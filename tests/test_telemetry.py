@@ -147,3 +147,42 @@ def test_hardware_info_on_cpu():
     info = hardware_info(torch.device("cpu"))
     assert info["cpus"] >= 1 and info["cores"] >= 1 and info["memory"] > 2 ** 20
     assert "gpu_sms" not in info
+
+
+_SPECIAL = st.sampled_from([0.0, -0.0, 1.0, 0.5, -1.0, 1e308, -1e308, float("inf"), float("-inf"),
+                            float("nan")])
+
+
+@given(batch=st.lists(st.integers(-2, 5), min_size=1, max_size=70),
+       values=st.data())
+def test_validate_fast_path_agrees_with_the_full_check(batch, values):
+    """validate_record's per-step fast path (_looks_sound) only ever accepts what the full check
+    accepts, and validate_record's verdict is the full check's on random awkward values."""
+    from hetlb.telemetry import _looks_sound
+    n = len(batch)
+    col = lambda: np.asarray(values.draw(st.lists(_SPECIAL, min_size=n, max_size=n)), dtype=np.float64)
+    r = StepRecord(step=0, epoch=0, batch=np.asarray(batch, np.int64), compute=col(), data=col(),
+                   memory=col(), cpu=col())
+    b, t, d = r.batch, r.compute, r.data
+    with np.errstate(invalid="ignore"):
+        bad = ((b < 0) | np.isnan(t) | (t < 0) | ((b > 0) & (t == 0)) | ~np.isfinite(d) | (d < 0)
+               | ~np.isfinite(r.memory) | ~np.isfinite(r.cpu)).any()
+    if _looks_sound(r):
+        assert not bad
+    if bad:
+        with pytest.raises(UnusableTelemetry):
+            validate_record(r)
+    else:
+        validate_record(r)
+
+
+def test_validate_fast_path_on_sound_records_of_any_world():
+    from hetlb.telemetry import _looks_sound
+    for world in (1, 3, 64, 65, 500):
+        r = record(0, np.full(world, 4), np.full(world, 0.1))
+        assert _looks_sound(r)
+        validate_record(r)
+        bad = record(0, np.full(world, 4), np.r_[np.full(world - 1, 0.1), np.nan])
+        assert not _looks_sound(bad)
+        with pytest.raises(UnusableTelemetry, match=f"rank {world - 1} "):
+            validate_record(bad)

@@ -124,7 +124,8 @@ class SizedPolicy(Policy):
     public state so :meth:`state_dict` carries them and a restored instance decides without
     :meth:`start`; helpers for the latest record, the lag rule and the common splits.
 
-    ``last`` is the policy's latest decision, the base of every incremental move.
+    ``last`` is the policy's latest decision, the base of every incremental move (read-only
+    once emitted: moves work on a copy).
     """
 
     #: Whether the policy acts on ``+inf`` compute (a rank that made no progress); others refuse
@@ -177,8 +178,12 @@ class SizedPolicy(Policy):
 
     def emit(self, sizes: Any) -> np.ndarray:
         """Check a decision against the bounds, remember it as ``last`` and return a copy."""
+        if sizes is self.last and getattr(self, "_checked", None) is sizes:
+            return sizes.copy()  # unchanged, and checked when it was emitted (the common case)
         s = check_sizes(np.asarray(sizes, dtype=np.int64), self._context(), self.name)
         self.last = s.copy()
+        self.last.flags.writeable = False  # so the check above stays true of it: copy to change
+        self._checked = self.last
         return s.copy()
 
     def uniform(self) -> np.ndarray:
