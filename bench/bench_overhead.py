@@ -8,7 +8,9 @@ every variant alike; the per-step wall time of a variant in a round is the media
 (min..max) over rounds.
 
 Models: ``mlp`` (512-1024-1024-10, 1.6 M parameters, DDP's last bucket ~2 MB) and ``wide``
-(6144-1024-10, 6.3 M parameters: the last bucket is the full 25 MB). Variants: ``plain`` (DDP),
+(6144-1024-10, 6.3 M parameters: the last bucket is the full 25 MB); ``tiny`` (one 8-10 linear
+layer: the passes over gradients vanish, so what is left is the per-step work, e.g. hetlb's Python,
+best counted with ``--instructions --world 1``). Variants: ``plain`` (DDP),
 ``torchhook`` (DDP with torch's own ``allreduce_hook``: what any communication hook costs, since
 DDP then copies gradients into buckets without averaging and the hook averages in a pass of its
 own), ``side`` (the table in its own small all-reduce), ``carry`` (hetlb's default on CPU: the
@@ -46,7 +48,7 @@ from report import emit
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODELS = {"mlp": (512, [1024, 1024], 10), "wide": (6144, [1024], 10)}
+MODELS = {"mlp": (512, [1024, 1024], 10), "wide": (6144, [1024], 10), "tiny": (8, [], 10)}
 
 
 def make_model(name: str) -> torch.nn.Module:
