@@ -235,40 +235,36 @@ class PlanBoard:
                 None when samples have no size.
         """
         key, pos, length = self._window_of(step, full_steps)
+        assignment = None
         if pos == 0 and sample_sizes is None and count == self._total and \
                 isinstance(self.decision, np.ndarray):
-            # A whole step of the posted sizes (the common case): they were checked when posted.
-            sizes = self.decision
-            self._window = (epoch, key, sizes)
-            plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=self._amounts,
-                            checksum=self.checksum, window_pos=0, window_len=length)
-            self.drawn.append(plan)
-            return plan
-        assignment = None
-        if isinstance(self.decision, ScheduleRule):
-            amounts = np.ones(count) if sample_sizes is None else np.asarray(sample_sizes, np.float64)
-            assignment = np.asarray(schedule(amounts, self.decision.slope, self.decision.intercept),
-                                    dtype=np.int64)
-            sizes = np.bincount(assignment, minlength=self.world).astype(np.int64)
-        elif pos > 0 and self._window is not None and self._window[:2] == (epoch, key):
-            sizes = self._window[2]
+            # A whole step of the posted sizes (the common case): checked and hashed when posted.
+            sizes, data, checksum = self.decision, self._amounts, self.checksum
         else:
-            sizes = split_last(self.decision, count)
+            if isinstance(self.decision, ScheduleRule):
+                amounts = np.ones(count) if sample_sizes is None else np.asarray(sample_sizes, np.float64)
+                assignment = np.asarray(schedule(amounts, self.decision.slope, self.decision.intercept),
+                                        dtype=np.int64)
+                sizes = np.bincount(assignment, minlength=self.world).astype(np.int64)
+            elif pos > 0 and self._window is not None and self._window[:2] == (epoch, key):
+                sizes = self._window[2]
+            else:
+                sizes = split_last(self.decision, count)
+            if sizes.shape != (self.world,) or int(sizes.sum()) != count or np.any(sizes < 0):
+                raise RuntimeError(f"step plan {sizes.tolist()} does not split {count} samples over "
+                                   f"{self.world} ranks")
+            if sample_sizes is None:
+                data = sizes.astype(np.float64)
+            else:
+                s = np.asarray(sample_sizes, np.float64)
+                owner = assignment if assignment is not None else np.repeat(np.arange(self.world), sizes)
+                data = np.bincount(owner, weights=s, minlength=self.world).astype(np.float64)
+            sizes.flags.writeable = data.flags.writeable = False  # a plan is a value: shared, not changed
+            checksum = decision_checksum(sizes)
         if pos == 0:
             self._window = (epoch, key, sizes)
-        if sizes.shape != (self.world,) or int(sizes.sum()) != count or np.any(sizes < 0):
-            raise RuntimeError(f"step plan {sizes.tolist()} does not split {count} samples over "
-                               f"{self.world} ranks")
-        if sample_sizes is None:
-            data = sizes.astype(np.float64)
-        else:
-            s = np.asarray(sample_sizes, np.float64)
-            owner = assignment if assignment is not None else np.repeat(np.arange(self.world), sizes)
-            data = np.bincount(owner, weights=s, minlength=self.world).astype(np.float64)
-        sizes.flags.writeable = data.flags.writeable = False  # a plan is a value: shared, not changed
-        plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=data,
-                        checksum=decision_checksum(sizes), window_pos=pos, window_len=length,
-                        assignment=assignment)
+        plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=data, checksum=checksum,
+                        window_pos=pos, window_len=length, assignment=assignment)
         self.drawn.append(plan)
         return plan
 
