@@ -14,7 +14,8 @@ best counted with ``--instructions --world 1``). Variants: ``plain`` (DDP),
 ``torchhook`` (DDP with torch's own ``allreduce_hook``: what any communication hook costs, since
 DDP then copies gradients into buckets without averaging and the hook averages in a pass of its
 own), ``side`` (the table in its own small all-reduce), ``carry`` (hetlb's default on CPU: the
-table in the last bucket). ``--bucket-view`` builds every DDP with ``gradient_as_bucket_view=True``
+table in the last bucket); ``side+backward`` and ``carry+backward`` call ``bal.backward(loss)``
+instead of ``loss.backward()`` (the weight rides in the loss, the hook makes no pass). ``--bucket-view`` builds every DDP with ``gradient_as_bucket_view=True``
 (no copy into buckets; plain DDP then averages in place, a pass as hetlb's weighting is). With
 ``--hetlb-path`` the hetlb package is imported from there (an older checkout, for before/after
 figures; that version's API is used as it was).
@@ -80,9 +81,11 @@ def run_variant(variant: str, model_name: str, args: argparse.Namespace, rank: i
         loader = torch.utils.data.DataLoader(ds, batch_size=args.global_batch // world, sampler=sampler)
         bal = None
     else:
-        kw = {"transport": variant} if new_api else {}
+        transport = variant.partition("+")[0]
+        kw = {"transport": transport} if new_api else {}
         bal = hetlb.Balancer(ddp, args.global_batch, policy=hetlb.Uniform(), **kw)
         loader = bal.loader(ds, seed=1)
+    backward = bal.backward if variant.endswith("+backward") else torch.Tensor.backward
     times, cpu = [], []
     t_prev, c_prev = time.perf_counter(), time.process_time()
     for x, y in loader:
@@ -90,7 +93,7 @@ def run_variant(variant: str, model_name: str, args: argparse.Namespace, rank: i
             with bal.step():
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
         else:
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            backward(torch.nn.functional.cross_entropy(ddp(x), y))
         opt.step()
         opt.zero_grad()
         now, c_now = time.perf_counter(), time.process_time()

@@ -10,7 +10,8 @@
 // Per bucket the hook multiplies the gradient by this rank's weight (hetlb::scale_, or NCCL's
 // PREMUL_SUM) and SUM all-reduces it. (DDP copies gradients into buckets without averaging once a
 // hook is registered, so this pass is what every communication hook pays; NCCL's PREMUL_SUM
-// fuses it into the reduction.) When the last bucket is ready it stamps the step's compute
+// fuses it into the reduction; Balancer.backward skips it by scaling the loss instead, which
+// sets `prescaled`.) When the last bucket is ready it stamps the step's compute
 // time and CPU load into the row (holding the bucket first when an emulated slower device says
 // so) and ships the row with one of two transports, agreed by all ranks at start-up:
 //   carry: the row rides in a zeroed [world, fields] region appended to the last bucket in a
@@ -248,6 +249,11 @@ struct StepCore {
   double seconds_per_byte = 0.0;  // emulated link: every bucket's result arrives this much later
   double compute = kNaN;          // the stamped compute seconds (host clock), NaN until stamped
   int64_t hooks_run = 0, last_buckets = 0;
+  // The gradient already carries the weight (Balancer.backward scaled the loss; set by Python
+  // around that backward only): the hook sums without its own pass over the bucket.
+  bool prescaled = false;
+  int64_t scaled_buckets = 0;  // buckets this step the hook applied the weight to
+  std::vector<at::Tensor> params;  // the model's parameters, for grads_clear()
 
   CpuLoad cpu;
   std::optional<DeviceClock> clock;
@@ -274,7 +280,8 @@ struct StepCore {
     hold_factor = 1.0;
     hold_extra = 0.0;
     compute = kNaN;
-    hooks_run = last_buckets = 0;
+    hooks_run = last_buckets = scaled_buckets = 0;
+    prescaled = false;
     open = true;
     t0 = monotonic_seconds();
     if (clock && new_window) clock->begin();
@@ -360,6 +367,8 @@ struct StepCore {
     NoPythonState no_python;
     ++hooks_run;
     const double w = weight;
+    // A bucket needs the weight applied here unless it is 0 (zeroed below), 1, or already in it.
+    const bool weigh = !prescaled && w != 0.0 && w != 1.0;
     const int64_t nbytes = buf.numel() * buf.element_size();
     // A rank without samples may hold NaN gradients (the mean over an empty batch), and
     // 0 * NaN = NaN would poison every rank: zero the bucket on every path.
@@ -371,7 +380,10 @@ struct StepCore {
     if (last && !carry) launch_side(side);
     if (nccl) {
       c10d::AllreduceOptions opts;
-      opts.reduceOp = c10d::makePreMulSum(factor(buf));
+      if (weigh) {
+        opts.reduceOp = c10d::makePreMulSum(factor(buf));
+        ++scaled_buckets;
+      }
       auto fut = pg->allreduce(tensors, opts)->getFuture();
       return delayed(fut, nbytes);
     }
@@ -388,10 +400,12 @@ struct StepCore {
       if (!flat_.defined() || flat_.numel() != n + nslots || flat_.scalar_type() != buf.scalar_type())
         flat_ = at::empty({n + nslots}, buf.options());
       at::Tensor head = flat_.narrow(0, 0, n);
-      if (w == 0.0 || w == 1.0)
-        head.copy_(buf);  // (a weight-0 bucket was zeroed above)
-      else
+      if (weigh) {
         at::mul_out(head, buf, at::scalar_tensor(w, at::kDouble));
+        ++scaled_buckets;
+      } else {
+        head.copy_(buf);  // (a weight-0 bucket was zeroed above)
+      }
       flat_.narrow(0, n, nslots).copy_(slots());
       std::vector<at::Tensor> packed{flat_};
       auto fut = pg->allreduce(packed)->getFuture();
@@ -410,7 +424,10 @@ struct StepCore {
           c10::TensorType::get());
       return delayed(unpacked, nbytes);
     }
-    if (w != 0.0 && w != 1.0) scale_(buf, w);
+    if (weigh) {
+      scale_(buf, w);
+      ++scaled_buckets;
+    }
     auto fut = pg->allreduce(tensors)->getFuture();
     return delayed(fut, nbytes);
   }
@@ -433,6 +450,13 @@ struct StepCore {
     at::Tensor t = std::move(slot->table);
     slot->table = at::Tensor();
     return t;
+  }
+
+  // Whether no parameter holds a gradient (so a backward's result is that backward's alone).
+  bool grads_clear() const {
+    for (const auto& p : params)
+      if (p.grad().defined()) return false;
+    return true;
   }
 
   // Blocking all-reduce of the row (a step in which no hook carried it). Called without the GIL.
@@ -595,6 +619,17 @@ void bind_comm_hook(py::module& m) {
       }, "A copy of this step's row.")
       .def_property_readonly("slots", &StepCore::slots,
                              "This rank's row in a zeroed float64 [world * fields] tensor.")
+      .def(
+          "watch",
+          [](StepCore& c, std::vector<at::Tensor> params) { c.params = std::move(params); },
+          py::arg("params"), "The model's parameters, whose gradients grads_clear() inspects.")
+      .def("grads_clear", &StepCore::grads_clear,
+           "Whether no watched parameter holds a gradient (all are None).")
+      .def_readwrite("prescaled", &StepCore::prescaled,
+                     "The gradient of the backward in progress already carries this rank's weight "
+                     "(the loss was scaled): the hook only sums. Reset by start().")
+      .def_readonly("scaled_buckets", &StepCore::scaled_buckets,
+                    "Buckets this step whose gradient the hook multiplied by the weight.")
       .def_readonly("rank", &StepCore::rank)
       .def_readonly("world", &StepCore::world)
       .def_readonly("fields", &StepCore::fields)

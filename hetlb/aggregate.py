@@ -24,10 +24,11 @@ How the table travels (every rank uses the same transport, agreed at start-up; b
   into it in the pass that would otherwise scale the bucket in place), so the gradient's own
   all-reduce delivers the table and no collective is added.
 * ``"side"``: a separate float64 all-reduce of the ``[world, F]`` slots, issued from the last
-  bucket's hook just before that bucket's all-reduce (after it, it would queue behind that
-  transfer), on the gradient group under Gloo and on a Gloo side group under NCCL; the end of the
-  step waits for it, normally long complete. On Gloo it shares the gradient group's queue, so it
-  costs more than carry on CPU (measured in ``bench/RESULTS.md``).
+  bucket's hook just before that bucket's all-reduce, on a Gloo group of its own (under Gloo too:
+  on the gradient group it queued behind the gradient's transfers and cost 15-22 % of a step on
+  CPU, ``bench/RESULTS.md``); the end of the step waits for it, normally long complete. It is
+  the transport to pair with :meth:`hetlb.Balancer.backward` on Gloo: the hook then makes no
+  pass over the gradient at all (carry still copies the last bucket next to the table).
 * A step in which no hook ran (no backward) all-reduces the row on its own (:meth:`exchange`).
 """
 from __future__ import annotations
@@ -222,10 +223,10 @@ class StepTelemetry:
         self.core.close()
 
 
-def make_side_group(group: Any) -> Any:
-    """The group the telemetry side transport uses: ``group`` itself under Gloo, a new Gloo group
-    over the same ranks under NCCL (collective: every rank calls it)."""
-    if not is_nccl(group):
+def make_side_group(group: Any, own: bool = False) -> Any:
+    """A Gloo group over the ranks of ``group`` for the telemetry: ``group`` itself under Gloo
+    unless ``own``, else a new one (collective: every rank calls it)."""
+    if not is_nccl(group) and not own:
         return group
     ranks: Optional[List[int]] = None if group is None else dist.get_process_group_ranks(group)
     return dist.new_group(ranks=ranks, backend="gloo")

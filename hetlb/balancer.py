@@ -6,6 +6,9 @@
         loss_fn(ddp_model(x), y).backward()           # weighted all-reduce, telemetry along
         opt.step(); opt.zero_grad()
 
+``bal.backward(loss)`` in place of ``loss.backward()`` applies the weight to the loss instead of
+to the gradient (same gradient, one pass over it fewer; see :meth:`Balancer.backward`).
+
 Step boundaries come from the loader (a batch handed to the loop opens its step) and from the
 communication hook (the last gradient bucket ends its compute); ``with bal.step():`` around
 forward and backward marks them explicitly instead, and is needed for gradient accumulation.
@@ -185,9 +188,10 @@ class Balancer:
             dimension of the first tensor argument (default 0), a callable ``(args, kwargs) ->
             int``, or None for no check.
         transport: how the telemetry table travels: "carry" (in the last gradient bucket; Gloo
-            with CPU float32/float64 only) or "side" (its own small all-reduce issued with the
-            last bucket). None (default): "carry" where every rank can, else "side". Ranks that
-            ask for different transports get an error.
+            with CPU float32/float64 only) or "side" (its own small all-reduce on a Gloo group of
+            its own, issued with the last bucket; the one to pair with :meth:`backward` on
+            Gloo). None (default): "carry" where every rank can, else "side". Ranks that ask for
+            different transports get an error.
         native_hook: False registers the pure-Python reference hook instead of the native one
             (debugging; same collectives, so ranks may mix).
 
@@ -279,10 +283,14 @@ class Balancer:
                                [e["upper"] for e in everyone],
                                hardware=[e["hardware"] for e in everyone],
                                profiles=[e["profile"] for e in everyone])
+        if self.transport == "side" and self.distributed and not nccl:
+            side = make_side_group(group, own=True)  # not queued behind the gradient's transfers
         self._side = side
         self.telemetry = StepTelemetry(self.rank, self.world, transport=self.transport,
                                        group=group if self.distributed else None, side_group=side,
                                        nccl=nccl, device=self.device, emulator=emulator)
+        self.telemetry.core.watch(list(model.parameters()))
+        self._fast_backward_noted = False
         if is_ddp:
             self.telemetry.register(model, native=native_hook)
         else:
@@ -502,6 +510,55 @@ class Balancer:
             if self._loader_config is None:
                 self._micro += 1
             self._spent += time.perf_counter() - t
+
+    def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor] = None,
+                 **kwargs: Any) -> None:
+        """``loss.backward(gradient, **kwargs)`` with this rank's aggregation weight applied to the
+        loss instead of to the gradient: the same gradient, without the hook's pass over it.
+
+        Once a communication hook is registered DDP copies gradients into its buckets unscaled,
+        so the hook multiplies every bucket by the weight in a pass of its own (plain DDP fuses
+        its averaging into that copy; Gloo has no pre-multiplied sum). Since ``grad(w * loss) =
+        w * grad(loss)``, scaling the loss gives the same weighted gradient and the hook only sums.
+        On CPU Gloo pair it with ``Balancer(..., transport="side")``: "carry" still copies the
+        last bucket next to the table. On NCCL the weight rides in PREMUL_SUM either way.
+
+        It falls back to plain ``loss.backward()`` (the hook then weighs, as always) when a
+        parameter already holds a gradient (``zero_grad(set_to_none=False)``, or gradients kept
+        across steps): the hook must weigh what is already there too. With ``accumulate > 1`` it
+        is plain ``loss.backward()``: the window's weight is applied once, by the hook.
+        (Parameters outside the DDP model, which no hook sees, get ``w`` times their gradient.)
+
+        Args:
+            loss: the loss of this rank's batch (a scalar, or any tensor with ``gradient``).
+            gradient: as in ``Tensor.backward``.
+            **kwargs: ``retain_graph``, ``create_graph``, ``inputs`` as in ``Tensor.backward``.
+        """
+        if self._open is None:
+            raise RuntimeError("hetlb: bal.backward(loss) outside a balanced step; call it for a "
+                               "batch of the Balancer's loader, or inside `with bal.step():`")
+        core = self.telemetry.core
+        w = core.weight
+        if w == 1.0 or self.accumulate > 1 or not core.grads_clear():
+            if w != 1.0 and self.accumulate == 1 and not self._fast_backward_noted:
+                self._fast_backward_noted = True
+                log.warning("bal.backward: parameters already hold gradients, so the hook weighs "
+                            "the gradient (as with loss.backward()); zero them with "
+                            "optimizer.zero_grad() (set_to_none=True, the default) to skip its pass")
+            torch.autograd.backward(loss, gradient, **kwargs)
+            return
+        if gradient is None:
+            if loss.numel() != 1:
+                raise RuntimeError(f"bal.backward: a loss of shape {tuple(loss.shape)} needs "
+                                   f"gradient= (as Tensor.backward: implicit only for scalars)")
+            gradient = torch.full_like(loss, w, memory_format=torch.preserve_format)
+        else:
+            gradient = gradient * w
+        core.prescaled = True
+        try:
+            torch.autograd.backward(loss, gradient, **kwargs)
+        finally:
+            core.prescaled = False
 
     def _discard(self) -> None:
         """Drop the open step without finishing it (a peek, or an exception in its body)."""

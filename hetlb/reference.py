@@ -326,6 +326,8 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
     state.buckets += 1
     buf = bucket.buffer()
     w = float(core.weight)
+    # The loss was scaled (Balancer.backward): the gradient carries the weight, the hook sums.
+    applied = 1.0 if core.prescaled else w
     if w == 0.0:
         buf.zero_()  # an idle rank's gradient may be NaN (mean over no samples)
     last = bucket.is_last()
@@ -333,7 +335,7 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
         core.last_ready()
     if last and core.carry:
         n = buf.numel()
-        flat = ref_flatten_scaled([buf], 1.0 if w == 0.0 else w, extra=core.slots)
+        flat = ref_flatten_scaled([buf], 1.0 if w == 0.0 else applied, extra=core.slots)
         fut = dist.all_reduce(flat, group=state.group, async_op=True).get_future()
 
         def unpack(f: torch.futures.Future) -> Tensor:
@@ -346,7 +348,7 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
         work = dist.all_reduce(slots, group=state.side_group if state.side_group is not None
                                else state.group, async_op=True)
         core.adopt_side(work, slots)
-    if w not in (0.0, 1.0):
-        ref_scale_([buf], w)
+    if w != 0.0 and applied != 1.0:
+        ref_scale_([buf], applied)
     fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])

@@ -150,6 +150,21 @@ def test_backward_outside_a_step_is_an_error():
     model(torch.randn(3, 2)).sum().backward()
 
 
+def test_bal_backward_in_one_process():
+    model = torch.nn.Linear(2, 1)
+    bal = hetlb.Balancer(model, 4)
+    with pytest.raises(RuntimeError, match="outside a balanced step"):
+        bal.backward(model(torch.randn(4, 2)).sum())
+    x = torch.randn(4, 2)
+    with bal.step():
+        bal.backward(model(x).sum(), retain_graph=False)  # weight 1: plain backward
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters()))
+    assert bal.steps == 1 and np.isfinite(bal.history[-1].compute).all()
+
+
 def test_exception_inside_a_step_leaves_the_balancer_usable():
     model = torch.nn.Linear(1, 1)
     bal = hetlb.Balancer(model, 4)

@@ -102,11 +102,11 @@ def grad_worker(rank, world, weighting, sizes, options, dtype_name, steps):
               static_graph=options.get("static_graph", False),
               find_unused_parameters=options.get("find_unused_parameters", False))
     bal = hetlb.Balancer(ddp, sum(sizes) if sizes else 12, policy=Fixed(sizes) if sizes else Jitter(3),
-                         weighting=weighting, lower=0)
+                         weighting=weighting, lower=0, transport=options.get("transport"))
     x, y, tokens = _data(dtype=dtype)
     ds = torch.utils.data.TensorDataset(x, y, tokens, torch.arange(len(x)))
     loader = bal.loader(ds, sample_sizes=tokens.numpy() if weighting == "sizes" else None, seed=5)
-    errs, tables = [], []
+    errs, tables, scaled = [], [], []
     for step, (xb, yb, tb, ib) in enumerate(loader):
         if step == steps:
             break
@@ -115,15 +115,21 @@ def grad_worker(rank, world, weighting, sizes, options, dtype_name, steps):
         out = ddp(xb)
         if options.get("find_unused_parameters"):
             out = out.detach().requires_grad_() * 0 + net[2](torch.tanh(net[0](xb)))  # same graph
-        _loss(out, yb, use_tokens.to(dtype)).backward()  # an idle rank's loss is NaN
+        loss = _loss(out, yb, use_tokens.to(dtype))  # an idle rank's loss is NaN
+        if options.get("bal_backward"):
+            bal.backward(loss)
+        else:
+            loss.backward()
+        scaled.append(bal.telemetry.core.scaled_buckets)
         parts = loader.sampler.step_indices(plan)
         ref = _reference(net, x, y, tokens, parts, weighting)
         errs.append(max(((p.grad.to(torch.float64) - r).abs().max() / (r.abs().max() + 1e-12)).item()
                         for p, r in zip(net.parameters(), ref)))
-        ddp.zero_grad(set_to_none=False)
+        ddp.zero_grad(set_to_none=options.get("set_to_none", False))
         assert ib.tolist() == parts[rank].tolist()
     tables = [(r.batch.tolist(), r.data.tolist(), bool(np.isfinite(r.compute).all())) for r in bal.history]
-    return {"errs": errs, "tables": tables, "steps": bal.steps}
+    return {"errs": errs, "tables": tables, "steps": bal.steps, "scaled": scaled,
+            "transport": bal.transport}
 
 
 WORLD_SIZES = {2: [3, 7], 3: [1, 5, 9], 4: [2, 0, 6, 4]}
@@ -170,6 +176,32 @@ def test_ddp_options(options):
         assert max(r["errs"]) < 1e-12, r["errs"]
 
 
+@pytest.mark.parametrize("world, weighting, options", [
+    (2, "samples", {"transport": "side"}),
+    (2, "sizes", {"transport": "carry"}),
+    (3, "none", {"transport": "side", "gradient_as_bucket_view": True}),
+    (4, "samples", {"transport": "carry", "find_unused_parameters": True}),
+])
+def test_bal_backward_weights_the_loss_to_the_same_gradient(world, weighting, options):
+    # The weight rides in the loss and the hook only sums: the union gradient still, and no
+    # bucket was scaled by the hook. World 4 has an idle rank (its loss is NaN).
+    res = unwrap(run(grad_worker, world, weighting, WORLD_SIZES[world],
+                     {"bal_backward": True, "set_to_none": True, **options}, "float64", 4))
+    for r in res:
+        assert r["transport"] == options["transport"]
+        assert max(r["errs"]) < 1e-12, r["errs"]
+        assert r["scaled"] == [0] * 4, r["scaled"]
+
+
+def test_bal_backward_with_gradients_already_there_lets_the_hook_weigh():
+    # zero_grad(set_to_none=False) leaves zero gradients: bal.backward cannot tell them from a
+    # gradient kept on purpose, so the hook weighs (and the result is still the union's).
+    res = unwrap(run(grad_worker, 2, "samples", [3, 7], {"bal_backward": True}, "float64", 3))
+    for r in res:
+        assert max(r["errs"]) < 1e-12, r["errs"]
+        assert r["scaled"][1:] == [1, 1], r["scaled"]  # one bucket, scaled by the hook
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_low_precision_buckets(dtype):
     tol = {"float16": 5e-3, "bfloat16": 4e-2, "float32": 1e-5}[dtype]
@@ -201,7 +233,7 @@ def test_plain_ddp_is_wrong_under_uneven_sizes():
 # ---------------------------------------------------------------- gradient accumulation
 
 
-def accumulation_worker(rank, world, K, n, gb, steps):
+def accumulation_worker(rank, world, K, n, gb, steps, bal_backward=False):
     net = _net()
     ddp = DDP(net)
     bal = hetlb.Balancer(ddp, gb, policy=Jitter(1), accumulate=K, lower=0)
@@ -212,7 +244,8 @@ def accumulation_worker(rank, world, K, n, gb, steps):
     for step, (xb, yb, ib) in enumerate(loader):
         plan = bal.board.current
         with bal.step():
-            (_loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)) / K).backward()
+            loss = _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)) / K
+            bal.backward(loss) if bal_backward else loss.backward()
         parts_all.append(loader.sampler.step_indices(plan))
         syncs.append(bal.synced)
         if bal.synced:
@@ -230,9 +263,11 @@ def accumulation_worker(rank, world, K, n, gb, steps):
             "records": [r.batch.tolist() for r in bal.history]}
 
 
-def test_accumulation_is_exact_with_sizes_fixed_per_window():
+@pytest.mark.parametrize("bal_backward", [False, True])
+def test_accumulation_is_exact_with_sizes_fixed_per_window(bal_backward):
     # 50 samples, global batch 6: 8 full steps + a short one; windows of 3: [0-2] [3-5] [6-7] [8].
-    res = unwrap(run(accumulation_worker, 2, 3, 50, 6, 100))
+    # (bal.backward is loss.backward() here: the window's weight is applied once, by the hook.)
+    res = unwrap(run(accumulation_worker, 2, 3, 50, 6, 100, bal_backward))
     for r in res:
         assert max(r["errs"]) < 1e-12, r["errs"]
         assert [w[0] for w in r["windows"]] == [3, 3, 2, 1]
@@ -526,17 +561,19 @@ def test_wlbs_redistributes_a_rank_that_makes_no_progress():
 # ---------------------------------------------------------------- shutdown
 
 
-def teardown_worker(rank, world, native):
+def teardown_worker(rank, world, native, transport):
     import gc
     from hetlb.emulate import Emulator
 
     def train():
         ddp = DDP(_net())
         emu = Emulator.for_rank(rank, [1.0, 2.0], model=hetlb.LinearModel(0.001, 0.0002))
-        bal = hetlb.Balancer(ddp, 12, policy=hetlb.LBB(), emulator=emu, native_hook=native)
+        bal = hetlb.Balancer(ddp, 12, policy=hetlb.LBB(), emulator=emu, native_hook=native,
+                             transport=transport)
         x, y, _ = _data(36)
         for xb, yb in bal.loader(torch.utils.data.TensorDataset(x, y)):
-            ddp(xb).pow(2).mean().backward()
+            bal.backward(ddp(xb).pow(2).mean())
+            ddp.zero_grad()
         return bal.transport
 
     train()
@@ -546,11 +583,12 @@ def teardown_worker(rank, world, native):
     return alive, gloo_threads()
 
 
+@pytest.mark.parametrize("transport", ["carry", "side"])
 @pytest.mark.parametrize("native", [True, False])
-def test_process_group_is_torn_down_by_destroy_process_group(native):
-    # Nothing hetlb holds (hook, step core, Balancer) may keep the Gloo group alive after the
+def test_process_group_is_torn_down_by_destroy_process_group(native, transport):
+    # Nothing hetlb holds (hook, step core, Balancer) may keep a Gloo group alive after the
     # models are collected: otherwise its threads and sockets are still live during interpreter
-    # exit, where they can abort the process.
-    for alive, after in unwrap(run(teardown_worker, 2, native)):
+    # exit, where they can abort the process. ("side" holds a second Gloo group of its own.)
+    for alive, after in unwrap(run(teardown_worker, 2, native, transport)):
         assert alive, "no Gloo threads seen while the group was up: the check sees nothing"
         assert after == [], f"Gloo threads still running after destroy_process_group: {after}"

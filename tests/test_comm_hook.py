@@ -47,21 +47,27 @@ def compare_worker(rank, world, native, sizes, weighting, options, dtype_name, s
     y = torch.randn(n, 3, generator=g, dtype=torch.float64).to(dtype)
     ds = torch.utils.data.TensorDataset(x, y)
     loader = bal.loader(ds, sample_sizes=np.arange(1, n + 1) % 5 + 1.0, seed=3)
-    grads, tables, buckets = [], [], 0
+    grads, tables, buckets, scaled = [], [], 0, []
     for step, (xb, yb) in enumerate(loader):
         if step == steps:
             break
         out = ddp(xb)
         # An idle rank's mean loss is NaN (a mean over nothing): its weight 0 must zero it.
-        (out - yb).pow(2).sum(1).mean().backward()
+        loss = (out - yb).pow(2).sum(1).mean()
+        if options.get("bal_backward"):
+            bal.backward(loss)  # the weight rides in the loss, the hook only sums
+        else:
+            loss.backward()
         buckets = max(buckets, bal.telemetry.core.hooks_run)  # native hook only
+        scaled.append(bal.telemetry.core.scaled_buckets)
         grads.append([p.grad.detach().clone() for p in net.parameters()])
-        ddp.zero_grad(set_to_none=False)
+        ddp.zero_grad(set_to_none=bool(options.get("bal_backward")))
     for rec in bal.history:
         tables.append({"batch": rec.batch.tolist(), "data": rec.data.tolist(),
                        "memory": rec.memory.tolist(), "cpu": rec.cpu.tolist(),
                        "compute": rec.compute.tolist()})
-    return {"transport": bal.transport, "grads": grads, "tables": tables, "buckets": buckets}
+    return {"transport": bal.transport, "grads": grads, "tables": tables, "buckets": buckets,
+            "scaled": scaled}
 
 
 CASES = {
@@ -71,6 +77,8 @@ CASES = {
     "bucket-view": (2, [1, 8], "samples", {"gradient_as_bucket_view": True}, "float64"),
     "static-graph": (2, [6, 3], "samples", {"static_graph": True}, "float32"),
     "one-bucket": (2, [2, 5], "samples", {"bucket_cap_mb": 25}, "float64"),
+    "bal-backward": (2, [3, 7], "samples", {"bal_backward": True}, "float64"),
+    "bal-backward-idle": (3, [4, 0, 6], "sizes", {"bal_backward": True}, "float32"),
 }
 
 
@@ -99,6 +107,11 @@ def test_native_hook_matches_the_reference(case, transport):
             assert all(0 < m < 1 for m in tn["memory"]) and all(0 <= c <= 1 for c in tn["cpu"])
         # Every rank sees the same table, compute times included.
         assert native[r]["tables"] == native[0]["tables"]
+        # The native hook made its pass over the gradient unless the loss carried the weight.
+        if options.get("bal_backward"):
+            assert native[r]["scaled"] == [0] * steps, native[r]["scaled"]
+        elif sizes[r] > 0:  # (an idle rank's bucket is zeroed, not scaled)
+            assert min(native[r]["scaled"]) >= 1, native[r]["scaled"]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -341,6 +354,13 @@ def reduce_worker(rank, world):
         got = core.reduce(nan, True, pg, side)
         out[f"zeroed-{carry}"] = got.tolist()
         out[f"table-{carry}"] = core.take_table().tolist()
+        # The weight is already in the gradient (a scaled loss): the hook only sums; a weight-0
+        # rank is still zeroed.
+        core.start(0.0 if rank == 1 else 0.25, row)
+        core.prescaled = True
+        got = core.reduce(nan if rank == 1 else torch.arange(6, dtype=torch.float32), True, pg, side)
+        out[f"prescaled-{carry}"] = (got.tolist(), core.scaled_buckets)
+        core.take_table()
     return out
 
 
@@ -350,6 +370,7 @@ def test_the_hook_body_scales_zeroes_and_delivers_the_table():
         want = (0.25 * (torch.arange(6.0) + torch.arange(6.0) + 1)).tolist()
         assert res[0][f"scaled-{carry}"] == res[1][f"scaled-{carry}"] == want
         assert res[0][f"zeroed-{carry}"] == res[1][f"zeroed-{carry}"] == [1.0] * 6
+        assert res[0][f"prescaled-{carry}"] == res[1][f"prescaled-{carry}"] == (torch.arange(6.0).tolist(), 0)
         table = np.array(res[0][f"table-{carry}"])
         assert table.shape == (2, NUM_FIELDS) and (table[0] == 1).sum() >= NUM_FIELDS - 2
         assert table[1, COL["batch"]] == 2.0 and res[1][f"table-{carry}"] == res[0][f"table-{carry}"]

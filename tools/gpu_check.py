@@ -71,7 +71,7 @@ def nccl_balancer_worker(rank, world):
     return {"transport": bal.transport, "compute_ms": float(np.median(compute) * 1e3)}
 
 
-def gloo_cuda_worker(rank, world, native):
+def gloo_cuda_worker(rank, world, native, bal_backward=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from fixed_policy import Fixed
@@ -83,10 +83,12 @@ def gloo_cuda_worker(rank, world, native):
     x = torch.randn(40, 5, generator=g, dtype=torch.float64)
     y = torch.randn(40, 3, generator=g, dtype=torch.float64)
     loader = bal.loader(torch.utils.data.TensorDataset(x, y), seed=2)
-    errs = []
+    errs, scaled = [], []
     for step, (xb, yb) in enumerate(loader):
         plan = bal.board.current
-        (ddp(xb.cuda()) - yb.cuda()).pow(2).sum(1).mean().backward()
+        loss = (ddp(xb.cuda()) - yb.cuda()).pow(2).sum(1).mean()
+        bal.backward(loss) if bal_backward else loss.backward()  # the weight in the loss, or the hook
+        scaled.append(bal.telemetry.core.scaled_buckets)
         idx = np.concatenate(loader.sampler.step_indices(plan))
         ref = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
         ref.load_state_dict({k: v.cpu() for k, v in net.state_dict().items()})
@@ -95,6 +97,8 @@ def gloo_cuda_worker(rank, world, native):
         ddp.zero_grad()
     compute = bal.history.column("compute")
     assert np.all(np.isfinite(compute)) and np.all(compute > 0), compute
+    if native:  # the native hook counts the buckets it weighed
+        assert all(n == 0 for n in scaled) if bal_backward else all(n > 0 for n in scaled), scaled
     return {"err": max(errs), "transport": bal.transport}
 
 
@@ -133,6 +137,7 @@ def main() -> int:
         "nccl_balancer": lambda: unwrap(run(nccl_balancer_worker, 1, backend="nccl", timeout=300))[0],
         "gloo_cuda (native)": lambda: _gloo(True),
         "gloo_cuda (reference)": lambda: _gloo(False),
+        "gloo_cuda (bal.backward)": lambda: _gloo(True, True),
         "profile_oom": check_profile_oom,
         "probe": check_probe,
     }
@@ -147,8 +152,8 @@ def main() -> int:
     return failures
 
 
-def _gloo(native: bool):
-    res = unwrap(run(gloo_cuda_worker, 2, native, timeout=300))
+def _gloo(native: bool, bal_backward: bool = False):
+    res = unwrap(run(gloo_cuda_worker, 2, native, bal_backward, timeout=300))
     assert all(r["err"] < 1e-12 for r in res), res
     return res[0]
 
