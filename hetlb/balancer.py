@@ -21,8 +21,10 @@ disagreement raises :class:`DecisionMismatchError` naming the ranks.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
@@ -36,6 +38,7 @@ from . import checks
 from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, choose_transport, is_nccl,
                         make_side_group, weights_for)
 from .data import BalancedLoader, check_loader_config
+from .runlog import ENV_LOG_DIR, RunLog
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
 from .policies.base import Context, Policy, SizedPolicy, check_decision, from_state, to_state
 from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
@@ -194,6 +197,12 @@ class Balancer:
             different transports get an error.
         native_hook: False registers the pure-Python reference hook instead of the native one
             (debugging; same collectives, so ranks may mix).
+        log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
+            the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
+            :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
+            Call :meth:`close` at the end to flush the TensorBoard writer.
+        tensorboard: with a ``log_dir``, also write TensorBoard scalars (None: when the
+            ``tensorboard`` package is installed).
 
     Attributes:
         rank, world: this rank and the number of ranks of ``group``.
@@ -215,7 +224,8 @@ class Balancer:
                  upper: Optional[int] = None, profile: Any = None, emulator: Any = None,
                  history: int = 1024, max_bad_steps: int = 10, accumulate: int = 1,
                  batch_dim: BatchDim = 0, transport: Optional[str] = None,
-                 native_hook: bool = True) -> None:
+                 native_hook: bool = True, log_dir: Optional[str] = None,
+                 tensorboard: Optional[bool] = None) -> None:
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         self.accumulate = checks.integer(accumulate, "accumulate", 1)
@@ -318,6 +328,12 @@ class Balancer:
         self.last_overhead: float = 0.0
         self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
         self.board.post(self._decision)
+        self.runlog: Optional[RunLog] = None
+        log_dir = log_dir if log_dir is not None else os.environ.get(ENV_LOG_DIR) or None
+        if log_dir is not None and self.rank == 0:
+            if tensorboard is None:
+                tensorboard = importlib.util.find_spec("tensorboard") is not None
+            self.runlog = RunLog(log_dir, tensorboard=tensorboard)
         self._local = policy.local_predictor(self.rank) if hasattr(policy, "local_predictor") else None
         # The bound loader's configuration (a value: the loader holds this Balancer, not the
         # other way round), or None before a loader is bound.
@@ -643,6 +659,17 @@ class Balancer:
             decision = check_decision(decision, self.context, type(self.policy).__name__)
         self._decision = decision
         self.board.post(decision)
+        if self.runlog is not None:
+            actions = getattr(self.policy, "actions", None)
+            self.runlog.write(record, getattr(self.policy, "name", type(self.policy).__name__),
+                              actions[-1] if actions else None, decision)
+
+    def close(self) -> None:
+        """Flush and close the run log (see ``log_dir``); training may not continue logging
+        after it. Without a log there is nothing to do."""
+        if self.runlog is not None:
+            self.runlog.close()
+            self.runlog = None
 
     # ------------------------------------------------------------------ called by the loader
 

@@ -27,5 +27,9 @@ bal = hetlb.Balancer(model, 4, policy=hetlb.LBB())
 for (x,) in bal.loader(torch.utils.data.TensorDataset(torch.randn(8, 3))):
     model(x).sum().backward()
 assert bal.steps == 2
+for name in hetlb.sim.builtin_scenarios():  # the packaged scenario files
+    hetlb.sim.load_scenario(name)
 print(f"wheel OK: {hetlb.__file__}, {len(names)} modules")
 PY
+"$WORK/venv/bin/hetlb" plan --global-batch 8 --linear 1,1 --linear 1,3 >/dev/null
+echo "console script OK: $WORK/venv/bin/hetlb"

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the main job: the solver demo, then balanced training on an
-# emulated 1:2:3:4 cluster of 4 local workers (Uniform vs LBB; plot in out/train_balanced.png).
-# Arguments go to examples/train_balanced.py (e.g. --policy LBBSP --steps 100).
+# The main job: set up .venv (scripts/setup.sh) and run `hetlb demo`: 4 local Gloo workers on an
+# emulated 1:2:3:4 cluster (ABS-SGD's), digits, Uniform vs LBB, LB-BSP, WLBS and DBS. Extra
+# arguments go to `hetlb demo` (e.g. --cluster lbb-table2 --epochs 3).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-.venv/bin/python examples/solvers.py
-exec .venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_balanced.py "$@"
+exec .venv/bin/hetlb demo "$@"

@@ -1,0 +1,146 @@
+"""The simulator: how fast it runs at scale, and how closely it matches a real emulated run.
+
+Part ``scale``: wall seconds of ``hetlb.sim.simulate`` on a generated mixed cluster
+(``hetlb simulate --workers N --steps S``) for every synchronous policy, median of ``--repeats``
+runs; LB-BSP's CPU mode with per-rank NARX predictors (one network per rank, fitted in the
+foreground as each rank would in the background) at smaller worlds, as seconds per step.
+
+Part ``agree``: one scenario run twice: on 4 real Gloo ranks on this machine (DDP, the Balancer,
+each rank an :class:`hetlb.emulate.Emulator` built from the scenario) and in the simulator, same
+policy and steps, the simulated network set to this machine's all-reduce time (measured by the
+ranks before training). Reported: final sizes of both, and the median step time per phase (before
+and after the disturbance) of both, with their ratio. The real step time is rank 0's wall time
+between batches.
+
+    python bench/bench_sim.py [--part scale agree] [--workers 4096] [--steps 1000] [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import tempfile
+import time
+from typing import List
+
+import numpy as np
+
+from report import emit
+
+
+def part_scale(workers: int, steps: int, repeats: int) -> List[str]:
+    from hetlb.sim import generate_cluster, simulate
+    import hetlb
+    sc = generate_cluster(workers, seed=0)
+    lines = [f"### Simulator speed: {workers} workers x {steps} steps (generated mixed cluster)", "",
+             "| policy | wall s (median of %d) | decide s | mean step (virtual ms) | speed-up over uniform |" % repeats,
+             "|---|---:|---:|---:|---:|"]
+    base = None
+    for p in ("uniform", "lbb", "lbbsp", "wlbs", "dbs"):
+        walls, res = [], None
+        for _ in range(repeats):
+            res = simulate(sc, p, steps)
+            walls.append(res.wall_seconds)
+        base = base or res.total_time
+        lines.append(f"| {p} | {statistics.median(walls):.2f} | {res.decide_seconds:.2f} | "
+                     f"{res.step_time.mean() * 1e3:.1f} | {base / res.total_time:.2f}x |")
+    lines += ["", "LB-BSP CPU mode with NARX (one network per rank; warm-up 500 steps, refit every 100):", "",
+              "| workers | steps | wall s | s per step |", "|---:|---:|---:|---:|"]
+    for n, k in ((16, 1000), (64, 1000), (256, 600)):
+        sc = generate_cluster(n, seed=0)
+        t0 = time.perf_counter()
+        simulate(sc, hetlb.LBBSP("cpu", predictor=hetlb.NARX()), k)
+        dt = time.perf_counter() - t0
+        lines.append(f"| {n} | {k} | {dt:.1f} | {dt / k * 1e3:.1f} ms |")
+    return lines
+
+
+def _real_worker(rank: int, world: int, store: str, name: str, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import hetlb
+    from hetlb.sim import load_scenario
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        # This machine's all-reduce cost (the scenario's network term): back-to-back all-reduces
+        # of a gradient-plus-telemetry-sized tensor.
+        buf = torch.zeros(64)
+        for _ in range(20):
+            dist.all_reduce(buf)
+        t0 = time.perf_counter()
+        for _ in range(100):
+            dist.all_reduce(buf)
+        allreduce = (time.perf_counter() - t0) / 100
+        sc = load_scenario(name)
+        ddp = DDP(torch.nn.Linear(4, 1))
+        bal = hetlb.Balancer(ddp, sc.global_batch, policy=hetlb.LBB(),
+                             emulator=sc.emulator(rank, spin=0.0005))
+        loader = bal.loader(torch.utils.data.TensorDataset(torch.randn(sc.global_batch * steps, 4)))
+        stamps = []
+        for (xb,) in loader:
+            stamps.append(time.perf_counter())
+            ddp(xb).sum().backward()
+        stamps.append(time.perf_counter())
+        if rank == 0:
+            np.savez(out, sizes=np.array([r.batch for r in bal.history]), stamps=np.array(stamps),
+                     allreduce=allreduce)
+        del ddp, bal
+    finally:
+        dist.destroy_process_group()
+
+
+def part_agree(name: str, steps: int, split: int) -> List[str]:
+    import torch.multiprocessing as mp
+    from hetlb.sim import load_scenario, simulate
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "real.npz")
+        mp.spawn(_real_worker, args=(4, os.path.join(tmp, "store"), name, steps, out), nprocs=4)
+        real = np.load(out)
+        rs, stamps, allreduce = real["sizes"], real["stamps"], float(real["allreduce"])
+    rt = np.diff(stamps)  # the wall time of each step on rank 0 (a step ends at the next batch)
+    sc = load_scenario(name)
+    bare = simulate(sc, "lbb", steps)
+    # The scenario's network set to this machine's measured all-reduce (a ring of 4: 6 hops).
+    sc.network.latency = allreduce / (2 * (4 - 1))
+    sim = simulate(sc, "lbb", steps)
+    lines = [f"### Simulator against a real emulated run: `{name}`, LBB, {steps} steps, 4 Gloo ranks", "",
+             f"The simulated network is this machine's all-reduce, measured before training: "
+             f"{allreduce * 1e3:.2f} ms per all-reduce (ring latency {sc.network.latency * 1e3:.3f} ms per hop). "
+             f"'no network' is the scenario as shipped (compute only).", "",
+             "| phase | real median step (ms) | simulated (ms) | simulated / real | simulated, no network / real |",
+             "|---|---:|---:|---:|---:|"]
+    for what, sl in ((f"steps 5-{split - 1} (balanced)", slice(5, split)),
+                     (f"steps {split}-{split + 9} (disturbance, tuning)", slice(split, split + 10)),
+                     (f"steps {split + 10}-{steps - 1} (re-balanced)", slice(split + 10, steps))):
+        r, s = float(np.median(rt[sl])), float(np.median(sim.step_time[sl]))
+        b = float(np.median(bare.step_time[sl]))
+        lines.append(f"| {what} | {r * 1e3:.1f} | {s * 1e3:.1f} | {s / r:.3f} | {b / r:.3f} |")
+    lines += ["", f"Final sizes: real {rs[-1].tolist()}, simulated {sim.sizes[-1].tolist()}; "
+              f"at step {split - 1}: real {rs[split - 1].tolist()}, simulated {sim.sizes[split - 1].tolist()}."]
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", nargs="+", choices=["scale", "agree"], default=["scale", "agree"])
+    p.add_argument("--workers", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    import torch
+    torch.set_num_threads(1)
+    lines: List[str] = []
+    if "scale" in args.part:
+        lines += part_scale(args.workers, args.steps, args.repeats) + [""]
+    if "agree" in args.part:
+        lines += part_agree("lbb-disturbance", 80, 30)
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""The cluster simulator: the same policy objects as real training, driven in virtual time.
+
+``hetlb.sim.simulate(scenario, policy, steps)`` runs a policy on a scenario (a cluster, its
+network and its events; see :mod:`hetlb.sim.scenario` for the schema) and returns a
+:class:`SimResult`; :func:`compare_splits` is the static plan ``hetlb plan`` prints.
+"""
+from .engine import POLICY_NAMES, SimResult, make_policy, simulate
+from .scenario import (EVENT_KINDS, Event, Network, Scenario, ScenarioError, WorkerModel, WorkerSpec,
+                       builtin_scenarios, generate_cluster, load_scenario)
+from .static import Split, compare_splits
+
+__all__ = ["simulate", "SimResult", "make_policy", "POLICY_NAMES", "Scenario", "ScenarioError",
+           "WorkerSpec", "WorkerModel", "Event", "Network", "EVENT_KINDS", "load_scenario",
+           "builtin_scenarios", "generate_cluster", "Split", "compare_splits"]

@@ -1,0 +1,359 @@
+"""The simulator: a scenario's cluster stepped in virtual time under a real policy object.
+
+Each simulated step is one synchronous (BSP) iteration: every active worker computes its batch,
+taking the time its model, speed, load, noise and events say, then the ring all-reduce runs;
+the step ends when the slowest worker's gradient has been reduced. The policy sees exactly what
+it sees in training: a :class:`hetlb.policies.Context` at start, then one
+:class:`hetlb.telemetry.StepRecord` per step appended to a :class:`hetlb.telemetry.History`,
+and its decision takes effect ``scenario.lag`` steps later (0: the next step, as on CPU).
+Per-rank predictors (LB-BSP's NARX) run as each rank runs its own and publish their prediction
+in the record, as :class:`hetlb.Balancer` does. A worker leaving or joining restarts the policy
+on the new world, as a resumed elastic job does.
+
+Noise follows :class:`hetlb.emulate.Emulator`'s form (``time * (1 + noise * u) + jitter * v``,
+``u ~ U(-1, 1)``, ``v ~ U(0, 1)``) drawn from one generator per run, so a simulated run is
+reproducible from ``scenario.seed`` but does not replay an emulated run's draws one by one.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+import numpy as np
+
+from ..models import LinearModel, PiecewiseModel, PolyModel
+from ..plan import ScheduleRule
+from ..policies import DBS, LBB, LBBSP, WLBS, Uniform
+from ..policies.base import Context, Policy, check_decision
+from ..telemetry import History, StepRecord, UnusableTelemetry, straggler_effect
+from .scenario import Scenario, load_scenario
+
+__all__ = ["simulate", "SimResult", "make_policy", "POLICY_NAMES"]
+
+log = logging.getLogger(__name__)
+
+#: Names :func:`make_policy` (and ``hetlb simulate --policy``) accept.
+POLICY_NAMES = ("uniform", "lbb", "lbbsp", "lbbsp-cpu", "wlbs", "dbs")
+
+
+def make_policy(name: str, **kw: Any) -> Policy:
+    """A fresh policy with the papers' defaults from its short name (:data:`POLICY_NAMES`)."""
+    key = name.strip().lower().replace("_", "-")
+    table = {"uniform": lambda: Uniform(), "lbb": lambda: LBB(**kw),
+             "lbbsp": lambda: LBBSP("gpu", **kw), "lbbsp-gpu": lambda: LBBSP("gpu", **kw),
+             "lbb-sp": lambda: LBBSP("gpu", **kw), "lbbsp-cpu": lambda: LBBSP("cpu", **kw),
+             "wlbs": lambda: WLBS(**kw), "dbs": lambda: DBS(**kw)}
+    if key not in table:
+        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    return table[key]()
+
+
+@dataclass
+class SimResult:
+    """What a simulated run did; per-step arrays are over the scenario's declared workers (an
+    inactive worker has batch 0 and compute NaN).
+
+    Attributes:
+        scenario, policy: names.
+        sizes: int64 ``[steps, workers]`` batch of every worker.
+        compute: ``[steps, workers]`` seconds of computation (``inf``: a failed worker).
+        step_time: ``[steps]`` seconds of each step (slowest compute + exposed all-reduce).
+        comm: ``[steps]`` exposed all-reduce seconds.
+        se: ``[steps]`` straggler effect (LBB Eq. 4) over the workers with samples.
+        restarts: steps at which membership changed and the policy restarted.
+        error: why the run stopped early (a worker out of memory), else None; the arrays then
+            hold the steps that ran.
+        decide_seconds: wall seconds spent in the policy (``start`` and ``decide``).
+        wall_seconds: wall seconds of the whole simulation.
+    """
+
+    scenario: str
+    policy: str
+    sizes: np.ndarray
+    compute: np.ndarray
+    step_time: np.ndarray
+    comm: np.ndarray
+    se: np.ndarray
+    restarts: List[int] = field(default_factory=list)
+    error: Optional[str] = None
+    decide_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return int(self.step_time.shape[0])
+
+    @property
+    def total_time(self) -> float:
+        """Virtual seconds of the whole run."""
+        return float(self.step_time.sum())
+
+    def summary(self, tail: float = 0.5) -> Dict[str, Any]:
+        """Mean step time and SE over the run and over its last ``tail`` fraction, final sizes."""
+        k = max(1, int(round(self.steps * tail))) if self.steps else 0
+        return {"scenario": self.scenario, "policy": self.policy, "steps": self.steps,
+                "total_time": self.total_time,
+                "mean_step": float(self.step_time.mean()) if self.steps else math.nan,
+                "tail_step": float(self.step_time[-k:].mean()) if self.steps else math.nan,
+                "mean_se": float(self.se.mean()) if self.steps else math.nan,
+                "tail_se": float(self.se[-k:].mean()) if self.steps else math.nan,
+                "final_sizes": self.sizes[-1].tolist() if self.steps else [],
+                "restarts": list(self.restarts), "error": self.error,
+                "decide_seconds": self.decide_seconds, "wall_seconds": self.wall_seconds}
+
+
+class _Cluster:
+    """Vectorised time models of the declared workers: polynomial ones (linear, poly) as one
+    coefficient matrix evaluated by Horner's rule, piecewise ones one by one."""
+
+    def __init__(self, sc: Scenario) -> None:
+        ws = sc.workers
+        n = len(ws)
+        self.n = n
+        self.speed = np.array([w.speed for w in ws])
+        self.sat = np.array([w.saturation for w in ws])
+        self.overhead = np.array([w.overhead for w in ws])
+        self.limit = np.array([w.limit if w.limit is not None else np.iinfo(np.int64).max for w in ws], np.int64)
+        self.noise = np.array([w.noise for w in ws])
+        self.jitter = np.array([w.jitter for w in ws])
+        self.memory = np.array([w.memory for w in ws])
+        self.cpu = np.array([w.cpu for w in ws])
+        self.bandwidth = np.array([w.bandwidth if w.bandwidth is not None else np.nan for w in ws])
+        coeffs: List[np.ndarray] = []
+        self.piecewise: List[int] = []
+        for i, w in enumerate(ws):
+            m = w.model
+            if isinstance(m, LinearModel):
+                coeffs.append(np.array([m.a1, m.a0]))
+            elif isinstance(m, PolyModel):
+                coeffs.append(np.asarray(m.coeffs, np.float64))
+            else:
+                coeffs.append(np.zeros(1))
+                self.piecewise.append(i)
+        deg = max(c.size for c in coeffs)
+        self.coeffs = np.zeros((deg, n))  # row 0 = highest degree
+        for i, c in enumerate(coeffs):
+            self.coeffs[deg - c.size:, i] = c
+        self.models = [w.model for w in ws]
+
+    def base(self, idx: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Model seconds of workers ``idx`` at batches ``b`` (saturation applied, no speed)."""
+        x = np.maximum(b.astype(np.float64), self.sat[idx])
+        c = self.coeffs[:, idx]
+        t = c[0].copy()
+        for row in c[1:]:
+            t *= x
+            t += row
+        if self.piecewise:
+            pos = {w: j for j, w in enumerate(idx.tolist())}
+            for w in self.piecewise:
+                j = pos.get(w)
+                if j is not None:
+                    t[j] = float(self.models[w].time(x[j]))
+        return np.maximum(t, 0.0)
+
+
+def _profiles(sc: Scenario, idx: np.ndarray, upper: np.ndarray) -> List[Dict[str, Any]]:
+    """What LBB's profiling phase would measure on each worker: the model at powers of two up
+    to its limit (noise-free), fitted as the Balancer fits a :class:`hetlb.Profile`."""
+    out = []
+    for r, w in enumerate(idx.tolist()):
+        spec = sc.workers[w]
+        top = int(min(upper[r], spec.limit or sc.global_batch))
+        bs = [b for b in (2 ** k for k in range(1, 31)) if b <= top] or [1]
+        ts = spec.time_model.time(np.array(bs, np.float64))
+        if len(bs) == 1:
+            bs, ts = bs + [bs[0] + 1], np.append(ts, spec.time_model.time(bs[0] + 1))
+        out.append({"model": PolyModel.fit(bs, ts, degree=min(3, len(bs) - 1)),
+                    "linear": LinearModel.fit(bs, ts), "limit": int(bs[-1]),
+                    "oom_at": None if spec.limit is None else spec.limit + 1})
+    return out
+
+
+def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Policy, str],
+             steps: Optional[int] = None, *, profile: bool = False, seed: Optional[int] = None,
+             progress: bool = False, history: int = 64) -> SimResult:
+    """Run ``policy`` on ``scenario`` for ``steps`` steps (default ``scenario.steps``).
+
+    Args:
+        scenario: a :class:`Scenario`, a built-in name, a JSON/YAML path or a dict.
+        policy: a policy object (started here; pass a fresh one) or a name from
+            :data:`POLICY_NAMES`.
+        profile: give the policy profiled models of every worker, as ``Balancer(profile=...)``
+            does after :func:`hetlb.profile` (LBB starts from them; noise-free, powers of two),
+            and with them the memory limits as upper bounds. Without profiles no rank's batch
+            is bounded but by the global batch, as in training.
+        seed: overrides ``scenario.seed``.
+        progress: a tqdm bar over the steps.
+        history: records the policy can look back on (the Balancer's ``history`` argument).
+
+    Returns:
+        a :class:`SimResult`. A worker given more than its ``limit`` (possible only without
+        ``profile``) stops the run with ``error`` set, as the out-of-memory error would stop
+        training.
+    """
+    sc = load_scenario(scenario)
+    pol = make_policy(policy) if isinstance(policy, str) else policy
+    if not isinstance(pol, Policy):
+        raise ValueError(f"policy must be a hetlb policy or a name, got {type(pol).__name__}")
+    steps = sc.steps if steps is None else int(steps)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    rng = np.random.default_rng(sc.seed if seed is None else seed)
+    cl = _Cluster(sc)
+    W = cl.n
+    active = np.array([w.active for w in sc.workers])
+    speed_f = np.ones(W)
+    load = np.zeros(W)
+    bw = cl.bandwidth.copy()
+    sizes_out = np.zeros((steps, W), np.int64)
+    comp_out = np.full((steps, W), np.nan)
+    step_time = np.zeros(steps)
+    comm = np.zeros(steps)
+    se = np.zeros(steps)
+    restarts: List[int] = []
+    spent = 0.0
+    t_wall = time.perf_counter()
+    name = getattr(pol, "name", type(pol).__name__)
+    # Events split by whether they change state at their start or apply per step.
+    disturb = [e for e in sc.events if e.kind == "disturb"]
+    state_ev = sorted([e for e in sc.events if e.kind != "disturb"], key=lambda e: e.start)
+    membership = {e.start for e in state_ev if e.kind in ("leave", "join")}
+
+    def start_policy(k: int) -> None:
+        nonlocal idx, hist, pending, local, spent
+        idx = np.flatnonzero(active)
+        n = idx.size
+        # As in the Balancer, only a profile (that ran out of memory) bounds a rank's batch.
+        upper = np.minimum(cl.limit[idx], sc.global_batch) if profile else np.full(n, sc.global_batch)
+        ctx = Context(world=n, global_batch=sc.global_batch, lower=np.full(n, sc.lower),
+                      upper=upper, hardware=[{} for _ in range(n)],
+                      profiles=_profiles(sc, idx, upper) if profile else [])
+        t0 = time.perf_counter()
+        first = check_decision(pol.start(ctx), ctx, name)
+        spent += time.perf_counter() - t0
+        if isinstance(first, ScheduleRule):
+            raise ValueError(f"{name} returned a size-aware schedule; the simulator models "
+                             f"per-rank batch sizes only")
+        hist = History(n, maxlen=history)
+        pending = [first] * (sc.lag + 1)
+        local = []
+        for r in range(n):
+            p = pol.local_predictor(r)
+            if p is not None and hasattr(p, "background"):
+                p.background = False  # deterministic: the fit finishes before the next step
+            local.append(p)
+        if all(p is None for p in local):
+            local = []
+
+    idx = np.flatnonzero(active)
+    hist: History = History(1)
+    pending: List[Any] = []
+    local: List[Any] = []
+    ev_i = 0
+    error: Optional[str] = None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=steps, desc=f"simulate {sc.name or 'scenario'} / {name}", unit="step",
+                   leave=False, disable=None)
+    start_policy(0)
+    done = 0
+    for k in range(steps):
+        changed = False
+        while ev_i < len(state_ev) and state_ev[ev_i].start <= k:
+            e = state_ev[ev_i]
+            ev_i += 1
+            if e.kind == "speed":
+                speed_f[e.workers] = e.speed
+            elif e.kind == "load":
+                load[e.workers] = e.load
+            elif e.kind == "bandwidth":
+                bw[e.workers] = e.bandwidth
+            elif e.kind in ("leave", "join"):
+                before = active.copy()
+                active[e.workers] = e.kind == "join"
+                changed |= not np.array_equal(before, active)
+        # Events with a stop revert when it is reached.
+        for e in state_ev[:ev_i]:
+            if e.stop is not None and e.stop == k:
+                if e.kind == "speed":
+                    speed_f[e.workers] = 1.0
+                elif e.kind == "load":
+                    load[e.workers] = 0.0
+                elif e.kind == "bandwidth":
+                    bw[e.workers] = cl.bandwidth[e.workers]
+        if changed and k in membership:
+            restarts.append(k)
+            log.info("step %d: %d workers active, %s restarts", k, int(active.sum()), name)
+            start_policy(k)
+        b = np.asarray(pending[0], np.int64)
+        n = idx.size
+        over = np.flatnonzero(b > cl.limit[idx])
+        if over.size:
+            w = int(idx[over[0]])
+            error = (f"step {k}: worker {w} ran out of memory (batch {int(b[over[0]])} > limit "
+                     f"{int(cl.limit[w])}) under {name}")
+            break
+        t = cl.base(idx, b) + cl.overhead[idx]
+        t /= cl.speed[idx] * speed_f[idx] * (1.0 - load[idx])
+        uv = rng.random((2, n))
+        t *= 1.0 + cl.noise[idx] * (2.0 * uv[0] - 1.0)
+        t += cl.jitter[idx] * uv[1]
+        failed = np.zeros(n, bool)
+        for e in disturb:
+            if e.active(k):
+                sel = np.isin(idx, e.workers)
+                t[sel] = t[sel] * e.factor + e.extra
+                if e.fail:
+                    failed |= sel
+        t = np.where(b > 0, t, 0.0)
+        links = bw[idx]
+        links = links[~np.isnan(links)]
+        slowest = float(links.min()) if links.size else None
+        c = sc.network.exposed(n, slowest if slowest is not None else sc.network.bandwidth)
+        step_time[k] = float(t.max()) + c
+        comm[k] = c
+        reported = np.where(failed, np.inf, t)
+        sizes_out[k, idx] = b
+        comp_out[k, idx] = reported
+        se[k] = straggler_effect(t, b)
+        lim = cl.limit[idx].astype(np.float64)
+        mem = cl.memory[idx] + np.where(lim < 2 ** 62, (1.0 - cl.memory[idx]) * b / lim, 0.0)
+        rec_mem = np.minimum(mem, 1.0)
+        cpu = np.minimum(cl.cpu[idx] + load[idx], 1.0)
+        pred = np.full(n, np.nan)
+        if local:
+            for r, p in enumerate(local):
+                if p is not None:
+                    pred[r] = p.predict(float(rec_mem[r]))
+        rec = StepRecord(step=k, epoch=k // sc.steps_per_epoch,
+                         epoch_end=(k + 1) % sc.steps_per_epoch == 0, batch=b.copy(),
+                         compute=reported, data=b.astype(np.float64), memory=rec_mem, cpu=cpu,
+                         predicted=pred)
+        t0 = time.perf_counter()
+        try:
+            hist.append(rec)
+            for r, p in enumerate(local):
+                if p is not None:
+                    p.observe(rec, r)
+            nxt = pol.decide(hist)
+        except UnusableTelemetry as ex:  # the Balancer keeps the previous sizes
+            log.debug("step %d: %s", k, ex)
+            nxt = pending[-1]
+        spent += time.perf_counter() - t0
+        if isinstance(nxt, ScheduleRule):
+            raise ValueError(f"{name} returned a size-aware schedule; the simulator models "
+                             f"per-rank batch sizes only")
+        pending = pending[1:] + [nxt]
+        done = k + 1
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return SimResult(scenario=sc.name, policy=name, sizes=sizes_out[:done], compute=comp_out[:done],
+                     step_time=step_time[:done], comm=comm[:done], se=se[:done], restarts=restarts,
+                     error=error, decide_seconds=spent, wall_seconds=time.perf_counter() - t_wall)

@@ -1,0 +1,142 @@
+"""The ``hetlb`` command: plan (LBB Table 2), simulate, help, errors that say what to do."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import numpy as np
+import pytest
+
+import hetlb
+from hetlb.cli import main
+from hetlb.sim import compare_splits
+
+# LBB Table 2: a line through the two (batch, ms) points of each worker.
+TABLE2 = [((128, 81.81), (167, 104.94)), ((128, 81.49), (167, 104.14)),
+          ((128, 85.39), (158, 103.46)), ((128, 392.92), (20, 104.41))]
+
+
+def table2_linear():
+    out = []
+    for (b0, t0), (b1, t1) in TABLE2:
+        a1 = (t1 - t0) / (b1 - b0)
+        out.append(f"{t0 - a1 * b0},{a1}")
+    return out
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_plan_reproduces_lbb_table2(capsys):
+    args = ["plan", "--global-batch", "512", "--json"]
+    for text in table2_linear():
+        args += ["--linear", text]
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0
+    res = {s["rule"]: s for s in json.loads(out)["splits"]}
+    assert res["uniform"]["sizes"] == [128] * 4
+    assert res["uniform"]["step"] == pytest.approx(392.92, abs=1e-6)
+    paper = np.array([167, 167, 158, 20])
+    assert np.abs(np.array(res["lbb"]["sizes"]) - paper).max() <= 3
+    assert sum(res["lbb"]["sizes"]) == 512
+    assert res["lbb"]["step"] == pytest.approx(104.94, rel=0.02)
+    assert res["lbb"]["speedup"] == pytest.approx(392.92 / res["lbb"]["step"])
+    # LB-BSP's proportional rule ignores the intercepts: slower than the exact split here
+    assert res["lbbsp"]["step"] > res["lbb"]["step"] * 1.2
+    code, text, _ = run_cli(capsys, *[a for a in args if a != "--json"])
+    assert code == 0 and "LBB (exact)" in text and "392.92" in text and "3.7" in text
+
+
+def test_plan_from_the_builtin_scenario_and_from_profiles(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "plan", "--scenario", "lbb-table2", "--json")
+    assert code == 0
+    lbb = json.loads(out)["splits"][1]
+    assert lbb["step"] == pytest.approx(0.10494, rel=0.02)
+    # Profile files: the plan is compare_splits on the fitted models, limits as upper bounds
+    rng = np.random.default_rng(0)
+    paths, models, limits = [], [], []
+    for i, (a0, a1, oom) in enumerate([(0.01, 0.001, None), (0.02, 0.004, 64), (0.005, 0.002, None)]):
+        bs = [2, 4, 8, 16, 32, 64, 128]
+        if oom is not None:
+            bs = [b for b in bs if b <= oom]
+        ts = [a0 + a1 * b * (1 + 0.01 * rng.random()) for b in bs]
+        p = hetlb.Profile(batch_sizes=bs, times=ts, limit=bs[-1],
+                          oom_at=None if oom is None else 2 * oom)
+        path = tmp_path / f"w{i}.json"
+        p.save(path)
+        paths.append(str(path))
+        models.append(p.fit("cubic"))
+        limits.append(oom if oom is not None else 2 ** 62)
+    code, out, _ = run_cli(capsys, "plan", *paths, "--global-batch", "300", "--json")
+    assert code == 0
+    got = json.loads(out)
+    want = compare_splits(models, 300, upper=[min(u, 300) for u in limits])
+    for g, w in zip(got["splits"], want):
+        assert g["sizes"] == w.sizes.tolist() and g["step"] == pytest.approx(w.step)
+    assert got["splits"][1]["sizes"][1] <= 64
+    code, out, _ = run_cli(capsys, "plan", *paths, "--global-batch", "300", "--upper", "100", "--json")
+    assert code == 0 and max(json.loads(out)["splits"][1]["sizes"]) <= 100
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--global-batch", "10"], "give the workers one way"),
+    (["plan", "--linear", "1,2"], "--global-batch is required"),
+    (["plan", "--global-batch", "10", "--linear", "1;2"], "--linear #0: expected A0,A1"),
+    (["plan", "--global-batch", "10", "--linear", "1,2", "--linear", "1,2", "--upper", "3,4,5"],
+     "give one bound or one per worker"),
+    (["plan", "--global-batch", "10", "--linear", "1,2", "--upper", "4"], "upper"),
+    (["plan", "--scenario", "nope"], "not a built-in"),
+    (["simulate", "--policy", "uniform,best"], "--policy: unknown"),
+    (["simulate", "abs-sgd-1234", "--workers", "4"], "not both"),
+])
+def test_errors_say_what_to_do(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and message in err and out == ""
+
+
+def test_malformed_scenario_file_names_the_field(capsys, tmp_path):
+    p = tmp_path / "cluster.json"
+    p.write_text(json.dumps({"global_batch": 8, "workers": [{"model": [0.01, 0.001], "sped": 2}]}))
+    code, _, err = run_cli(capsys, "simulate", str(p))
+    assert code == 2 and "cluster.json.workers[0]: unknown field(s) ['sped']" in err
+
+
+def test_simulate_compares_policies_and_plots(capsys, tmp_path):
+    png = tmp_path / "sim.png"
+    code, out, _ = run_cli(capsys, "simulate", "lbb-disturbance", "--policy", "uniform,lbb,lbbsp",
+                           "--steps", "120", "--json")
+    assert code == 0
+    res = {r["policy"]: r for r in json.loads(out)["results"]}
+    assert res["uniform"]["speedup"] == pytest.approx(1.0)
+    assert res["lbb"]["speedup"] > 1.8 and res["lbbsp"]["speedup"] > 1.4
+    assert res["lbb"]["tail_se"] < 0.1
+    code, out, _ = run_cli(capsys, "simulate", "abs-sgd-1234", "--policy", "uniform,lbb",
+                           "--steps", "40", "--plot", str(png))
+    assert code == 0 and "speed-up" in out and png.stat().st_size > 10_000
+    code, out, _ = run_cli(capsys, "simulate", "--list")
+    assert code == 0 and "lbbsp-cluster-a" in out and "lbb-table2" in out
+    code, out, _ = run_cli(capsys, "simulate", "--workers", "64", "--steps", "20", "--json")
+    assert code == 0 and json.loads(out)["workers"] == 64
+
+
+@pytest.mark.parametrize("sub", [[], ["plan"], ["simulate"]])
+def test_help_on_every_subcommand(capsys, sub):
+    with pytest.raises(SystemExit) as e:
+        main(sub + ["--help"])
+    assert e.value.code == 0 and "usage: hetlb" in capsys.readouterr().out
+
+
+def test_console_script_and_module_entry_points():
+    eps = [e for e in metadata.entry_points(group="console_scripts") if e.name == "hetlb"]
+    assert eps and eps[0].value == "hetlb.cli:main"
+    r = subprocess.run([sys.executable, "-m", "hetlb", "plan", "--global-batch", "8",
+                        "--linear", "1,1", "--linear", "1,3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "LBB (exact)" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "hetlb"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "plan" in r.stdout

@@ -1,0 +1,126 @@
+"""Run logs: JSON lines and TensorBoard scalars from the Balancer (rank 0 only), read back;
+``hetlb report``; ``hetlb profile``."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import hetlb
+from hetlb.cli import main
+from hetlb.runlog import read_run
+
+
+def train_steps(bal, model, steps):
+    for _ in range(steps):
+        x = torch.randn(int(bal.batch_sizes[bal.rank]), 2)
+        with bal.step():
+            model(x).sum().backward()
+
+
+def test_balancer_writes_json_lines_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    model = torch.nn.Linear(2, 1)
+    bal = hetlb.Balancer(model, 6, policy=hetlb.LBB(), log_dir=str(tmp_path), tensorboard=True)
+    train_steps(bal, model, 7)
+    bal.close()
+    steps = read_run(tmp_path)
+    assert [s["step"] for s in steps] == list(range(7))
+    for s, rec in zip(steps, bal.history):
+        assert s["batch"] == rec.batch.tolist() and s["compute"] == pytest.approx(rec.compute.tolist())
+        assert s["step_time"] == pytest.approx(float(rec.compute.max()))
+        assert s["policy"] == "lbb" and s["decision"] == [6] and s["se"] == 0.0
+    ev = EventAccumulator(str(tmp_path))
+    ev.Reload()
+    assert {"step/time", "step/se", "batch/rank0", "compute/rank0"} <= set(ev.Tags()["scalars"])
+    got = ev.Scalars("step/time")
+    assert [e.step for e in got] == list(range(7))
+    assert [e.value for e in got] == pytest.approx([s["step_time"] for s in steps], rel=1e-6)
+
+
+def test_log_dir_from_the_environment_and_appending_on_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETLB_LOG_DIR", str(tmp_path / "env"))
+    model = torch.nn.Linear(2, 1)
+    bal = hetlb.Balancer(model, 4, policy=hetlb.Uniform(), tensorboard=False)
+    train_steps(bal, model, 3)
+    state = bal.state_dict()
+    bal.close()
+    model2 = torch.nn.Linear(2, 1)  # a restarted process: a new model and Balancer
+    bal2 = hetlb.Balancer(model2, 4, policy=hetlb.Uniform(), tensorboard=False)
+    bal2.load_state_dict(state)
+    train_steps(bal2, model2, 2)
+    bal2.close()
+    steps = read_run(tmp_path / "env" / "run.jsonl")
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
+    assert not any(f.startswith("events") for f in os.listdir(tmp_path / "env"))
+
+
+def test_no_log_without_a_log_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("HETLB_LOG_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(2, 1)
+    bal = hetlb.Balancer(model, 4)
+    train_steps(bal, model, 2)
+    assert bal.runlog is None and os.listdir(tmp_path) == []
+
+
+def logged_worker(rank, world, log_dir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(torch.nn.Linear(2, 1))
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.LBB(), log_dir=log_dir, tensorboard=False)
+    for _ in range(5):
+        x = torch.randn(int(bal.batch_sizes[rank]), 2)
+        with bal.step():
+            ddp(x).sum().backward()
+    bal.close()
+    return [r.batch.tolist() for r in bal.history]
+
+
+def test_only_rank_zero_writes_and_the_log_is_the_world_table(tmp_path):
+    from distributed import run, unwrap
+    res = unwrap(run(logged_worker, 2, str(tmp_path)))
+    steps = read_run(tmp_path)
+    assert len(steps) == 5 and [s["batch"] for s in steps] == res[0] == res[1]
+    assert os.listdir(tmp_path) == ["run.jsonl"]
+
+
+def test_report_prints_and_plots_and_names_a_bad_line(tmp_path, capsys):
+    model = torch.nn.Linear(2, 1)
+    bal = hetlb.Balancer(model, 4, policy=hetlb.Uniform(), log_dir=str(tmp_path), tensorboard=False)
+    train_steps(bal, model, 4)
+    bal.close()
+    png = tmp_path / "r.png"
+    assert main(["report", str(tmp_path / "run.jsonl"), "--plot", str(png), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 4 and out["ranks"] == 1 and out["last_sizes"] == [4]
+    assert png.stat().st_size > 10_000
+    with open(tmp_path / "run.jsonl", "a") as f:
+        f.write('{"step": 9}\n')
+    assert main(["report", str(tmp_path)]) == 2
+    assert "run.jsonl:5: not a hetlb step record" in capsys.readouterr().err
+
+
+def test_profile_command_writes_a_profile_plan_reads(tmp_path, capsys):
+    out = tmp_path / "mlp.json"
+    assert main(["profile", "mlp", "--batch-sizes", "2,4,8", "--repeats", "2", "--trim", "0",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "linear fit" in text and "samples/s" in text
+    prof = hetlb.Profile.load(out)
+    assert prof.batch_sizes == [2, 4, 8] and len(prof.times) == 3 and all(t > 0 for t in prof.times)
+    assert main(["plan", str(out), str(out), "--global-batch", "16", "--model", "linear", "--json"]) == 0
+    splits = json.loads(capsys.readouterr().out)["splits"]
+    assert sum(splits[1]["sizes"]) == 16
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nosuchmodule_xyz:make", "cannot import"),
+    ("hetlb.zoo:nothing", "has no 'nothing'"),
+    ("resnet", "expected MODULE:FACTORY"),
+])
+def test_profile_errors(capsys, spec, message):
+    assert main(["profile", spec]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,302 @@
+"""The simulator: scenario files (schema, errors naming the field), time and network models
+against a plain per-worker computation, events, membership changes, out-of-memory, and policies
+driven through it reaching what the exact solver says."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hetlb
+from hetlb.sim import (Scenario, ScenarioError, builtin_scenarios, compare_splits, generate_cluster,
+                       load_scenario, simulate)
+from hetlb.sim.scenario import WorkerModel
+
+BASE = {"global_batch": 40, "steps": 10,
+        "workers": [{"model": [0.01, 0.001]}, {"model": [0.02, 0.002], "speed": 2.0}]}
+
+
+def scen(**kw):
+    d = copy.deepcopy(BASE)
+    d.update(kw)
+    return d
+
+
+# ------------------------------------------------------------------------------- schema
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"global_batch": None}, r"scenario\.global_batch"),
+    ({"workers": []}, r"scenario\.workers: expected a non-empty list"),
+    ({"workers": [{"model": [0.01, 0.001]}, {"model": [0.01, 0.001], "speed": "fast"}]},
+     r"scenario\.workers\[1\]\.speed"),
+    ({"workers": [{"model": [0.01]}]}, r"scenario\.workers\[0\]\.model"),
+    ({"workers": [{"model": {"kind": "spline"}}]}, r"scenario\.workers\[0\]\.model"),
+    ({"workers": [{"speed": 1.0}]}, r"scenario\.workers\[0\]\.model: required"),
+    ({"workers": [{"model": [0.01, 0.001], "nosie": 0.1}]}, r"scenario\.workers\[0\]: unknown field"),
+    ({"workers": [{"model": [0.01, 0.001], "noise": 1.5}]}, r"scenario\.workers\[0\]\.noise"),
+    ({"workers": [{"model": [0.01, 0.001], "limit": 10, "count": 2}]}, r"hold 20 samples"),
+    ({"events": [{"kind": "explode", "worker": 0, "start": 1}]}, r"scenario\.events\[0\]\.kind"),
+    ({"events": [{"kind": "disturb", "worker": 5, "start": 1}]}, r"scenario\.events\[0\]\.worker"),
+    ({"events": [{"kind": "disturb", "worker": 0}]}, r"scenario\.events\[0\]\.start: required"),
+    ({"events": [{"kind": "disturb", "worker": 0, "start": 5, "stop": 5}]}, r"events\[0\]\.stop"),
+    ({"events": [{"kind": "speed", "worker": 0, "start": 5}]}, r"events\[0\]\.speed: required"),
+    ({"events": [{"kind": "speed", "worker": 0, "start": 5, "extra": 1}]}, r"events\[0\]: unknown field"),
+    ({"events": [{"kind": "leave", "worker": [0, 1], "start": 3}]}, r"no active worker at step 3"),
+    ({"network": {"bandwidth": 0}}, r"scenario\.network\.bandwidth"),
+    ({"stpes": 3}, r"scenario: unknown field"),
+])
+def test_malformed_scenario_names_the_field(patch, field):
+    d = scen()
+    d.update(patch)
+    if d.get("global_batch") is None:
+        d.pop("global_batch")
+    with pytest.raises(ScenarioError, match=field):
+        Scenario.from_dict(d)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(scen(workers=[{"model": [0.01, 0.001], "speed": -1}])))
+    with pytest.raises(ScenarioError, match=r"bad\.json\.workers\[0\]\.speed"):
+        load_scenario(str(p))
+    p.write_text("{not json")
+    with pytest.raises(ScenarioError, match="not valid JSON"):
+        load_scenario(str(p))
+    with pytest.raises(ScenarioError, match="no such file and not a built-in"):
+        load_scenario(str(tmp_path / "missing.json"))
+
+
+def test_round_trip_and_builtins(tmp_path):
+    for name, make in builtin_scenarios().items():
+        sc = make()
+        assert sc.world >= 1 and sc.global_batch >= sc.world, name
+        p = tmp_path / f"{name}.json"
+        sc.save(p)
+        again = load_scenario(str(p))
+        assert again.to_dict() == sc.to_dict(), name
+    sc = load_scenario("lbbsp-cluster-a")
+    assert sc.world == 16 and [w.name for w in sc.workers[::4]] == ["V100", "M60", "K80", "K520"]
+
+
+# ------------------------------------------------------------------------------- time model
+
+
+def plain_times(sc: Scenario, sizes, step=0, speed=None, load=None, active=None):
+    """Noise-free seconds of every worker, one worker at a time (the oracle)."""
+    out = []
+    ws = [w for i, w in enumerate(sc.workers) if active is None or active[i]]
+    for i, (w, b) in enumerate(zip(ws, sizes)):
+        if b == 0:
+            out.append(0.0)
+            continue
+        x = max(b, w.saturation)
+        t = max(float(w.model.time(x)), 0.0) + w.overhead
+        t /= w.speed * (1.0 if speed is None else speed[i]) * (1.0 - (0.0 if load is None else load[i]))
+        out.append(t)
+    return np.array(out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["linear", "cubic", "piecewise"]),
+                          st.floats(0.0, 0.05), st.floats(1e-4, 5e-3), st.floats(0.2, 4.0),
+                          st.integers(0, 12), st.floats(0.0, 0.02)), min_size=1, max_size=6),
+       st.integers(0, 3))
+def test_step_times_match_a_plain_per_worker_computation(spec, seed):
+    ws = []
+    for kind, a0, a1, speed, sat, over in spec:
+        model = {"linear": [a0, a1], "cubic": {"cubic": [1e-7, -1e-6, a1, a0]},
+                 "piecewise": {"kind": "piecewise", "batch_sizes": [1, 8, 64], "times": [a0, a0 + 8 * a1, a0 + 80 * a1]}}[kind]
+        ws.append({"model": model, "speed": speed, "saturation": sat, "overhead": over})
+    net = {"latency": 1e-4, "bandwidth": 1e9, "model_bytes": 4e7, "overlap": 0.25}
+    gb = 16 * len(ws)
+    sc = Scenario.from_dict({"global_batch": gb, "workers": ws, "network": net, "seed": seed})
+    res = simulate(sc, hetlb.Uniform(), steps=3)
+    n = len(ws)
+    sizes = hetlb.allocate_proportional(np.ones(n), gb)
+    t = plain_times(sc, sizes)
+    ring = 2 * (n - 1) * 1e-4 + 2 * (n - 1) / n * 4e7 / 1e9 if n > 1 else 0.0
+    for k in range(3):
+        np.testing.assert_array_equal(res.sizes[k], sizes)
+        np.testing.assert_allclose(res.compute[k], t, rtol=1e-12)
+        assert res.comm[k] == pytest.approx(ring * 0.75, rel=1e-12)
+        assert res.step_time[k] == pytest.approx(t.max() + ring * 0.75, rel=1e-12)
+
+
+def test_worker_model_matches_the_simulator_and_feeds_the_solver():
+    sc = Scenario.from_dict(scen(workers=[{"model": [0.01, 0.001], "saturation": 8, "overhead": 0.005, "speed": 0.5}]))
+    m = sc.workers[0].time_model
+    assert isinstance(m, WorkerModel)
+    assert float(m.time(0)) == 0.0
+    assert float(m.time(3)) == pytest.approx((0.01 + 0.008 + 0.005) / 0.5)
+    assert float(m.time(20)) == pytest.approx((0.01 + 0.020 + 0.005) / 0.5)
+    np.testing.assert_allclose(m.as_piecewise(40).time(np.arange(1, 41)), m.time(np.arange(1, 41)))
+    with pytest.raises(TypeError, match="as_piecewise"):
+        hetlb.allocate([m], 10)
+
+
+def test_noise_is_bounded_seeded_and_mean_preserving():
+    d = scen(workers=[{"model": [0.01, 0.001], "noise": 0.2, "jitter": 0.004, "count": 3}], global_batch=30)
+    a = simulate(Scenario.from_dict(d), "uniform", steps=400)
+    b = simulate(Scenario.from_dict(d), "uniform", steps=400)
+    c = simulate(Scenario.from_dict(d), "uniform", steps=400, seed=7)
+    np.testing.assert_array_equal(a.compute, b.compute)
+    assert not np.array_equal(a.compute, c.compute)
+    base = 0.01 + 0.010
+    assert (a.compute >= base * 0.8 - 1e-12).all() and (a.compute <= base * 1.2 + 0.004 + 1e-12).all()
+    assert a.compute.mean() == pytest.approx(base + 0.002, rel=0.02)
+
+
+# ------------------------------------------------------------------------------- events
+
+
+def test_events_change_times_and_revert_at_stop():
+    d = scen(events=[{"kind": "disturb", "worker": 1, "start": 2, "stop": 4, "extra": 0.05, "factor": 2.0},
+                     {"kind": "speed", "worker": 0, "start": 5, "stop": 7, "speed": 0.5},
+                     {"kind": "load", "worker": [0, 1], "start": 8, "load": 0.5}],
+             network={"model_bytes": 1e6, "bandwidth": 1e8},
+             workers=[{"model": [0.01, 0.001]}, {"model": [0.02, 0.002], "speed": 2.0, "bandwidth": 1e8}])
+    d["events"].append({"kind": "bandwidth", "worker": 1, "start": 6, "bandwidth": 1e7})
+    sc = Scenario.from_dict(d)
+    res = simulate(sc, "uniform", steps=10)
+    t0 = plain_times(sc, [20, 20])
+    np.testing.assert_allclose(res.compute[0], t0)
+    np.testing.assert_allclose(res.compute[2], [t0[0], t0[1] * 2 + 0.05])
+    np.testing.assert_allclose(res.compute[4], t0)  # the disturbance stopped
+    np.testing.assert_allclose(res.compute[5], [t0[0] * 2, t0[1]])
+    np.testing.assert_allclose(res.compute[7], t0)  # the speed change stopped
+    np.testing.assert_allclose(res.compute[9], t0 * 2)  # half of each worker taken by a co-located job
+    assert res.comm[5] == pytest.approx(2 * 0.5 * 1e6 / 1e8)
+    assert res.comm[6] == pytest.approx(2 * 0.5 * 1e6 / 1e7)  # the slowest link sets the ring's pace
+
+
+def test_failed_worker_reports_no_progress_and_wlbs_redistributes():
+    d = scen(global_batch=60, workers=[{"model": [0.01, 0.001], "count": 3}], lower=0,
+             events=[{"kind": "disturb", "worker": 2, "start": 5, "stop": 15, "fail": True}])
+    res = simulate(Scenario.from_dict(d), hetlb.WLBS(stall=4.0), steps=20)
+    assert np.isinf(res.compute[5:15, 2]).all()
+    assert res.sizes[14, 2] == 0 and res.sizes[14].sum() == 60  # its share went to the others
+
+
+def test_leave_and_join_restart_the_policy_on_the_new_world():
+    d = scen(global_batch=60, workers=[{"model": [0.01, 0.001]}, {"model": [0.01, 0.002]},
+                                        {"model": [0.01, 0.003], "active": False}],
+             events=[{"kind": "join", "worker": 2, "start": 10}, {"kind": "leave", "worker": 0, "start": 20}])
+    res = simulate(Scenario.from_dict(d), "lbb", steps=30)
+    assert res.restarts == [10, 20]
+    assert (res.sizes.sum(axis=1) == 60).all()
+    assert (res.sizes[:10, 2] == 0).all() and np.isnan(res.compute[:10, 2]).all()
+    assert (res.sizes[10:20] > 0).all()
+    assert (res.sizes[20:, 0] == 0).all() and (res.sizes[20:, 1:] > 0).all()
+    assert res.sizes[19, 0] > res.sizes[19, 1] > res.sizes[19, 2]  # balanced by speed before leaving
+
+
+def test_out_of_memory_stops_the_run_unless_profiles_bound_the_batch():
+    d = scen(global_batch=100, workers=[{"model": [0.01, 0.001], "limit": 60}, {"model": [0.01, 0.01]}])
+    res = simulate(Scenario.from_dict(d), "lbb", steps=30)
+    assert res.error is not None and "worker 0 ran out of memory" in res.error and "limit 60" in res.error
+    assert res.steps < 30 and (res.sizes[:, 0] <= 60).all()
+    ok = simulate(Scenario.from_dict(d), "lbb", steps=30, profile=True)
+    assert ok.error is None and ok.steps == 30 and ok.sizes[-1, 0] == 60
+
+
+# ------------------------------------------------------------------------------- policies
+
+
+@pytest.mark.parametrize("policy", ["lbb", "lbbsp", "wlbs", "dbs"])
+def test_policies_reach_the_exact_split_on_a_static_cluster(policy):
+    sc = load_scenario("lbb-table2")
+    res = simulate(sc, policy, steps=300)
+    models = [w.time_model.as_piecewise(sc.global_batch) for w in sc.workers]
+    best = compare_splits(models, sc.global_batch)[1]
+    # WLBS stops adjusting once the time gaps are under theta_b = 10 ms (about 10 % of a step here)
+    tol = 6 if policy == "wlbs" else 3
+    assert np.abs(res.sizes[-1] - best.sizes).max() <= tol, (res.sizes[-1], best.sizes)
+    assert res.step_time[-20:].mean() <= best.step * 1.03
+    assert (res.sizes.sum(axis=1) == sc.global_batch).all()
+
+
+def test_lbb_recovers_from_the_disturbance_and_profiles_start_it_balanced():
+    sc = load_scenario("lbb-disturbance")
+    res = simulate(sc, "lbb", steps=150)
+    assert res.se[25:30].max() < 0.1
+    assert res.se[30] > 0.3  # the +50 ms hits worker 1: a rapid-tune
+    assert res.se[31] < res.se[30] / 2
+    # LBB's rough linear models put the 50 ms into the slope, so the rapid-tune undershoots and
+    # fine-tuning (one sample per step, the paper's) closes the rest.
+    assert (np.diff(res.se[41:80]) <= 1e-9).all() and res.se[-10:].max() < 0.05
+    models = [w.time_model.as_piecewise(500) for w in sc.workers]
+    b = np.arange(1, 501)
+    models[1] = hetlb.PiecewiseModel(b, models[1].time(b) + 0.05)
+    best = hetlb.allocate(models, 500, lower=np.ones(4, np.int64))
+    best_step = max(float(m.time(x)) for m, x in zip(models, best))
+    # LBB stops tuning once SE < FT = 0.05: within 5 % of the best split's step
+    assert res.step_time[-10:].mean() <= best_step * 1.05
+    assert np.abs(res.sizes[-1] - best).max() <= 5, (res.sizes[-1], best)
+    prof = simulate(sc, "lbb", steps=5, profile=True)
+    assert prof.se[0] < 0.1  # LBB starts from the profiled models' allocation
+
+
+def test_lbbsp_cpu_mode_with_narx_runs_per_rank_predictors():
+    sc = load_scenario("abs-sgd-dynamic")
+    pol = hetlb.LBBSP("cpu", predictor=hetlb.NARX(warmup=20, retrain_every=10))
+    res = simulate(sc, pol, steps=60)
+    uni = simulate(sc, "uniform", steps=60)
+    assert res.step_time[-20:].mean() < 0.75 * uni.step_time[-20:].mean()
+
+
+def test_large_generated_cluster_keeps_the_global_batch():
+    sc = generate_cluster(512, seed=3)
+    assert sc.world == 512 and sc.global_batch == 512 * 32
+    for p in ("uniform", "lbb", "lbbsp", "wlbs", "dbs"):
+        res = simulate(sc, p, steps=5)
+        assert (res.sizes.sum(axis=1) == sc.global_batch).all() and res.error is None
+
+
+def test_unknown_policy_and_bad_steps():
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        simulate("abs-sgd-1234", "fastest", steps=3)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        simulate("abs-sgd-1234", "uniform", steps=0)
+
+
+# ------------------------------------------------------------------------------- against real runs
+
+
+def emulated_scenario_worker(rank, world, name, steps):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sc = load_scenario(name)
+    ddp = DDP(torch.nn.Linear(4, 1))
+    bal = hetlb.Balancer(ddp, sc.global_batch, policy=hetlb.LBB(),
+                         emulator=sc.emulator(rank, spin=0.0005))
+    loader = bal.loader(torch.utils.data.TensorDataset(torch.randn(sc.global_batch * steps, 4)))
+    for (xb,) in loader:
+        ddp(xb).sum().backward()
+    return {"sizes": [r.batch.tolist() for r in bal.history],
+            "compute": [r.compute.tolist() for r in bal.history]}
+
+
+def test_simulator_agrees_with_a_real_emulated_run():
+    """The same scenario (1:2:3:4, +50 ms on worker 1 from step 30) on 4 real Gloo ranks with
+    LBB and in the simulator: the same sizes within a few samples, before and after the
+    disturbance (the step times are compared in bench/bench_sim.py)."""
+    from distributed import run, unwrap
+    steps = 60
+    real = unwrap(run(emulated_scenario_worker, 4, "lbb-disturbance", steps))[0]
+    sim = simulate("lbb-disturbance", "lbb", steps=steps)
+    rs, ss = np.array(real["sizes"]), sim.sizes
+    assert rs.shape == ss.shape
+    for k in (29, steps - 1):  # settled before the disturbance, and at the end
+        assert np.abs(rs[k] - ss[k]).max() <= 4, (k, rs[k], ss[k])
+    # compute times where the sizes agree: the real rank is held to the model's time (never
+    # less; more only when the machine is busy), so the median ratio is close to 1
+    rc = np.array(real["compute"])
+    same = (rs == ss).all(axis=1)
+    assert same[:2].all()
+    ratio = rc[same] / sim.compute[same]
+    assert ratio.min() > 0.99 and np.median(ratio) < 1.05, ratio
