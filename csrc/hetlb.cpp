@@ -123,7 +123,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "schedule",
-      [](const f64_array& sizes, const f64_array& slope, const f64_array& intercept) {
+      [](const f64_array& sizes, const f64_array& slope, const f64_array& intercept, bool simd) {
         require_1d(sizes, "sizes");
         require_1d(slope, "slope");
         require_1d(intercept, "intercept");
@@ -132,12 +132,15 @@ PYBIND11_MODULE(_C, m) {
         {
           py::gil_scoped_release nogil;
           out = hetlb::schedule(sizes.data(), sizes.size(), slope.data(), intercept.data(),
-                                slope.size());
+                                slope.size(), simd);
         }
         return to_numpy(out);
       },
-      py::arg("sizes"), py::arg("slope"), py::arg("intercept"),
-      "Rank of each sample of one step (CHRONICA data scheduler).");
+      py::arg("sizes"), py::arg("slope"), py::arg("intercept"), py::arg("simd") = true,
+      "Rank of each sample of one step (CHRONICA data scheduler); simd=False forces the scalar "
+      "scan (bit-identical to the AVX2 one).");
+  m.def("schedule_simd_available", &hetlb::schedule_simd_available,
+        "Whether schedule's AVX2 scan runs on this CPU.");
 
   m.def(
       "rebalance",

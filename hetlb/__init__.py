@@ -22,7 +22,7 @@ from .balancer import Balancer, BatchSizeError, DecisionMismatchError
 from .data import BalancedLoader
 from .data import BalancedLoader as DataLoader
 from .plan import ScheduleRule
-from .policies import DBS, EMA, LBB, LBBSP, NARX, WLBS, Memoryless, Uniform
+from .policies import DBS, EMA, LBB, LBBSP, NARX, WLBS, Chronica, Memoryless, Uniform
 from .profile import Profile, profile
 from .telemetry import UnusableTelemetry
 
@@ -33,6 +33,6 @@ __all__ = [
     "allocate", "allocate_proportional", "schedule", "rebalance", "ops",
     "Balancer", "DataLoader", "BalancedLoader", "DecisionMismatchError", "BatchSizeError",
     "UnusableTelemetry", "ScheduleRule", "Profile", "profile",
-    "policies", "Uniform", "LBB", "LBBSP", "WLBS", "DBS", "Memoryless", "EMA", "NARX",
+    "policies", "Uniform", "LBB", "LBBSP", "WLBS", "DBS", "Chronica", "Memoryless", "EMA", "NARX",
     "emulate", "telemetry", "sim",
 ]

@@ -184,7 +184,8 @@ class StepTelemetry:
         self.core.start(weight, row, offset, new_window)
         emu = self.emulator
         if emu is not None:
-            factor, extra = emu.affine(step, batch)
+            amount = row[COL["data"]] if getattr(emu, "by", "batch") == "data" else batch
+            factor, extra = emu.affine(step, amount)
             if factor != 1.0 or extra != 0.0:
                 self.core.hold(factor, extra, emu.spin)
             if emu.failed(step):

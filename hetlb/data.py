@@ -20,6 +20,8 @@ the next iteration or after a resume.
 """
 from __future__ import annotations
 
+import inspect
+
 import math
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -149,6 +151,36 @@ class GlobalOrderSampler:
             yield perm[base + plan.start:base + plan.start + plan.count].tolist()
 
 
+def dataset_sample_sizes(dataset: Any) -> Optional[np.ndarray]:
+    """Per-sample data amounts a dataset declares itself, or None: a ``sample_size(index)``
+    method, or (CHRONICA's convention) ``__sizeof__`` overridden to take an index. Every object has
+    a plain ``__sizeof__()``; only one whose signature takes an index counts."""
+    fn = getattr(dataset, "sample_size", None)
+    if fn is None:
+        sizeof = type(dataset).__sizeof__
+        if sizeof is object.__sizeof__:
+            return None
+        try:
+            params = list(inspect.signature(sizeof).parameters.values())[1:]
+        except (TypeError, ValueError):  # a builtin's __sizeof__: no index
+            return None
+        if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY,
+                                                inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            return None
+        fn = dataset.__sizeof__
+    elif not callable(fn):
+        raise ValueError(f"{type(dataset).__name__}.sample_size must be a method sample_size(index)")
+    out = np.empty(len(dataset))
+    for i in range(len(dataset)):
+        v = fn(i)
+        try:
+            out[i] = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{type(dataset).__name__}: the size of sample {i} is {v!r}, not a "
+                             f"number") from None
+    return out
+
+
 class BalancedLoader:
     """This rank's batches of every step, sized by a :class:`hetlb.Balancer`; a thin shell over a
     ``torch.utils.data.DataLoader``. Public as ``hetlb.DataLoader``.
@@ -168,7 +200,10 @@ class BalancedLoader:
         shuffle, seed, drop_last: the permutation of each epoch (``seed + epoch``) and whether to
             drop the short last step. ``seed`` must be the same on every rank (checked).
         sample_sizes: per-sample data amounts (frames, tokens), required for
-            ``weighting="sizes"``.
+            ``weighting="sizes"`` and read by size-aware policies (:class:`hetlb.Chronica`).
+            Default: the dataset's own, from a ``sample_size(index)`` method, or from a
+            ``__sizeof__(index)`` override taking an index (datasets written for CHRONICA's
+            released code); else none.
         **dataloader_kwargs: passed to ``torch.utils.data.DataLoader`` (num_workers,
             collate_fn, pin_memory, prefetch_factor, persistent_workers, ...).
     """
@@ -194,11 +229,20 @@ class BalancedLoader:
                 f"Balancer sets every rank's size each step. Leave batch_size out, or make "
                 f"global_batch = batch_size * world")
         n = len(dataset)
+        if sample_sizes is None:
+            sample_sizes = dataset_sample_sizes(dataset)
         if sample_sizes is not None:
-            sample_sizes = np.asarray(sample_sizes, dtype=np.float64)
-            if sample_sizes.shape != (n,) or not np.all(np.isfinite(sample_sizes)) or np.any(sample_sizes < 0):
+            try:
+                sample_sizes = np.asarray(sample_sizes, dtype=np.float64)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"sample_sizes must be {n} numbers (one per sample): {e}") from None
+            if sample_sizes.shape != (n,):
                 raise ValueError(f"sample_sizes must be {n} finite non-negative numbers (one per "
                                  f"sample), got shape {sample_sizes.shape}")
+            bad = np.flatnonzero(~np.isfinite(sample_sizes) | (sample_sizes < 0))
+            if bad.size:
+                raise ValueError(f"sample_sizes must be finite and non-negative; sample {int(bad[0])} "
+                                 f"has {float(sample_sizes[bad[0]])!r} ({bad.size} bad in all)")
         self.dataset = dataset
         self.batch_size = batch_size
         self.sample_sizes = sample_sizes

@@ -143,12 +143,15 @@ class Emulator:
         jitter: seconds; ABS-SGD's "prolong a random time": adds ``jitter * v``, ``v ~ U(0, 1)``.
         rank: mixed into the randomness so ranks sharing a seed are perturbed independently.
         spin: seconds at the end of a wait that are spun instead of slept.
+        by: what the time model is a function of: ``"batch"`` (the rank's samples per step) or
+            ``"data"`` (its data amount: the sum of its samples' sizes, e.g. tokens; CHRONICA's
+            ``T = a * size + b``). The Balancer passes the one asked for.
     """
 
     def __init__(self, model: Optional[TimeModel] = None, speed: float = 1.0, noise: float = 0.0,
                  disturbances: Sequence[Union[Disturbance, Mapping[str, Any]]] = (),
                  bandwidth: Optional[float] = None, seed: int = 0, *, jitter: float = 0.0,
-                 rank: int = 0, spin: float = DEFAULT_SPIN) -> None:
+                 rank: int = 0, spin: float = DEFAULT_SPIN, by: str = "batch") -> None:
         if model is not None and not isinstance(model, TimeModel):
             raise ValueError(f"model must be a hetlb TimeModel or None, got {type(model).__name__}")
         speed = _finite_float("speed", speed)
@@ -164,6 +167,11 @@ class Emulator:
             bandwidth = _finite_float("bandwidth", bandwidth)
             if bandwidth <= 0:
                 raise ValueError(f"bandwidth must be > 0 bytes/s (or None for no cap), got {bandwidth}")
+        if by not in ("batch", "data"):
+            raise ValueError(f"by must be 'batch' or 'data', got {by!r}")
+        if by == "data" and model is None:
+            raise ValueError("by='data' needs a time model of the data amount (model=...)")
+        self.by = by
         spin = _finite_float("spin", spin)
         if spin < 0:
             raise ValueError(f"spin must be >= 0 seconds, got {spin}")
@@ -275,6 +283,7 @@ class Emulator:
             "speed": self.speed, "noise": self.noise, "jitter": self.jitter,
             "disturbances": [d.to_dict() for d in self.disturbances],
             "bandwidth": self.bandwidth, "seed": self.seed, "rank": self.rank, "spin": self.spin,
+            "by": self.by,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -287,4 +296,4 @@ class Emulator:
     def __repr__(self) -> str:
         return (f"Emulator(model={self.model!r}, speed={self.speed}, noise={self.noise}, "
                 f"jitter={self.jitter}, disturbances={list(self.disturbances)}, "
-                f"bandwidth={self.bandwidth}, seed={self.seed}, rank={self.rank})")
+                f"bandwidth={self.bandwidth}, seed={self.seed}, rank={self.rank}, by={self.by!r})")

@@ -3,7 +3,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hetlb
@@ -228,3 +228,21 @@ def test_schedule_many_ranks_matches_reference(ranks, ties):
     owner = rng.integers(0, ranks, 300)
     np.testing.assert_array_equal(hetlb.rebalance(owner, sizes, slope, intercept),
                                   ref.rebalance(owner, sizes, slope, intercept))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 70), st.integers(0, 2 ** 31),
+       st.sampled_from(["uniform", "lognormal", "ties"]))
+def test_schedule_vector_and_scalar_scans_agree_bit_for_bit(n, ranks, seed, kind):
+    """Ranks may run on CPUs with and without AVX2: both scans must pick the same rank always."""
+    from hetlb import _C
+    rng = np.random.default_rng(seed)
+    sizes = {"uniform": rng.uniform(0, 100, n), "lognormal": rng.lognormal(3, 1, n),
+             "ties": rng.integers(1, 4, n).astype(float)}[kind]
+    slope = rng.choice([1e-3, 2e-3, 3e-3], ranks) if kind == "ties" else rng.uniform(1e-4, 1e-2, ranks)
+    intercept = np.zeros(ranks) if kind == "ties" else rng.uniform(0, 0.05, ranks)
+    fast = _C.schedule(sizes, slope, intercept, simd=True)
+    slow = _C.schedule(sizes, slope, intercept, simd=False)
+    assert np.array_equal(fast, slow)
+    assert np.array_equal(slow, ref.schedule(sizes, slope, intercept))
+    assert isinstance(_C.schedule_simd_available(), bool)

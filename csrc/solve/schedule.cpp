@@ -130,7 +130,7 @@ int64_t argmin_finish_avx2(const double*, const double*, double, int64_t) { retu
 // rank with the earliest finish after taking it.
 void place_eft(const double* sizes, const std::vector<int64_t>& order, const double* slope,
                const double* intercept, int64_t ranks, std::vector<double>& load,
-               std::vector<int64_t>& dest) {
+               std::vector<int64_t>& dest, bool simd = true) {
   // now[r] = c, the rank's time before the next sample; only the chosen rank's changes.
   std::vector<double> now(ranks);
   auto take = [&](int64_t i, int64_t r) {
@@ -154,7 +154,7 @@ void place_eft(const double* sizes, const std::vector<int64_t>& order, const dou
   }
   // Related ranks: the best rank depends on the sample's size, so scan them all (a few hundred
   // nanoseconds a sample for 256 ranks).
-  const bool avx2 = cpu_has_avx2();
+  const bool avx2 = simd && cpu_has_avx2();
   for (int64_t i : order) {
     const double s = sizes[i];
     take(i, avx2 ? argmin_finish_avx2(now.data(), slope, s, ranks)
@@ -164,15 +164,17 @@ void place_eft(const double* sizes, const std::vector<int64_t>& order, const dou
 
 }  // namespace
 
+bool schedule_simd_available() { return cpu_has_avx2(); }
+
 std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slope,
-                              const double* intercept, int64_t ranks) {
+                              const double* intercept, int64_t ranks, bool simd) {
   check_rates(slope, intercept, ranks, false, "schedule");
   check_sizes(sizes, n, "schedule");
   std::vector<int64_t> items(n);
   std::iota(items.begin(), items.end(), 0);
   std::vector<double> load(ranks, 0.0);
   std::vector<int64_t> dest(n, -1);
-  place_eft(sizes, decreasing(sizes, items), slope, intercept, ranks, load, dest);
+  place_eft(sizes, decreasing(sizes, items), slope, intercept, ranks, load, dest, simd);
   return dest;
 }
 

@@ -34,8 +34,13 @@ std::vector<int64_t> allocate_proportional(const std::vector<double>& speeds, in
                                            const std::vector<int64_t>& upper);
 
 // CHRONICA step scheduler: rank of every sample (largest first, earliest predicted finish).
+// simd=false forces the scalar scan (the AVX2 one is chosen at run time otherwise); both give
+// bit-identical results, which ranks on different CPUs rely on.
 std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slope,
-                              const double* intercept, int64_t ranks);
+                              const double* intercept, int64_t ranks, bool simd = true);
+
+// Whether schedule's vector (AVX2) scan runs on this CPU.
+bool schedule_simd_available();
 
 // CHRONICA epoch shuffler: new owner of every sample, moving few samples.
 std::vector<int64_t> rebalance(const int64_t* owner, const double* sizes, int64_t n,

@@ -7,6 +7,7 @@ policy builds on is in :mod:`hetlb.policies.base`.
 """
 from ..plan import ScheduleRule
 from .base import Context, EpochMeter, Policy, SizedPolicy, check_decision, check_sizes
+from .chronica import Chronica, RuntimeProphet
 from .dbs import DBS
 from .lbb import LBB
 from .lbbsp import LBBSP
@@ -17,6 +18,6 @@ from .wlbs import WLBS
 
 __all__ = [
     "Context", "Policy", "SizedPolicy", "EpochMeter", "check_sizes", "check_decision",
-    "ScheduleRule", "Uniform", "LBB", "LBBSP", "WLBS", "DBS",
+    "ScheduleRule", "Uniform", "LBB", "LBBSP", "WLBS", "DBS", "Chronica", "RuntimeProphet",
     "SpeedPredictor", "Memoryless", "EMA", "NARX",
 ]

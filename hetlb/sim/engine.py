@@ -26,7 +26,8 @@ import numpy as np
 
 from ..models import LinearModel, PiecewiseModel, PolyModel
 from ..plan import ScheduleRule
-from ..policies import DBS, LBB, LBBSP, WLBS, Uniform
+from ..policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
+from ..solve import schedule
 from ..policies.base import Context, Policy, check_decision
 from ..telemetry import History, StepRecord, UnusableTelemetry, straggler_effect
 from .scenario import Scenario, load_scenario
@@ -36,7 +37,7 @@ __all__ = ["simulate", "SimResult", "make_policy", "POLICY_NAMES"]
 log = logging.getLogger(__name__)
 
 #: Names :func:`make_policy` (and ``hetlb simulate --policy``) accept.
-POLICY_NAMES = ("uniform", "lbb", "lbbsp", "lbbsp-cpu", "wlbs", "dbs")
+POLICY_NAMES = ("uniform", "lbb", "lbbsp", "lbbsp-cpu", "wlbs", "dbs", "chronica")
 
 
 def make_policy(name: str, **kw: Any) -> Policy:
@@ -45,7 +46,7 @@ def make_policy(name: str, **kw: Any) -> Policy:
     table = {"uniform": lambda: Uniform(), "lbb": lambda: LBB(**kw),
              "lbbsp": lambda: LBBSP("gpu", **kw), "lbbsp-gpu": lambda: LBBSP("gpu", **kw),
              "lbb-sp": lambda: LBBSP("gpu", **kw), "lbbsp-cpu": lambda: LBBSP("cpu", **kw),
-             "wlbs": lambda: WLBS(**kw), "dbs": lambda: DBS(**kw)}
+             "wlbs": lambda: WLBS(**kw), "dbs": lambda: DBS(**kw), "chronica": lambda: Chronica(**kw)}
     if key not in table:
         raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
     return table[key]()
@@ -68,6 +69,9 @@ class SimResult:
             hold the steps that ran.
         decide_seconds: wall seconds spent in the policy (``start`` and ``decide``).
         wall_seconds: wall seconds of the whole simulation.
+        assign_seconds: wall seconds spent assigning samples to ranks for size-aware decisions
+            (:func:`hetlb.schedule`, what the loader does on every rank).
+        data: ``[steps, workers]`` data amount of every worker (its sample count without sizes).
     """
 
     scenario: str
@@ -81,6 +85,8 @@ class SimResult:
     error: Optional[str] = None
     decide_seconds: float = 0.0
     wall_seconds: float = 0.0
+    assign_seconds: float = 0.0
+    data: Optional[np.ndarray] = None
 
     @property
     def steps(self) -> int:
@@ -102,7 +108,8 @@ class SimResult:
                 "tail_se": float(self.se[-k:].mean()) if self.steps else math.nan,
                 "final_sizes": self.sizes[-1].tolist() if self.steps else [],
                 "restarts": list(self.restarts), "error": self.error,
-                "decide_seconds": self.decide_seconds, "wall_seconds": self.wall_seconds}
+                "decide_seconds": self.decide_seconds, "assign_seconds": self.assign_seconds,
+                "wall_seconds": self.wall_seconds}
 
 
 class _Cluster:
@@ -203,6 +210,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     rng = np.random.default_rng(sc.seed if seed is None else seed)
+    # The samples' sizes come from a stream of their own: the same steps whatever the policy.
+    size_rng = np.random.default_rng([sc.seed if seed is None else seed, 1])
+    assign = 0.0
     cl = _Cluster(sc)
     W = cl.n
     active = np.array([w.active for w in sc.workers])
@@ -211,6 +221,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     bw = cl.bandwidth.copy()
     sizes_out = np.zeros((steps, W), np.int64)
     comp_out = np.full((steps, W), np.nan)
+    data_out = np.zeros((steps, W))
     step_time = np.zeros(steps)
     comm = np.zeros(steps)
     se = np.zeros(steps)
@@ -235,9 +246,6 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         t0 = time.perf_counter()
         first = check_decision(pol.start(ctx), ctx, name)
         spent += time.perf_counter() - t0
-        if isinstance(first, ScheduleRule):
-            raise ValueError(f"{name} returned a size-aware schedule; the simulator models "
-                             f"per-rank batch sizes only")
         hist = History(n, maxlen=history)
         pending = [first] * (sc.lag + 1)
         local = []
@@ -290,15 +298,32 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
             restarts.append(k)
             log.info("step %d: %d workers active, %s restarts", k, int(active.sum()), name)
             start_policy(k)
-        b = np.asarray(pending[0], np.int64)
         n = idx.size
+        dec = pending[0]
+        amounts = sc.samples.draw(size_rng, sc.global_batch) if sc.samples is not None else None
+        if isinstance(dec, ScheduleRule):  # size-aware: the step's samples by estimated time
+            t0 = time.perf_counter()
+            owner = schedule(np.ones(sc.global_batch) if amounts is None else amounts,
+                             dec.slope, dec.intercept)
+            assign += time.perf_counter() - t0
+            b = np.bincount(owner, minlength=n).astype(np.int64)
+            data = b.astype(np.float64) if amounts is None else np.bincount(owner, amounts, minlength=n)
+        else:  # contiguous slices of the step's samples, as the loader cuts them
+            b = np.asarray(dec, np.int64)
+            if amounts is None:
+                data = b.astype(np.float64)
+            else:
+                ends = np.cumsum(b)
+                csum = np.concatenate([[0.0], np.cumsum(amounts)])
+                data = csum[ends] - csum[ends - b]
+        x = data if sc.work == "data" else b
         over = np.flatnonzero(b > cl.limit[idx])
         if over.size:
             w = int(idx[over[0]])
             error = (f"step {k}: worker {w} ran out of memory (batch {int(b[over[0]])} > limit "
                      f"{int(cl.limit[w])}) under {name}")
             break
-        t = cl.base(idx, b) + cl.overhead[idx]
+        t = cl.base(idx, x) + cl.overhead[idx]
         t /= cl.speed[idx] * speed_f[idx] * (1.0 - load[idx])
         uv = rng.random((2, n))
         t *= 1.0 + cl.noise[idx] * (2.0 * uv[0] - 1.0)
@@ -319,6 +344,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         comm[k] = c
         reported = np.where(failed, np.inf, t)
         sizes_out[k, idx] = b
+        data_out[k, idx] = data
         comp_out[k, idx] = reported
         se[k] = straggler_effect(t, b)
         lim = cl.limit[idx].astype(np.float64)
@@ -332,7 +358,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
                     pred[r] = p.predict(float(rec_mem[r]))
         rec = StepRecord(step=k, epoch=k // sc.steps_per_epoch,
                          epoch_end=(k + 1) % sc.steps_per_epoch == 0, batch=b.copy(),
-                         compute=reported, data=b.astype(np.float64), memory=rec_mem, cpu=cpu,
+                         compute=reported, data=data, memory=rec_mem, cpu=cpu,
                          predicted=pred)
         t0 = time.perf_counter()
         try:
@@ -345,9 +371,6 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
             log.debug("step %d: %s", k, ex)
             nxt = pending[-1]
         spent += time.perf_counter() - t0
-        if isinstance(nxt, ScheduleRule):
-            raise ValueError(f"{name} returned a size-aware schedule; the simulator models "
-                             f"per-rank batch sizes only")
         pending = pending[1:] + [nxt]
         done = k + 1
         if bar is not None:
@@ -356,4 +379,5 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         bar.close()
     return SimResult(scenario=sc.name, policy=name, sizes=sizes_out[:done], compute=comp_out[:done],
                      step_time=step_time[:done], comm=comm[:done], se=se[:done], restarts=restarts,
-                     error=error, decide_seconds=spent, wall_seconds=time.perf_counter() - t_wall)
+                     error=error, decide_seconds=spent, assign_seconds=assign,
+                     data=data_out[:done], wall_seconds=time.perf_counter() - t_wall)

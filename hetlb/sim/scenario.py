@@ -18,6 +18,8 @@ Schema (JSON object; unknown keys are errors, which name the field)::
       "lower": 1,                             # optional minimum batch per worker (default 1)
       "seed": 0,                              # optional, randomness of noise and jitter
       "lag": 0,                               # optional, steps a decision takes to reach the ranks
+      "samples": {"kind": "normal", "mean": 45, "std": 16, "min": 1},   # optional sample sizes
+      "work": "batch",                        # "batch" or "data": what the time models take
       "workers": [                            # required, non-empty
         {"model": {"kind": "linear", "a0": 0.01, "a1": 0.001},   # seconds at batch b (required)
          "speed": 1.0,                        # time is divided by it (default 1)
@@ -45,6 +47,14 @@ Schema (JSON object; unknown keys are errors, which name the field)::
       ]
     }
 
+``samples`` gives every sample a data amount (tokens, frames), drawn per step: ``normal``
+(``mean``, ``std``), ``lognormal`` (``mean`` and ``sigma`` of the log) or ``constant``
+(``mean``), clipped to ``[min, max]`` (default ``[0, inf)``) and rounded when ``round`` is true
+(default). With ``"work": "data"`` a worker's time model is a function of the data amount it
+gets (CHRONICA's ``T = a * size + b``), else of its sample count. A size-aware policy
+(:class:`hetlb.Chronica`) then assigns each step's samples with :func:`hetlb.schedule`; other
+policies take contiguous slices of the step's samples, as the loader does.
+
 Worker indices count the expanded list (after ``count``). ``model`` is a
 :meth:`hetlb.TimeModel.to_dict` (``linear``: ``a0``, ``a1``; ``poly``: ``coeffs``, highest degree
 first; ``piecewise``: ``batch_sizes``, ``times``) or the shorthands ``[a0, a1]`` (linear) and
@@ -69,7 +79,7 @@ import numpy as np
 from ..emulate import Disturbance, Emulator
 from ..models import LinearModel, PiecewiseModel, PolyModel, TimeModel, model_from_dict
 
-__all__ = ["ScenarioError", "WorkerSpec", "Event", "Network", "Scenario", "load_scenario",
+__all__ = ["ScenarioError", "WorkerSpec", "Event", "Network", "Samples", "Scenario", "load_scenario",
            "builtin_scenarios", "generate_cluster", "WorkerModel", "EVENT_KINDS"]
 
 EVENT_KINDS = ("disturb", "speed", "load", "bandwidth", "leave", "join")
@@ -367,7 +377,61 @@ def _network(d: Any, where: str) -> Network:
 
 
 _SCENARIO_KEYS = ("name", "description", "global_batch", "steps", "steps_per_epoch", "lower",
-                  "seed", "lag", "workers", "network", "events")
+                  "seed", "lag", "workers", "network", "events", "samples", "work")
+
+SAMPLE_KINDS = ("normal", "lognormal", "constant")
+
+
+@dataclass
+class Samples:
+    """Per-sample data amounts of a scenario (see the module docstring)."""
+
+    kind: str = "constant"
+    mean: float = 1.0
+    std: float = 0.0
+    sigma: float = 0.0
+    min: float = 0.0
+    max: float = math.inf
+    round: bool = True
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` sizes (float64)."""
+        if self.kind == "normal":
+            x = rng.normal(self.mean, self.std, n)
+        elif self.kind == "lognormal":
+            x = rng.lognormal(self.mean, self.sigma, n)
+        else:
+            x = np.full(n, self.mean)
+        x = np.clip(x, self.min, self.max)
+        return np.round(x) if self.round else x
+
+    def to_dict(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"kind": self.kind, "mean": self.mean, "min": self.min, "round": self.round}
+        if self.kind == "normal":
+            d["std"] = self.std
+        if self.kind == "lognormal":
+            d["sigma"] = self.sigma
+        if math.isfinite(self.max):
+            d["max"] = self.max
+        return d
+
+
+def _samples(d: Any, where: str) -> Optional[Samples]:
+    if d is None:
+        return None
+    d = _known(d, ("kind", "mean", "std", "sigma", "min", "max", "round"), where)
+    kind = d.get("kind", "constant")
+    if kind not in SAMPLE_KINDS:
+        raise ScenarioError(f"{where}.kind: expected one of {list(SAMPLE_KINDS)}, got {kind!r}")
+    rnd = d.get("round", True)
+    if not isinstance(rnd, bool):
+        raise ScenarioError(f"{where}.round: expected true or false, got {rnd!r}")
+    smp = Samples(kind=kind, mean=_num(d, "mean", where, 1.0, minimum=-math.inf if kind == "lognormal" else 0.0),
+                  std=_num(d, "std", where, 0.0, minimum=0.0), sigma=_num(d, "sigma", where, 0.0, minimum=0.0),
+                  min=_num(d, "min", where, 0.0, minimum=0.0), round=rnd)
+    if d.get("max") is not None:
+        smp.max = _num(d, "max", where, minimum=smp.min)
+    return smp
 
 
 @dataclass
@@ -386,6 +450,8 @@ class Scenario:
     lag: int = 0
     name: str = ""
     description: str = ""
+    samples: Optional[Samples] = None
+    work: str = "batch"
 
     @property
     def world(self) -> int:
@@ -418,7 +484,12 @@ class Scenario:
                 steps_per_epoch=_int(d, "steps_per_epoch", where, 50, minimum=1),
                 lower=_int(d, "lower", where, 1, minimum=0), seed=_int(d, "seed", where, 0),
                 lag=_int(d, "lag", where, 0), name=d.get("name", ""),
-                description=d.get("description", ""))
+                description=d.get("description", ""),
+                samples=_samples(d.get("samples"), f"{where}.samples"), work=d.get("work", "batch"))
+        if s.work not in ("batch", "data"):
+            raise ScenarioError(f"{where}.work: expected 'batch' or 'data', got {s.work!r}")
+        if s.work == "data" and s.samples is None:
+            raise ScenarioError(f"{where}.work: 'data' needs a samples distribution ({where}.samples)")
         s.check(where)
         return s
 
@@ -449,7 +520,8 @@ class Scenario:
         return {"name": self.name, "description": self.description, "global_batch": self.global_batch,
                 "steps": self.steps, "steps_per_epoch": self.steps_per_epoch, "lower": self.lower,
                 "seed": self.seed, "lag": self.lag, "workers": [w.to_dict() for w in self.workers],
-                "network": self.network.to_dict(), "events": [e.to_dict() for e in self.events]}
+                "network": self.network.to_dict(), "events": [e.to_dict() for e in self.events],
+                "samples": None if self.samples is None else self.samples.to_dict(), "work": self.work}
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -470,7 +542,7 @@ class Scenario:
         dist = [Disturbance(e.start, e.stop, extra=e.extra, factor=e.factor, fail=e.fail)
                 for e in self.events if e.kind == "disturb" and rank in e.workers]
         return Emulator(model=w.time_model, noise=w.noise, jitter=w.jitter, disturbances=dist,
-                        seed=self.seed, rank=rank, **kw)
+                        seed=self.seed, rank=rank, by=self.work, **kw)
 
 
 def load_scenario(source: Union[str, os.PathLike, Mapping[str, Any], Scenario]) -> Scenario:

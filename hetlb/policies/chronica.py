@@ -1,0 +1,160 @@
+"""CHRONICA: size-aware scheduling of variable-size samples across uneven workers.
+
+Two pieces (CHRONICA Sec. V-A, V-B):
+
+* :class:`RuntimeProphet`, the per-rank time model ``T_r = a_r * W_r + b_r`` of a step's compute
+  against the data amount ``W_r`` the rank trained (tokens, frames), fitted by least squares on
+  the ranks' feedback (the telemetry's ``data`` and ``compute`` columns), with a non-negative
+  slope. The paper regresses on all feedback (``forget=1``, the default); ``forget < 1``
+  (opt-in) weighs step ``t - k`` by ``forget**k`` so the model follows a rank whose speed changes.
+* :class:`Chronica`, the policy: every step's samples are the next global batch of the global
+  order (so coverage, checkpoints and resume are those of every policy); it returns a
+  :class:`hetlb.plan.ScheduleRule` with the prophet's models, and the loader assigns the step's
+  samples with :func:`hetlb.schedule` (largest first, each to the rank that would finish first)
+  so the ranks' estimated training times (ETT) are equal. Per-rank sample counts differ freely.
+
+Aggregation then weighs ranks by data amount (``Balancer(..., weighting="sizes")``, CHRONICA's
+learning-rate compensation, Eq. 7) with the loss as a mean per data unit (per token).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from ..checks import number
+from ..plan import ScheduleRule
+from ..telemetry import History, require_progress
+from .base import Context, Policy
+
+__all__ = ["RuntimeProphet", "Chronica"]
+
+
+class RuntimeProphet:
+    """Per-rank online least squares of compute seconds on data amount.
+
+    Keeps, per rank, the (forgetting-)weighted sums of ``1, W, W^2, T, W*T`` over the steps the
+    rank had data, so one update and one solve cost O(world). A rank whose feedback cannot
+    separate slope from intercept (one distinct amount so far) or whose fit has a negative slope
+    or intercept is modelled as proportional, ``T = (sum T / sum W) * W``: the non-negative fit
+    closest to what it has seen.
+
+    Args:
+        world: number of ranks.
+        forget: weight of the previous steps' statistics at each update, in ``(0, 1]``
+            (1: ordinary least squares over all feedback, the paper's).
+    """
+
+    def __init__(self, world: int, forget: float = 1.0) -> None:
+        self.world = int(world)
+        self.forget = number(forget, "RuntimeProphet: forget", above=0.0, maximum=1.0)
+        self.stats = np.zeros((5, self.world))  # n, sw, sww, st, swt
+
+    def update(self, work: np.ndarray, time: np.ndarray) -> None:
+        """Add one step's feedback: ``work`` and ``time`` ``[world]``; ranks with no work or a
+        non-finite time are skipped (their statistics are kept, not decayed)."""
+        w = np.asarray(work, np.float64)
+        t = np.asarray(time, np.float64)
+        ok = (w > 0) & np.isfinite(t) & (t >= 0)
+        x = np.stack([np.ones_like(w), w, w * w, t, w * t])
+        self.stats[:, ok] = self.stats[:, ok] * self.forget + x[:, ok]
+
+    def models(self) -> "tuple[np.ndarray, np.ndarray]":
+        """``(slope, intercept)`` float64 ``[world]``; NaN for a rank with no feedback yet."""
+        n, sw, sww, st, swt = self.stats
+        with np.errstate(divide="ignore", invalid="ignore"):
+            det = n * sww - sw * sw
+            a = (n * swt - sw * st) / det
+            b = (st - a * sw) / n
+            prop = st / sw
+        # Separable only with spread in W (relative to its scale), and sound only non-negative.
+        spread = det > 1e-9 * n * sww
+        good = spread & np.isfinite(a) & np.isfinite(b) & (a > 0) & (b >= 0)
+        slope = np.where(good, a, prop)
+        intercept = np.where(good, b, 0.0)
+        none = n == 0
+        slope[none] = np.nan
+        intercept[none] = np.nan
+        return slope, intercept
+
+    def predict(self, work: Any) -> np.ndarray:
+        """Estimated seconds of each rank for ``work`` ``[world]`` (CHRONICA's ETT)."""
+        a, b = self.models()
+        return a * np.asarray(work, np.float64) + b
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"world": self.world, "forget": self.forget, "stats": self.stats.tolist()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.world = int(state["world"])
+        self.forget = float(state["forget"])
+        self.stats = np.asarray(state["stats"], np.float64).reshape(5, self.world)
+
+
+class Chronica(Policy):
+    """Size-aware scheduling (CHRONICA): each step's samples go to ranks by estimated time.
+
+    Args:
+        forget: the :class:`RuntimeProphet`'s forgetting factor (1: the paper's regression over
+            all feedback; e.g. 0.9 to follow speed changes within tens of steps).
+
+    Until a rank has fed back, it is modelled as the others' mean (equal speeds at the start:
+    the first steps are balanced by data amount, as token balancing does). Needs the loader's
+    ``sample_sizes`` (or a dataset that declares them); without them every sample counts 1 and
+    this is count balancing by speed.
+    """
+
+    name = "chronica"
+
+    def __init__(self, forget: float = 1.0) -> None:
+        self.forget = number(forget, "Chronica: forget", above=0.0, maximum=1.0)
+        self.world = 0
+        self._prophet: Optional[RuntimeProphet] = None
+
+    def start(self, ctx: Context) -> ScheduleRule:
+        if not isinstance(ctx, Context):
+            raise ValueError(f"Chronica.start expects a hetlb Context, got {type(ctx).__name__}")
+        self.world = int(ctx.world)
+        self.global_batch = int(ctx.global_batch)
+        self._prophet = RuntimeProphet(self.world, self.forget)
+        return self._rule()
+
+    def _rule(self) -> ScheduleRule:
+        assert self._prophet is not None
+        a, b = self._prophet.models()
+        known = np.isfinite(a)
+        if not known.any():
+            return ScheduleRule(np.ones(self.world), np.zeros(self.world))
+        # A rank without feedback yet: the mean of the others (it gets a fair share to measure).
+        a = np.where(known, a, float(np.mean(a[known])))
+        b = np.where(known, b, float(np.mean(b[known])))
+        if not (np.all(a > 0) and math.isfinite(float(a.sum()))):
+            raise ValueError(f"Chronica: slopes must be positive, got {a.tolist()}")
+        return ScheduleRule(a, b)
+
+    def decide(self, history: History) -> ScheduleRule:
+        """Feed the latest record to the prophet and return the next step's rule."""
+        if self._prophet is None:
+            raise RuntimeError("Chronica: call start(ctx) (or load_state_dict) before decide")
+        if len(history) == 0:
+            raise ValueError("Chronica.decide: empty history (decide is called after a step)")
+        rec = history[-1]
+        if rec.world != self.world:
+            raise ValueError(f"Chronica.decide: record has {rec.world} ranks, policy was started "
+                             f"with world={self.world}")
+        require_progress(rec, self.name)
+        self._prophet.update(rec.data, rec.compute)
+        return self._rule()
+
+    def state_dict(self) -> Dict[str, Any]:
+        assert self._prophet is not None, "Chronica: start(ctx) first"
+        return {"forget": self.forget, "world": self.world, "global_batch": self.global_batch,
+                "prophet": self._prophet.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.forget = float(state["forget"])
+        self.world = int(state["world"])
+        self.global_batch = int(state["global_batch"])
+        self._prophet = RuntimeProphet(self.world, self.forget)
+        self._prophet.load_state_dict(state["prophet"])
