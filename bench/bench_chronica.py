@@ -17,9 +17,10 @@ DIF 0, and the median step-level straggler (max - min compute over ranks).
 Part ``real``: 4 real Gloo ranks, each an :class:`hetlb.emulate.Emulator` on its data amount
 (``by="data"``), one process group for every setting; part ``sim``: the same settings in the
 simulator; part ``overhead``: the decision plus the assignment per step at 64 ranks and 4096
-samples per step (simulated ranks), against a 100 ms step.
+samples per step (simulated ranks), against a 100 ms step; part ``collate``: the input bytes
+per rank under padding to the step's longest sample, to the rank's own, and packing.
 
-    python bench/bench_chronica.py [--part real sim overhead] [--steps 12] [--global-batch 256] [--out F]
+    python bench/bench_chronica.py [--part real sim overhead collate] [--steps 12] [--global-batch 256] [--out F]
 """
 from __future__ import annotations
 
@@ -159,9 +160,43 @@ def part_overhead() -> List[str]:
             f"{per * 1e3:.3f} | {per / 0.1 * 100:.2f} % |"]
 
 
+def part_collate(steps: int = 50) -> List[str]:
+    """Bytes of the input batch per rank: padded to the step's longest sample (one shape for every
+    rank), to the rank's own longest (:func:`hetlb.collate.pad_collate`), or packed
+    (:func:`hetlb.collate.packed_collate`), for Chronica's assignment of long-tailed token lengths
+    (lognormal, 16 to 2048) on 1:2:3:4 ranks, width 64 float32."""
+    import torch
+    import hetlb
+    from hetlb.collate import pad_collate, packed_collate
+    rng = np.random.default_rng(0)
+    slope = A1 / np.array([1.0, 2.0, 3.0, 4.0])
+    tot = {"global max": np.zeros(4), "own max": np.zeros(4), "packed": np.zeros(4)}
+    for _ in range(steps):
+        lens = np.clip(np.round(rng.lognormal(5.0, 1.0, 64)), 16, 2048).astype(int)
+        owner = hetlb.schedule(lens.astype(float), slope, np.full(4, A0))
+        top = int(lens.max())
+        for r in range(4):
+            mine = [torch.zeros(int(n), 64) for n in lens[owner == r]]
+            if not mine:
+                continue
+            tot["global max"][r] += len(mine) * top * 64 * 4
+            tot["own max"][r] += pad_collate(mine).data.nbytes
+            tot["packed"][r] += packed_collate(mine).data.nbytes
+    lines = [f"### Input bytes per rank and step: Chronica's assignment of 64 lognormal token lengths "
+             f"(16-2048) on 1:2:3:4 ranks, width 64 float32, mean of {steps} steps", "",
+             "| layout | rank 0 (1x) MiB | rank 1 (2x) | rank 2 (3x) | rank 3 (4x) | largest rank vs packed |",
+             "|---|---:|---:|---:|---:|---:|"]
+    packed_peak = float(tot["packed"].max())
+    for name, v in tot.items():
+        mib = v / steps / 2 ** 20
+        lines.append(f"| {name} | " + " | ".join(f"{x:.2f}" for x in mib) + f" | {v.max() / packed_peak:.2f}x |")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", nargs="+", choices=["real", "sim", "overhead"], default=["real", "sim", "overhead"])
+    p.add_argument("--part", nargs="+", choices=["real", "sim", "overhead", "collate"],
+                   default=["real", "sim", "overhead", "collate"])
     p.add_argument("--steps", type=int, default=12, help="steps per epoch")
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--out", default=None)
@@ -173,6 +208,8 @@ def main() -> None:
     lines: List[str] = []
     if "overhead" in args.part:
         lines += part_overhead() + [""]
+    if "collate" in args.part:
+        lines += part_collate() + [""]
     if "sim" in args.part:
         lines += part_sim(args.steps) + [""]
     if "real" in args.part:

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -123,20 +124,27 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "schedule",
-      [](const f64_array& sizes, const f64_array& slope, const f64_array& intercept, bool simd) {
+      [](const f64_array& sizes, const f64_array& slope, const f64_array& intercept, bool simd,
+         int64_t first, std::optional<f64_array> cap) {
         require_1d(sizes, "sizes");
         require_1d(slope, "slope");
         require_1d(intercept, "intercept");
         require_same_length(slope, intercept, "slope and intercept");
+        if (cap) {
+          require_1d(*cap, "cap");
+          require_same_length(slope, *cap, "slope and cap");
+        }
+        const double* capp = cap ? cap->data() : nullptr;
         std::vector<int64_t> out;
         {
           py::gil_scoped_release nogil;
           out = hetlb::schedule(sizes.data(), sizes.size(), slope.data(), intercept.data(),
-                                slope.size(), simd);
+                                slope.size(), simd, first, capp);
         }
         return to_numpy(out);
       },
       py::arg("sizes"), py::arg("slope"), py::arg("intercept"), py::arg("simd") = true,
+      py::arg("first") = -1, py::arg("cap") = py::none(),
       "Rank of each sample of one step (CHRONICA data scheduler); simd=False forces the scalar "
       "scan (bit-identical to the AVX2 one).");
   m.def("schedule_simd_available", &hetlb::schedule_simd_available,

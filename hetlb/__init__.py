@@ -17,7 +17,7 @@ from . import _C  # noqa: F401  (registers torch.ops.hetlb.*)
 from . import ops  # noqa: F401
 from .models import LinearModel, PiecewiseModel, PolyModel, TimeModel
 from .solve import allocate, allocate_proportional, rebalance, schedule
-from . import emulate, policies, sim, telemetry  # noqa: F401
+from . import collate, emulate, policies, sim, telemetry  # noqa: F401
 from .balancer import Balancer, BatchSizeError, DecisionMismatchError
 from .data import BalancedLoader
 from .data import BalancedLoader as DataLoader
@@ -34,5 +34,5 @@ __all__ = [
     "Balancer", "DataLoader", "BalancedLoader", "DecisionMismatchError", "BatchSizeError",
     "UnusableTelemetry", "ScheduleRule", "Profile", "profile",
     "policies", "Uniform", "LBB", "LBBSP", "WLBS", "DBS", "Chronica", "Memoryless", "EMA", "NARX",
-    "emulate", "telemetry", "sim",
+    "emulate", "telemetry", "sim", "collate",
 ]

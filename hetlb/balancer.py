@@ -715,8 +715,7 @@ class Balancer:
         if self._open is not None and not self._open.explicit and self.telemetry.hooked:
             self._finish()  # its backward ran: that step is trained
         d = self._decision
-        decision = d.tolist() if isinstance(d, np.ndarray) else \
-            {"slope": d.slope.tolist(), "intercept": d.intercept.tolist()}
+        decision = d.tolist() if isinstance(d, np.ndarray) else d.to_dict()
         return {"format": _FORMAT, "world": self.world, "global_batch": self.global_batch,
                 "accumulate": self.accumulate, "steps": self._step,
                 "position": self.board.position(),
@@ -754,7 +753,7 @@ class Balancer:
             self.policy.load_state_dict(from_state(state["policy"]))
             self.history = History.from_state_dict(state["history"])
             d = state["decision"]
-            d = ScheduleRule(d["slope"], d["intercept"]) if isinstance(d, dict) else np.asarray(d, np.int64)
+            d = ScheduleRule.from_dict(d) if isinstance(d, dict) else np.asarray(d, np.int64)
             self._decision = check_decision(d, self.context, "checkpoint")
             if self._local is not None:
                 self._local.rebuild(self.history, self.rank)

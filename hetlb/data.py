@@ -135,7 +135,7 @@ class GlobalOrderSampler:
             o = s * self.global_batch
             window = perm[o:o + count]
             sizes = None if self.sample_sizes is None else self.sample_sizes[window]
-            plan = board.draw(epoch, s, count, full, sizes)
+            plan = board.draw(epoch, s, count, full, sizes, seed=self.seed)
             yield window[plan.positions(board.rank)].tolist()
 
     def _stream(self) -> Iterator[List[int]]:

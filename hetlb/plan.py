@@ -47,7 +47,9 @@ def decision_checksum(decision: Any) -> int:
     """CRC32 of a decision (int64 sizes, or a :class:`ScheduleRule`'s float64 models), folded to 24
     bits so it survives a float32 slot exactly."""
     if isinstance(decision, ScheduleRule):
-        data = decision.slope.tobytes() + decision.intercept.tobytes()
+        data = decision.slope.tobytes() + decision.intercept.tobytes() + bytes([decision.pivot])
+        if decision.cap is not None:
+            data += decision.cap.tobytes()
     else:
         data = np.ascontiguousarray(np.asarray(decision, dtype=np.int64)).tobytes()
     return zlib.crc32(data) % EXACT_INT
@@ -72,10 +74,15 @@ class ScheduleRule:
 
     Args:
         slope, intercept: float64 ``[world]`` (seconds per unit of sample size, seconds).
+        cap: float64 ``[world]`` largest summed size per rank (memory), or None.
+        pivot: place one sample of each step first, drawn from ``(seed, epoch, step)`` (CHRONICA
+            Algorithm 2's random first pivot), so the assignment varies between steps.
     """
 
     slope: np.ndarray
     intercept: np.ndarray
+    cap: Optional[np.ndarray] = None
+    pivot: bool = False
 
     def __post_init__(self) -> None:
         s = np.ascontiguousarray(np.asarray(self.slope, dtype=np.float64))
@@ -85,6 +92,27 @@ class ScheduleRule:
                              f"length, got shapes {s.shape} and {i.shape}")
         object.__setattr__(self, "slope", s)
         object.__setattr__(self, "intercept", i)
+        if self.cap is not None:
+            c = np.ascontiguousarray(np.asarray(self.cap, dtype=np.float64))
+            if c.shape != s.shape or np.any(np.isnan(c)) or np.any(c < 0):
+                raise ValueError(f"ScheduleRule: cap must be {s.shape[0]} numbers >= 0, got {c.tolist()}")
+            object.__setattr__(self, "cap", c)
+        object.__setattr__(self, "pivot", bool(self.pivot))
+
+    def first(self, seed: int, epoch: int, step: int, count: int) -> Optional[int]:
+        """The step's first pivot (a sample index in ``[0, count)``), or None without ``pivot``."""
+        if not self.pivot or count == 0:
+            return None
+        return int(np.random.default_rng([int(seed), int(epoch), int(step), 0x9E3779B9]).integers(count))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain values for checkpoints; :meth:`from_dict` inverts it."""
+        return {"slope": self.slope.tolist(), "intercept": self.intercept.tolist(),
+                "cap": None if self.cap is None else self.cap.tolist(), "pivot": self.pivot}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "ScheduleRule":
+        return cls(d["slope"], d["intercept"], d.get("cap"), bool(d.get("pivot", False)))
 
 
 @dataclass(frozen=True)
@@ -226,13 +254,14 @@ class PlanBoard:
         return (start,), step - start, min(k, full_steps - start)
 
     def draw(self, epoch: int, step: int, count: int, full_steps: int,
-             sample_sizes: Optional[np.ndarray] = None) -> StepPlan:
+             sample_sizes: Optional[np.ndarray] = None, seed: int = 0) -> StepPlan:
         """Plan step ``step`` of ``epoch`` (``count`` samples) and queue it for handing out.
 
         Args:
             full_steps: steps of the epoch that hold a whole ``global_batch``.
             sample_sizes: float64 ``[count]`` sizes of the step's samples in the global order, or
                 None when samples have no size.
+            seed: the loader's seed (a size-aware rule's random first pivot derives from it).
         """
         key, pos, length = self._window_of(step, full_steps)
         assignment = None
@@ -243,7 +272,9 @@ class PlanBoard:
         else:
             if isinstance(self.decision, ScheduleRule):
                 amounts = np.ones(count) if sample_sizes is None else np.asarray(sample_sizes, np.float64)
-                assignment = np.asarray(schedule(amounts, self.decision.slope, self.decision.intercept),
+                rule = self.decision
+                assignment = np.asarray(schedule(amounts, rule.slope, rule.intercept,
+                                                 first=rule.first(seed, epoch, step, count), cap=rule.cap),
                                         dtype=np.int64)
                 sizes = np.bincount(assignment, minlength=self.world).astype(np.int64)
             elif pos > 0 and self._window is not None and self._window[:2] == (epoch, key):
@@ -260,7 +291,9 @@ class PlanBoard:
                 owner = assignment if assignment is not None else np.repeat(np.arange(self.world), sizes)
                 data = np.bincount(owner, weights=s, minlength=self.world).astype(np.float64)
             sizes.flags.writeable = data.flags.writeable = False  # a plan is a value: shared, not changed
-            checksum = decision_checksum(sizes)
+            # A size-aware plan is its assignment: two ranks with the same counts but different
+            # samples must not pass the check.
+            checksum = decision_checksum(sizes if assignment is None else assignment)
         if pos == 0:
             self._window = (epoch, key, sizes)
         plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=data, checksum=checksum,

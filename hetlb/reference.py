@@ -10,6 +10,8 @@ process groups (tests/test_comm_hook.py) and even mixed across ranks.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, List, Optional, Sequence
@@ -200,13 +202,32 @@ def continuous_bound(total: float, slope: Sequence[float], intercept: Sequence[f
     return max(hi, float(intercept.max()))
 
 
-def schedule(sizes: Sequence[float], slope: Sequence[float], intercept: Sequence[float]) -> np.ndarray:
-    """Reference for :func:`hetlb.schedule`: largest first, each to the earliest finish."""
+def schedule(sizes: Sequence[float], slope: Sequence[float], intercept: Sequence[float],
+             first: Optional[int] = None, cap: Optional[Sequence[float]] = None) -> np.ndarray:
+    """Reference for :func:`hetlb.schedule`: the ``first`` sample, then largest first, each to the
+    earliest finish among the ranks it fits in (``cap``)."""
     sizes = [float(s) for s in sizes]
     slope = [float(a) for a in slope]
     intercept = [float(b) for b in intercept]
     dest = [-1] * len(sizes)
-    _eft(sizes, range(len(sizes)), slope, intercept, [0.0] * len(slope), dest)
+    if first is None and cap is None:
+        _eft(sizes, range(len(sizes)), slope, intercept, [0.0] * len(slope), dest)
+        return np.asarray(dest, np.int64)
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    if first is not None:
+        order.remove(first)
+        order.insert(0, first)
+    caps = [math.inf] * len(slope) if cap is None else [float(c) for c in cap]
+    load = [0.0] * len(slope)
+    for i in order:
+        s = sizes[i]
+        fits = [r for r in range(len(slope)) if load[r] + s <= caps[r]]
+        if not fits:
+            raise ValueError(f"schedule: sample {i} (size {s}) fits in no rank's cap")
+        now = {r: intercept[r] + slope[r] * load[r] for r in fits}
+        r = min(fits, key=lambda r: (now[r] + slope[r] * s, now[r], r))
+        dest[i] = r
+        load[r] += s
     return np.asarray(dest, np.int64)
 
 

@@ -139,7 +139,8 @@ def _rates(slope: Any, intercept: Any) -> tuple:
     return a, b
 
 
-def schedule(sizes: Any, slope: Any, intercept: Any) -> np.ndarray:
+def schedule(sizes: Any, slope: Any, intercept: Any, *, first: Optional[int] = None,
+             cap: Any = None) -> np.ndarray:
     """Rank of every sample of one step (CHRONICA's data scheduler).
 
     Rank ``r`` is predicted to take ``intercept[r] + slope[r] * (sum of sizes it gets)``. Samples
@@ -149,12 +150,20 @@ def schedule(sizes: Any, slope: Any, intercept: Any) -> np.ndarray:
     Args:
         sizes: ``float[N]`` data amount of each sample (>= 0).
         slope, intercept: ``float[R]`` per-rank time model (>= 0).
+        first: index of a sample placed before all others (CHRONICA Algorithm 2's random first
+            pivot, which varies the assignment from step to step); None: none.
+        cap: ``float[R]`` largest summed size each rank may get (memory); a sample that fits no
+            rank raises ``ValueError``.
 
     Returns:
         ``int64[N]``, values in ``[0, R)``.
     """
     a, b = _rates(slope, intercept)
-    return _C.schedule(_vector(sizes, "sizes", np.float64), a, b)
+    s = _vector(sizes, "sizes", np.float64)
+    if first is not None and not (0 <= int(first) < s.size):
+        raise ValueError(f"first={first} is not a sample index in [0, {s.size})")
+    c = None if cap is None else _vector(cap, "cap", np.float64, a.size)
+    return _C.schedule(s, a, b, first=-1 if first is None else int(first), cap=c)
 
 
 def rebalance(owner: Any, sizes: Any, slope: Any, intercept: Any) -> np.ndarray:

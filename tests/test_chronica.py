@@ -255,3 +255,50 @@ def test_chronica_resumes_mid_epoch_exactly_once(num_workers):
     assert sorted(sum((r["seen"][1] for r in rest), [])) == list(range(n))
     counts = {tuple(b) for b in rest[0]["batch"]}
     assert len(counts) > 2  # the counts per rank follow the samples, not a fixed split
+
+
+def test_rule_pivot_cap_checksum_and_checkpoint_form():
+    from hetlb.plan import PlanBoard, decision_checksum
+    base = ScheduleRule([1.0, 2.0], [0.0, 0.0])
+    piv = ScheduleRule([1.0, 2.0], [0.0, 0.0], pivot=True)
+    cap = ScheduleRule([1.0, 2.0], [0.0, 0.0], cap=[100.0, 50.0])
+    assert len({decision_checksum(r) for r in (base, piv, cap)}) == 3
+    for r in (base, piv, cap):
+        again = ScheduleRule.from_dict(r.to_dict())
+        assert decision_checksum(again) == decision_checksum(r)
+    assert base.first(1, 0, 0, 10) is None
+    picks = {piv.first(1, 0, s, 10) for s in range(30)}
+    assert len(picks) > 3 and picks <= set(range(10))
+    assert piv.first(1, 2, 5, 10) == piv.first(1, 2, 5, 10)
+    sizes = np.arange(1.0, 13.0)
+    a, b = PlanBoard(2, 0, 12), PlanBoard(2, 1, 12)
+    for board in (a, b):
+        board.post(piv)
+    pa = a.draw(0, 0, 12, 1, sizes, seed=3)
+    pb = b.draw(0, 0, 12, 1, sizes, seed=3)
+    assert np.array_equal(pa.assignment, pb.assignment) and pa.checksum == pb.checksum
+    first = piv.first(3, 0, 0, 12)
+    assert np.array_equal(pa.assignment, hetlb.schedule(sizes, piv.slope, piv.intercept, first=first))
+    # a plan's checksum covers the assignment, not only the counts
+    c = PlanBoard(2, 0, 12)
+    c.post(ScheduleRule([1.0, 2.0], [0.0, 0.0]))
+    pc = c.draw(0, 0, 12, 1, sizes, seed=3)
+    assert pc.checksum != pa.checksum or np.array_equal(pc.assignment, pa.assignment)
+
+
+def test_chronica_cap_bounds_every_rank():
+    pol = hetlb.Chronica(cap=[200.0, 400.0])
+    rule = pol.start(Context.simple(2, 10))
+    assert rule.cap.tolist() == [200.0, 400.0] and rule.pivot
+    with pytest.raises(ValueError, match="cap has 2 entries for 3 ranks"):
+        hetlb.Chronica(cap=[1.0, 2.0]).start(Context.simple(3, 9))
+    with pytest.raises(ValueError, match="positive number"):
+        hetlb.Chronica(cap=0)
+    from hetlb.sim import Scenario, simulate
+    sc = Scenario.from_dict({"global_batch": 64, "work": "data", "lower": 0,
+                             "samples": {"kind": "normal", "mean": 45, "std": 20, "min": 1},
+                             "workers": [{"model": [0.002, 1e-4], "speed": s} for s in (1, 4)]})
+    free = simulate(sc, hetlb.Chronica(), 30)
+    capped = simulate(sc, hetlb.Chronica(cap=[1400.0, 2000.0]), 30)
+    assert free.data[:, 1].max() > 2000  # the fast rank would take more
+    assert (capped.data[:, 0] <= 1400).all() and (capped.data[:, 1] <= 2000).all()

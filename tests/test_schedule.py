@@ -246,3 +246,37 @@ def test_schedule_vector_and_scalar_scans_agree_bit_for_bit(n, ranks, seed, kind
     assert np.array_equal(fast, slow)
     assert np.array_equal(slow, ref.schedule(sizes, slope, intercept))
     assert isinstance(_C.schedule_simd_available(), bool)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 60), st.integers(1, 9), st.integers(0, 2 ** 31), st.booleans(), st.booleans())
+def test_schedule_first_pivot_and_caps_match_the_reference(n, ranks, seed, use_first, use_cap):
+    from hetlb import _C
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 20, n).astype(float)
+    slope = rng.choice([1.0, 2.0], ranks) if seed % 2 else rng.uniform(0.5, 2.0, ranks)
+    intercept = rng.uniform(0, 5, ranks)
+    first = int(rng.integers(n)) if use_first else None
+    cap = None
+    if use_cap:  # room for everything, unevenly spread
+        w = rng.uniform(0.5, 1.5, ranks)
+        cap = np.ceil(w / w.sum() * sizes.sum() * 1.3) + sizes.max()
+    got = hetlb.schedule(sizes, slope, intercept, first=first, cap=cap)
+    want = ref.schedule(sizes, slope, intercept, first=first, cap=cap)
+    assert np.array_equal(got, want)
+    fast = _C.schedule(sizes, slope, intercept, simd=True, first=-1 if first is None else first, cap=cap)
+    slow = _C.schedule(sizes, slope, intercept, simd=False, first=-1 if first is None else first, cap=cap)
+    assert np.array_equal(fast, slow) and np.array_equal(fast, got)
+    if cap is not None:
+        assert np.all(np.bincount(got, weights=sizes, minlength=ranks) <= cap)
+    if first is not None:  # the pivot goes where it finishes first on empty ranks
+        assert got[first] == min(range(ranks), key=lambda r: (intercept[r] + slope[r] * sizes[first], intercept[r], r))
+
+
+def test_schedule_cap_errors():
+    with pytest.raises(ValueError, match="fits in no rank's cap"):
+        hetlb.schedule([5.0, 5.0, 5.0], [1.0, 1.0], [0.0, 0.0], cap=[6.0, 6.0])
+    with pytest.raises(ValueError, match="cap has 1 entries"):
+        hetlb.schedule([1.0], [1.0, 1.0], [0.0, 0.0], cap=[3.0])
+    with pytest.raises(ValueError, match="first=3 is not a sample index"):
+        hetlb.schedule([1.0, 2.0], [1.0], [0.0], first=3)

@@ -126,6 +126,31 @@ bool cpu_has_avx2() { return false; }
 int64_t argmin_finish_avx2(const double*, const double*, double, int64_t) { return 0; }
 #endif
 
+// With per-rank caps on the summed size: the earliest finish among the ranks the sample still
+// fits in (a plain scan; the caps make the heap and vector paths inapplicable).
+void place_capped(const double* sizes, const std::vector<int64_t>& order, const double* slope,
+                  const double* intercept, int64_t ranks, const double* cap,
+                  std::vector<double>& load, std::vector<int64_t>& dest) {
+  std::vector<double> now(ranks);
+  for (int64_t r = 0; r < ranks; ++r) now[r] = intercept[r] + slope[r] * load[r];
+  for (int64_t i : order) {
+    const double s = sizes[i];
+    Finish best{INFINITY, INFINITY, -1};
+    for (int64_t r = 0; r < ranks; ++r) {
+      if (load[r] + s > cap[r]) continue;
+      const Finish x{now[r] + slope[r] * s, now[r], r};
+      if (best.r < 0 || x < best) best = x;
+    }
+    if (best.r < 0)
+      throw std::invalid_argument("schedule: sample " + std::to_string(i) + " (size " +
+                                  std::to_string(s) + ") fits in no rank's cap; raise the caps or "
+                                  "lower the global batch");
+    dest[i] = best.r;
+    load[best.r] += s;
+    now[best.r] = intercept[best.r] + slope[best.r] * load[best.r];
+  }
+}
+
 // Places `order` (already largest first) on ranks with current loads `load`, each sample on the
 // rank with the earliest finish after taking it.
 void place_eft(const double* sizes, const std::vector<int64_t>& order, const double* slope,
@@ -167,14 +192,31 @@ void place_eft(const double* sizes, const std::vector<int64_t>& order, const dou
 bool schedule_simd_available() { return cpu_has_avx2(); }
 
 std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slope,
-                              const double* intercept, int64_t ranks, bool simd) {
+                              const double* intercept, int64_t ranks, bool simd, int64_t first,
+                              const double* cap) {
   check_rates(slope, intercept, ranks, false, "schedule");
   check_sizes(sizes, n, "schedule");
+  if (first >= n || first < -1)
+    throw std::invalid_argument("schedule: first sample " + std::to_string(first) +
+                                " outside [0, " + std::to_string(n) + ")");
+  if (cap != nullptr)
+    for (int64_t r = 0; r < ranks; ++r)
+      if (!(cap[r] >= 0))
+        throw std::invalid_argument("schedule: cap of rank " + std::to_string(r) +
+                                    " must be >= 0, got " + std::to_string(cap[r]));
   std::vector<int64_t> items(n);
   std::iota(items.begin(), items.end(), 0);
   std::vector<double> load(ranks, 0.0);
   std::vector<int64_t> dest(n, -1);
-  place_eft(sizes, decreasing(sizes, items), slope, intercept, ranks, load, dest, simd);
+  std::vector<int64_t> order = decreasing(sizes, items);
+  if (first >= 0) {  // CHRONICA's random first pivot: placed before the decreasing order
+    order.erase(std::find(order.begin(), order.end(), first));
+    order.insert(order.begin(), first);
+  }
+  if (cap != nullptr)
+    place_capped(sizes, order, slope, intercept, ranks, cap, load, dest);
+  else
+    place_eft(sizes, order, slope, intercept, ranks, load, dest, simd);
   return dest;
 }
 

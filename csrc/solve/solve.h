@@ -36,8 +36,11 @@ std::vector<int64_t> allocate_proportional(const std::vector<double>& speeds, in
 // CHRONICA step scheduler: rank of every sample (largest first, earliest predicted finish).
 // simd=false forces the scalar scan (the AVX2 one is chosen at run time otherwise); both give
 // bit-identical results, which ranks on different CPUs rely on.
+// first >= 0 places that sample before the others (CHRONICA's random first pivot); cap (or
+// nullptr) bounds each rank's summed size.
 std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slope,
-                              const double* intercept, int64_t ranks, bool simd = true);
+                              const double* intercept, int64_t ranks, bool simd = true,
+                              int64_t first = -1, const double* cap = nullptr);
 
 // Whether schedule's vector (AVX2) scan runs on this CPU.
 bool schedule_simd_available();

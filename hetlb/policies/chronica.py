@@ -98,6 +98,12 @@ class Chronica(Policy):
     Args:
         forget: the :class:`RuntimeProphet`'s forgetting factor (1: the paper's regression over
             all feedback; e.g. 0.9 to follow speed changes within tens of steps).
+        pivot: place one sample of each step first, drawn from the loader's seed, the epoch and
+            the step (CHRONICA Algorithm 2's random first pivot; the paper's default). False: the
+            pure decreasing order (the step's samples are already a random draw of the global
+            order either way).
+        cap: largest summed sample size per rank and step (a number, or one per rank), e.g. the
+            tokens that fit in a rank's memory; None: no cap.
 
     Until a rank has fed back, it is modelled as the others' mean (equal speeds at the start:
     the first steps are balanced by data amount, as token balancing does). Needs the loader's
@@ -107,8 +113,15 @@ class Chronica(Policy):
 
     name = "chronica"
 
-    def __init__(self, forget: float = 1.0) -> None:
+    def __init__(self, forget: float = 1.0, pivot: bool = True, cap: Any = None) -> None:
         self.forget = number(forget, "Chronica: forget", above=0.0, maximum=1.0)
+        self.pivot = bool(pivot)
+        if cap is not None:
+            c = np.asarray(cap, np.float64)
+            if c.ndim > 1 or np.any(~np.isfinite(c)) or np.any(c <= 0):
+                raise ValueError(f"Chronica: cap must be a positive number or one per rank, got {cap!r}")
+            cap = c.tolist()
+        self.cap = cap
         self.world = 0
         self._prophet: Optional[RuntimeProphet] = None
 
@@ -117,6 +130,8 @@ class Chronica(Policy):
             raise ValueError(f"Chronica.start expects a hetlb Context, got {type(ctx).__name__}")
         self.world = int(ctx.world)
         self.global_batch = int(ctx.global_batch)
+        if self.cap is not None and np.ndim(self.cap) == 1 and len(self.cap) != self.world:
+            raise ValueError(f"Chronica: cap has {len(self.cap)} entries for {self.world} ranks")
         self._prophet = RuntimeProphet(self.world, self.forget)
         return self._rule()
 
@@ -125,13 +140,17 @@ class Chronica(Policy):
         a, b = self._prophet.models()
         known = np.isfinite(a)
         if not known.any():
-            return ScheduleRule(np.ones(self.world), np.zeros(self.world))
+            return ScheduleRule(np.ones(self.world), np.zeros(self.world), cap=self._caps(),
+                                pivot=self.pivot)
         # A rank without feedback yet: the mean of the others (it gets a fair share to measure).
         a = np.where(known, a, float(np.mean(a[known])))
         b = np.where(known, b, float(np.mean(b[known])))
         if not (np.all(a > 0) and math.isfinite(float(a.sum()))):
             raise ValueError(f"Chronica: slopes must be positive, got {a.tolist()}")
-        return ScheduleRule(a, b)
+        return ScheduleRule(a, b, cap=self._caps(), pivot=self.pivot)
+
+    def _caps(self) -> Optional[np.ndarray]:
+        return None if self.cap is None else np.broadcast_to(np.asarray(self.cap, np.float64), (self.world,))
 
     def decide(self, history: History) -> ScheduleRule:
         """Feed the latest record to the prophet and return the next step's rule."""
@@ -149,11 +168,13 @@ class Chronica(Policy):
 
     def state_dict(self) -> Dict[str, Any]:
         assert self._prophet is not None, "Chronica: start(ctx) first"
-        return {"forget": self.forget, "world": self.world, "global_batch": self.global_batch,
-                "prophet": self._prophet.state_dict()}
+        return {"forget": self.forget, "pivot": self.pivot, "cap": self.cap, "world": self.world,
+                "global_batch": self.global_batch, "prophet": self._prophet.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.forget = float(state["forget"])
+        self.pivot = bool(state.get("pivot", True))
+        self.cap = state.get("cap")
         self.world = int(state["world"])
         self.global_batch = int(state["global_batch"])
         self._prophet = RuntimeProphet(self.world, self.forget)

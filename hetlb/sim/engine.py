@@ -304,7 +304,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         if isinstance(dec, ScheduleRule):  # size-aware: the step's samples by estimated time
             t0 = time.perf_counter()
             owner = schedule(np.ones(sc.global_batch) if amounts is None else amounts,
-                             dec.slope, dec.intercept)
+                             dec.slope, dec.intercept, cap=dec.cap,
+                             first=dec.first(sc.seed if seed is None else seed, k // sc.steps_per_epoch,
+                                             k, sc.global_batch))
             assign += time.perf_counter() - t0
             b = np.bincount(owner, minlength=n).astype(np.int64)
             data = b.astype(np.float64) if amounts is None else np.bincount(owner, amounts, minlength=n)

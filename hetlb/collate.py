@@ -1,0 +1,116 @@
+"""Collation for variable-size samples (sequences, clips): per-rank padding or none at all.
+
+Size-aware scheduling (:class:`hetlb.Chronica`) gives each rank its own mix of long and short
+samples; padding them to the *global* longest wastes memory and time on every rank. Two collate
+functions for ``bal.loader(..., collate_fn=...)``:
+
+* :func:`pad_collate`: pads this rank's batch to its own longest sample, with the lengths;
+* :func:`packed_collate`: no padding: the samples concatenated along their first dimension with
+  ``cu_seqlens`` offsets, the layout varlen attention kernels take (FlashAttention's
+  ``cu_seqlens``/``max_seqlen``); on CPU :func:`block_diagonal_mask` or :func:`to_nested` turn it
+  into something ``torch.nn.functional.scaled_dot_product_attention`` accepts.
+
+A sample is a tensor whose first dimension is its length, or a tuple/list whose first element is
+one (the rest, labels for instance, are collated with ``default_collate``). The Balancer checks
+the batch the model gets against the plan; for these batches tell it how to count samples, e.g.
+``Balancer(..., batch_dim=lambda args, kwargs: args[0].cu_seqlens.numel() - 1)`` (packed) or
+``lambda args, kwargs: args[0].lengths.numel()`` (padded).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Sequence, Tuple
+
+import torch
+from torch.utils.data import default_collate
+
+__all__ = ["Padded", "Packed", "pad_collate", "packed_collate", "block_diagonal_mask", "to_nested"]
+
+
+@dataclass
+class Padded:
+    """A padded batch: ``data`` ``[B, L_max, ...]`` (``L_max`` this batch's longest), ``lengths``
+    int64 ``[B]``, ``rest`` the other fields collated (or None)."""
+
+    data: torch.Tensor
+    lengths: torch.Tensor
+    rest: Any = None
+
+    def mask(self) -> torch.Tensor:
+        """bool ``[B, L_max]``: True on real positions."""
+        return torch.arange(self.data.shape[1]) < self.lengths[:, None]
+
+
+@dataclass
+class Packed:
+    """A packed batch: ``data`` ``[sum L, ...]``, ``cu_seqlens`` int32 ``[B + 1]`` (sample ``i`` is
+    ``data[cu_seqlens[i]:cu_seqlens[i + 1]]``), ``max_seqlen``, ``rest`` the other fields."""
+
+    data: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    rest: Any = None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(torch.int64)
+
+
+def _split(batch: Sequence[Any]) -> Tuple[List[torch.Tensor], Any]:
+    if len(batch) == 0:
+        return [], None
+    first = batch[0]
+    if isinstance(first, (tuple, list)):
+        seqs = [s[0] for s in batch]
+        rest = default_collate([tuple(s[1:]) for s in batch]) if len(first) > 1 else None
+    else:
+        seqs, rest = list(batch), None
+    for i, s in enumerate(seqs):
+        if not isinstance(s, torch.Tensor) or s.dim() == 0:
+            raise ValueError(f"sample {i}: expected a tensor whose first dimension is its length, "
+                             f"got {type(s).__name__}{'' if not isinstance(s, torch.Tensor) else ' of shape ' + str(tuple(s.shape))}")
+        if s.shape[1:] != seqs[0].shape[1:] or s.dtype != seqs[0].dtype:
+            raise ValueError(f"sample {i} has trailing shape {tuple(s.shape[1:])} and dtype {s.dtype}; "
+                             f"sample 0 has {tuple(seqs[0].shape[1:])} and {seqs[0].dtype}: only the "
+                             f"first dimension may vary")
+    return seqs, rest
+
+
+def pad_collate(batch: Sequence[Any], pad_value: float = 0) -> Padded:
+    """Pad this rank's samples to its own longest one."""
+    seqs, rest = _split(batch)
+    if not seqs:
+        return Padded(torch.zeros(0, 0), torch.zeros(0, dtype=torch.int64), rest)
+    lengths = torch.tensor([s.shape[0] for s in seqs], dtype=torch.int64)
+    data = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_value)
+    return Padded(data, lengths, rest)
+
+
+def packed_collate(batch: Sequence[Any]) -> Packed:
+    """Concatenate this rank's samples with ``cu_seqlens`` offsets (no padding)."""
+    seqs, rest = _split(batch)
+    if not seqs:
+        return Packed(torch.zeros(0), torch.zeros(1, dtype=torch.int32), 0, rest)
+    lengths = torch.tensor([s.shape[0] for s in seqs], dtype=torch.int64)
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+    return Packed(torch.cat(seqs, 0), cu, int(lengths.max()), rest)
+
+
+def block_diagonal_mask(cu_seqlens: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """bool ``[N, N]`` attention mask of a packed batch (True: may attend): each position sees
+    its own sample only (and, with ``causal``, only earlier positions of it)."""
+    cu = cu_seqlens.to(torch.int64)
+    n = int(cu[-1])
+    seg = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+    mask = seg[:, None] == seg[None, :]
+    if causal:
+        pos = torch.arange(n)
+        mask &= pos[:, None] >= pos[None, :]
+    return mask
+
+
+def to_nested(packed: Packed) -> torch.Tensor:
+    """The packed samples as a nested tensor (jagged layout), one component per sample."""
+    parts = list(torch.split(packed.data, packed.lengths.tolist(), dim=0))
+    return torch.nested.nested_tensor(parts, layout=torch.jagged)
