@@ -332,18 +332,32 @@ def _profile(args: argparse.Namespace) -> int:
         raise CLIError(f"{args.workload} must return (model, loss_fn, make_batch); got {type(made).__name__}")
     model, loss_fn, make_batch = made
 
+    sizes = None if args.batch_sizes is None else _ints(args.batch_sizes, "--batch-sizes")
+    planned = sizes or [2 ** k for k in range(1, 31) if 2 ** k <= args.max_batch]
+    bar = None
+    if not args.json:
+        from tqdm import tqdm
+        # every size runs one warm-up call and the timed repeats; it stops early at out of memory
+        bar = tqdm(total=len(planned) * (1 + args.repeats), desc=f"profile {args.workload}",
+                   unit="step", leave=False, disable=None)
+
     def step(b: int) -> None:
         x, y = make_batch(b)
         loss_fn(model(x), y).backward()
         model.zero_grad(set_to_none=True)
+        if bar is not None:
+            bar.set_postfix(batch=b, refresh=False)
+            bar.update(1)
 
-    sizes = None if args.batch_sizes is None else _ints(args.batch_sizes, "--batch-sizes")
     try:
         prof = profile(step, sizes, repeats=args.repeats, trim=args.trim, device=args.device,
                        max_batch=args.max_batch,
                        memory_limit=None if args.memory_limit is None else args.memory_limit * 2 ** 20)
     except ValueError as e:
         raise CLIError(str(e)) from None
+    finally:
+        if bar is not None:
+            bar.close()
     if args.out:
         prof.save(args.out)
     if args.json:
