@@ -178,7 +178,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .sim import POLICY_NAMES, builtin_scenarios, generate_cluster, load_scenario, simulate
+    from .sim import (POLICY_NAMES, builtin_scenarios, generate_cluster, load_scenario, simulate,
+                      unknown_policies)
 
     if args.list:
         for name, make in sorted(builtin_scenarios().items()):
@@ -197,7 +198,7 @@ def _simulate(args: argparse.Namespace) -> int:
             sc.global_batch = args.global_batch
             sc.check()
     policies = [p for p in args.policy.split(",") if p.strip()]
-    bad = [p for p in policies if p.strip().lower() not in POLICY_NAMES + ("lbb-sp", "lbbsp-gpu")]
+    bad = unknown_policies(policies)
     if bad or not policies:
         raise CLIError(f"--policy: unknown {bad or policies}; expected a comma-separated subset of "
                        f"{','.join(POLICY_NAMES)}")

@@ -171,14 +171,14 @@ def run_demo(cluster: str = "abs-sgd-1234", policies: Sequence[str] = DEFAULT_PO
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .sim import POLICY_NAMES, load_scenario
+    from .sim import POLICY_NAMES, load_scenario, unknown_policies
     sc = load_scenario(cluster)
     if sc.world > MAX_WORKERS:
         raise ValueError(f"scenario {cluster!r} has {sc.world} workers; the demo runs each as a "
                          f"process on this machine (at most {MAX_WORKERS}). Try `hetlb simulate "
                          f"{cluster}` instead")
     sc.emulator(0)  # refuses simulator-only events before anything is spawned
-    bad = [p for p in policies if p.strip().lower() not in POLICY_NAMES + ("lbb-sp", "lbbsp-gpu")]
+    bad = unknown_policies(list(policies))
     if bad or not policies:
         raise ValueError(f"unknown policies {bad or list(policies)}; expected some of {', '.join(POLICY_NAMES)}")
     if epochs < 1:

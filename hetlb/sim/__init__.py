@@ -4,11 +4,11 @@
 network and its events; see :mod:`hetlb.sim.scenario` for the schema) and returns a
 :class:`SimResult`; :func:`compare_splits` is the static plan ``hetlb plan`` prints.
 """
-from .engine import POLICY_NAMES, SimResult, make_policy, simulate
+from .engine import POLICY_NAMES, SimResult, make_policy, simulate, unknown_policies
 from .scenario import (EVENT_KINDS, Event, Network, Scenario, ScenarioError, WorkerModel, WorkerSpec,
                        builtin_scenarios, generate_cluster, load_scenario)
 from .static import Split, compare_splits
 
-__all__ = ["simulate", "SimResult", "make_policy", "POLICY_NAMES", "Scenario", "ScenarioError",
+__all__ = ["simulate", "SimResult", "make_policy", "unknown_policies", "POLICY_NAMES", "Scenario", "ScenarioError",
            "WorkerSpec", "WorkerModel", "Event", "Network", "EVENT_KINDS", "load_scenario",
            "builtin_scenarios", "generate_cluster", "Split", "compare_splits"]

@@ -32,7 +32,7 @@ from ..policies.base import Context, Policy, check_decision
 from ..telemetry import History, StepRecord, UnusableTelemetry, straggler_effect
 from .scenario import Scenario, load_scenario
 
-__all__ = ["simulate", "SimResult", "make_policy", "POLICY_NAMES"]
+__all__ = ["simulate", "SimResult", "make_policy", "unknown_policies", "POLICY_NAMES"]
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,22 @@ log = logging.getLogger(__name__)
 POLICY_NAMES = ("uniform", "lbb", "lbbsp", "lbbsp-cpu", "wlbs", "dbs", "chronica")
 
 
+#: Other spellings :func:`make_policy` accepts.
+POLICY_ALIASES = ("lbbsp-gpu", "lbb-sp")
+
+
+def _policy_key(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def unknown_policies(names: List[str]) -> List[str]:
+    """The names among ``names`` that :func:`make_policy` does not know."""
+    return [n for n in names if _policy_key(n) not in POLICY_NAMES + POLICY_ALIASES]
+
+
 def make_policy(name: str, **kw: Any) -> Policy:
     """A fresh policy with the papers' defaults from its short name (:data:`POLICY_NAMES`)."""
-    key = name.strip().lower().replace("_", "-")
+    key = _policy_key(name)
     table = {"uniform": lambda: Uniform(), "lbb": lambda: LBB(**kw),
              "lbbsp": lambda: LBBSP("gpu", **kw), "lbbsp-gpu": lambda: LBBSP("gpu", **kw),
              "lbb-sp": lambda: LBBSP("gpu", **kw), "lbbsp-cpu": lambda: LBBSP("cpu", **kw),
