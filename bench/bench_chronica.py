@@ -18,22 +18,26 @@ Part ``real``: 4 real Gloo ranks, each an :class:`hetlb.emulate.Emulator` on its
 (``by="data"``), one process group for every setting; part ``sim``: the same settings in the
 simulator; part ``overhead``: the decision plus the assignment per step at 64 ranks and 4096
 samples per step (simulated ranks), against a 100 ms step; part ``collate``: the input bytes
-per rank under padding to the step's longest sample, to the rank's own, and packing.
+per rank under padding to the step's longest sample, to the rank's own, and packing; part
+``sharded``: the epoch-level straggler: 4 real Gloo ranks 1:2:3:4 reading only their own shards
+(``partition="even"``, DIF 32), with the paper's per-epoch rebalancing against fixed shards
+(``rebalance=False``), per epoch: wall time, the spread of the ranks' summed compute, moves; part
+``quadratic``: 4 real Gloo ranks 1:2:3:4 whose time is quadratic in a sample's length (work
+``s + 0.01 s^2``, lognormal lengths 16-1024), count balancing against Chronica with the paper's
+linear model, the quadratic term fitted, and the true term given; part ``padded``: the random
+column's growth when each rank's batch is padded to its longest sample (computed, no ranks).
 
-    python bench/bench_chronica.py [--part real sim overhead collate] [--steps 12] [--global-batch 256] [--out F]
+    python bench/bench_chronica.py [--part real sim overhead collate sharded quadratic padded] [--steps 12] [--global-batch 256] [--out F]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
-import tempfile
 from typing import Dict, List
 
 import numpy as np
 
-from report import emit
+from report import emit, on_gloo_ranks
 
 DIFS = (0, 4, 8, 16, 32, 64)
 POLICIES = ("uniform", "lbb", "chronica")
@@ -47,52 +51,140 @@ def sizes_for(dif: int, n: int) -> np.ndarray:
     return np.round(np.clip(rng.normal(45, dif, n), 1, None))
 
 
-def _real_worker(rank: int, world: int, store: str, steps: int, out: str, gb: int) -> None:
+def _timed_epoch(loader, ddp, epoch: int) -> float:
+    """Wall seconds of one epoch (forward and backward of the sum), the ranks starting together."""
+    import time
+    import torch.distributed as dist
+    loader.set_epoch(epoch)
+    dist.barrier()
+    start = time.perf_counter()
+    for (x,) in loader:
+        ddp(x).sum().backward()
+    return time.perf_counter() - start
+
+
+def _real_worker(rank: int, world: int, steps: int, gb: int) -> Dict[str, Dict[str, float]]:
     global GB
     GB = gb  # (spawned: the module's value is not inherited)
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import hetlb
     from hetlb.emulate import Emulator
     from hetlb.sim import make_policy
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
     results: Dict[str, Dict[str, float]] = {}
-    try:
-        for cname, speeds in CLUSTERS.items():
-            for dif in DIFS:
-                sz = sizes_for(dif, GB * steps)
-                ds = torch.utils.data.TensorDataset(torch.tensor(sz, dtype=torch.float32)[:, None])
-                for pname in POLICIES:
-                    ddp = DDP(torch.nn.Linear(1, 1))
-                    emu = Emulator.for_rank(rank, list(speeds), model=hetlb.LinearModel(A0, A1),
-                                            by="data", spin=0.0005)
-                    bal = hetlb.Balancer(ddp, GB, policy=make_policy(pname), emulator=emu, lower=0,
-                                         weighting="sizes")
-                    loader = bal.loader(ds, sample_sizes=sz, seed=7)
-                    # epoch 0 warms the policies up; epoch 1 is timed
-                    for epoch in range(2):
-                        loader.set_epoch(epoch)
-                        dist.barrier()
-                        t0 = torch.tensor(0.0)
-                        import time
-                        start = time.perf_counter()
-                        for (x,) in loader:
-                            ddp(x).sum().backward()
-                        t0 += time.perf_counter() - start
-                    recs = [r for r in bal.history if r.epoch == 1]
-                    gap = statistics.median(float(r.compute.max() - r.compute.min()) for r in recs)
-                    results[f"{cname}|{dif}|{pname}"] = {"epoch": float(t0), "work": float(sz.sum()),
-                                                        "mean": float(sz.mean()), "gap": gap}
-                    del bal, loader, ddp
-        if rank == 0:
-            import json
-            with open(out, "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+    for cname, speeds in CLUSTERS.items():
+        for dif in DIFS:
+            sz = sizes_for(dif, GB * steps)
+            ds = torch.utils.data.TensorDataset(torch.tensor(sz, dtype=torch.float32)[:, None])
+            for pname in POLICIES:
+                ddp = DDP(torch.nn.Linear(1, 1))
+                emu = Emulator.for_rank(rank, list(speeds), model=hetlb.LinearModel(A0, A1),
+                                        by="data", spin=0.0005)
+                bal = hetlb.Balancer(ddp, GB, policy=make_policy(pname), emulator=emu, lower=0,
+                                     weighting="sizes")
+                loader = bal.loader(ds, sample_sizes=sz, seed=7)
+                t0 = [_timed_epoch(loader, ddp, e) for e in range(2)][1]  # epoch 0 warms the policies up
+                recs = [r for r in bal.history if r.epoch == 1]
+                gap = statistics.median(float(r.compute.max() - r.compute.min()) for r in recs)
+                results[f"{cname}|{dif}|{pname}"] = {"epoch": float(t0), "work": float(sz.sum()),
+                                                    "mean": float(sz.mean()), "gap": gap}
+                del bal, loader, ddp
+    return results
+
+
+def _sharded_worker(rank: int, world: int, steps: int, epochs: int, gb: int) -> Dict[str, List[Dict[str, float]]]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import hetlb
+    from hetlb.emulate import Emulator
+    from hetlb.sim import make_policy
+    speeds = CLUSTERS["1:2:3:4"]
+    results: Dict[str, List[Dict[str, float]]] = {}
+    sz = sizes_for(32, gb * steps)
+    ds = torch.utils.data.TensorDataset(torch.tensor(sz, dtype=torch.float32)[:, None])
+    for pname in ("uniform", "chronica"):
+        for rebalance in (False, True):
+            ddp = DDP(torch.nn.Linear(1, 1))
+            emu = Emulator.for_rank(rank, list(speeds), model=hetlb.LinearModel(A0, A1),
+                                    by="data", spin=0.0005)
+            bal = hetlb.Balancer(ddp, gb, policy=make_policy(pname), emulator=emu, lower=0,
+                                 weighting="sizes")
+            loader = bal.loader(ds, sample_sizes=sz, seed=7, partition="even", rebalance=rebalance)
+            rows = []
+            for epoch in range(epochs):
+                wall = _timed_epoch(loader, ddp, epoch)
+                m = loader.migration
+                rows.append({"wall": wall, "moves": 0 if m is None else len(m)})
+            for rec in bal.history:
+                rows[rec.epoch].setdefault("compute", np.zeros(world))
+                rows[rec.epoch]["compute"] = rows[rec.epoch]["compute"] + np.nan_to_num(rec.compute, posinf=0.0)
+            for row in rows:
+                c = row.pop("compute", np.zeros(world))
+                row["spread"] = float(c.max() - c.min())
+            results[f"{pname}|{'rebalance' if rebalance else 'fixed'}"] = rows
+            del bal, loader, ddp
+    return results
+
+
+def part_sharded(steps: int, epochs: int = 4) -> List[str]:
+    results = on_gloo_ranks(_sharded_worker, 4, steps, epochs, GB)
+    lines = [f"### Sharded ranks 1:2:3:4 (4 Gloo processes), DIF 32, global batch {GB}, {steps} steps "
+             f"per epoch: epoch wall time s (x fixed shards) / spread of the ranks' summed compute s / "
+             f"samples moved after the epoch", "",
+             "| policy | shards | " + " | ".join(f"epoch {e}" for e in range(epochs)) + " |",
+             "|---|---|" + "---|" * epochs]
+    for key, rows in results.items():
+        pname, mode = key.split("|")
+        fixed = results[f"{pname}|fixed"]
+        cells = [f"{r['wall']:.2f} ({r['wall'] / f['wall']:.2f}x) / {r['spread']:.2f} / {r['moves']}"
+                 for r, f in zip(rows, fixed)]
+        lines.append(f"| {pname} | {mode} | " + " | ".join(cells) + " |")
+    return lines
+
+
+QUAD_C = 0.01
+QUAD_POLICIES = {"lbb (counts)": ("lbb", None), "chronica linear (paper)": ("chronica", 0.0),
+                 "chronica quadratic='fit'": ("chronica", "fit"),
+                 f"chronica quadratic={QUAD_C} (given)": ("chronica", QUAD_C)}
+
+
+def _quadratic_worker(rank: int, world: int, steps: int, gb: int) -> Dict[str, Dict[str, float]]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import hetlb
+    from hetlb.emulate import Emulator
+    from hetlb.sim import make_policy
+    results: Dict[str, Dict[str, float]] = {}
+    lens = np.clip(np.random.default_rng(5).lognormal(4.5, 1.0, gb * steps), 16, 1024).round()
+    ds = torch.utils.data.TensorDataset(torch.tensor(lens, dtype=torch.float32)[:, None])
+    for label, (pname, quad) in QUAD_POLICIES.items():
+        ddp = DDP(torch.nn.Linear(1, 1))
+        emu = Emulator.for_rank(rank, list(CLUSTERS["1:2:3:4"]), model=hetlb.LinearModel(A0, 2e-6),
+                                by="data", quadratic=QUAD_C, spin=0.0005)
+        pol = hetlb.Chronica(quadratic=quad) if pname == "chronica" else make_policy(pname)
+        bal = hetlb.Balancer(ddp, gb, policy=pol, emulator=emu, lower=0, weighting="sizes")
+        loader = bal.loader(ds, sample_sizes=lens, seed=7)
+        wall = [_timed_epoch(loader, ddp, e) for e in range(2)][1]  # epoch 0 warms the policies up
+        recs = [r for r in bal.history if r.epoch == 1]
+        gap = statistics.median(float(r.compute.max() - r.compute.min()) for r in recs)
+        c = bal.policy._prophet.coefficient() if pname == "chronica" else float("nan")
+        results[label] = {"epoch": wall, "gap": gap, "c": c}
+        del bal, loader, ddp
+    return results
+
+
+def part_quadratic(steps: int) -> List[str]:
+    results = on_gloo_ranks(_quadratic_worker, 4, steps, GB)
+    base = results["chronica linear (paper)"]["epoch"]
+    lines = [f"### Attention-bound ranks 1:2:3:4 (4 Gloo processes): time `2 ms + 2 us * sum(s + "
+             f"{QUAD_C} s^2) / speed`, lengths lognormal(4.5, 1) in 16-1024, global batch {GB}, "
+             f"{steps} steps per epoch, the second epoch timed", "",
+             "| policy | epoch s (x linear Chronica) | median straggler ms | c in use |",
+             "|---|---:|---:|---:|"]
+    for label, r in results.items():
+        c = "-" if r["c"] != r["c"] else f"{r['c']:.4f}"
+        lines.append(f"| {label} | {r['epoch']:.2f} ({r['epoch'] / base:.2f}x) | {r['gap'] * 1e3:.1f} | {c} |")
+    return lines
 
 
 def _table(results: Dict[str, Dict[str, float]], title: str) -> List[str]:
@@ -115,13 +207,7 @@ def _table(results: Dict[str, Dict[str, float]], title: str) -> List[str]:
 
 
 def part_real(steps: int) -> List[str]:
-    import json
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "res.json")
-        mp.spawn(_real_worker, args=(4, os.path.join(tmp, "store"), steps, out, GB), nprocs=4)
-        with open(out) as f:
-            results = json.load(f)
+    results = on_gloo_ranks(_real_worker, 4, steps, GB)
     return _table(results, f"### Real emulated ranks (4 Gloo processes), global batch {GB}, {steps} steps per epoch, the second epoch timed")
 
 
@@ -143,6 +229,32 @@ def part_sim(steps: int) -> List[str]:
                     "mean": work / (GB * steps),
                     "gap": float(np.median(np.nanmax(r.compute[steps:], 1) - np.nanmin(r.compute[steps:], 1)))}
     return _table(results, f"### Simulated, global batch {GB}, {steps} steps per epoch, the second epoch")
+
+
+def part_padded(steps: int) -> List[str]:
+    """Why the paper's random column grows 2.5x: a framework that pads each batch to its longest
+    sample (TensorFlow's fixed-shape batches) pays ``count * longest`` per rank, and the longest of
+    64 draws grows with DIF much faster than the mean. Computed from the same sizes (no ranks)."""
+    lines = [f"### Random assignment of a fixed count when each rank's batch is padded to its longest sample "
+             f"(homogeneous, global batch {GB}, {steps} steps): us per unit of real work", "",
+             "| DIF | realised mean | unpadded (x DIF 0) | padded to the rank's longest (x DIF 0) |",
+             "|---:|---:|---:|---:|"]
+    base = None
+    rng = np.random.default_rng(0)
+    for dif in DIFS:
+        sz = sizes_for(dif, GB * steps)
+        per = GB // 4
+        plain = padded = 0.0
+        for s in range(steps):
+            step = rng.permutation(sz[s * GB:(s + 1) * GB]).reshape(4, per)
+            plain += float((A0 + A1 * step.sum(1)).max())
+            padded += float((A0 + A1 * per * step.max(1)).max())
+        work = float(sz.sum())
+        if base is None:
+            base = (plain / work, padded / work)
+        lines.append(f"| {dif} | {sz.mean():.1f} | {plain / work * 1e6:.2f} ({plain / work / base[0]:.2f}x) | "
+                     f"{padded / work * 1e6:.2f} ({padded / work / base[1]:.2f}x) |")
+    return lines
 
 
 def part_overhead() -> List[str]:
@@ -195,8 +307,8 @@ def part_collate(steps: int = 50) -> List[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", nargs="+", choices=["real", "sim", "overhead", "collate"],
-                   default=["real", "sim", "overhead", "collate"])
+    parts = ["real", "sim", "overhead", "collate", "sharded", "quadratic", "padded"]
+    p.add_argument("--part", nargs="+", choices=parts, default=parts)
     p.add_argument("--steps", type=int, default=12, help="steps per epoch")
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--out", default=None)
@@ -212,6 +324,12 @@ def main() -> None:
         lines += part_collate() + [""]
     if "sim" in args.part:
         lines += part_sim(args.steps) + [""]
+    if "padded" in args.part:
+        lines += part_padded(args.steps) + [""]
+    if "sharded" in args.part:
+        lines += part_sharded(args.steps) + [""]
+    if "quadratic" in args.part:
+        lines += part_quadratic(args.steps) + [""]
     if "real" in args.part:
         lines += part_real(args.steps)
     emit(lines, args.out)

@@ -153,7 +153,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "rebalance",
       [](const i64_array& owner, const f64_array& sizes, const f64_array& slope,
-         const f64_array& intercept) {
+         const f64_array& intercept, double tolerance) {
         require_1d(owner, "owner");
         require_1d(sizes, "sizes");
         require_1d(slope, "slope");
@@ -164,12 +164,14 @@ PYBIND11_MODULE(_C, m) {
         {
           py::gil_scoped_release nogil;
           out = hetlb::rebalance(owner.data(), sizes.data(), sizes.size(), slope.data(),
-                                 intercept.data(), slope.size());
+                                 intercept.data(), slope.size(), tolerance);
         }
         return to_numpy(out);
       },
       py::arg("owner"), py::arg("sizes"), py::arg("slope"), py::arg("intercept"),
-      "New owner of each sample of a sharded dataset (CHRONICA data shuffler).");
+      py::arg("tolerance") = -1.0,
+      "New owner of each sample of a sharded dataset (CHRONICA data shuffler); owner -1: held by "
+      "no rank; tolerance < 0: the largest sample on the slowest rank.");
 
   hetlb::bind_comm_hook(m);
 

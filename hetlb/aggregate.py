@@ -177,14 +177,18 @@ class StepTelemetry:
     # ------------------------------------------------------------------ one step
 
     def start(self, step: int, weight: float, row: np.ndarray, batch: int, *, offset: float = 0.0,
-              new_window: bool = True) -> None:
+              new_window: bool = True, sq: float = 0.0) -> None:
         """Open a step: this rank's weight and row (memory filled in here), the emulator's hold
-        for it, and the compute clock (``offset``: seconds of earlier micro-steps)."""
+        for it, and the compute clock (``offset``: seconds of earlier micro-steps). ``sq``: the
+        sum of the squared sizes of this rank's samples (an emulator's quadratic work term)."""
         row[COL["memory"]] = self.probe.memory()
         self.core.start(weight, row, offset, new_window)
         emu = self.emulator
         if emu is not None:
-            amount = row[COL["data"]] if getattr(emu, "by", "batch") == "data" else batch
+            if getattr(emu, "by", "batch") == "data":
+                amount = row[COL["data"]] + getattr(emu, "quadratic", 0.0) * sq
+            else:
+                amount = batch
             factor, extra = emu.affine(step, amount)
             if factor != 1.0 or extra != 0.0:
                 self.core.hold(factor, extra, emu.spin)

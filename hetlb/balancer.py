@@ -40,6 +40,7 @@ from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, choose_transpo
 from .data import BalancedLoader, check_loader_config
 from .runlog import ENV_LOG_DIR, RunLog
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
+from .shard import Partition, epoch_rates
 from .policies.base import Context, Policy, SizedPolicy, check_decision, from_state, to_state
 from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
                         UnusableTelemetry, hardware_info)
@@ -378,7 +379,8 @@ class Balancer:
 
     def loader(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True, *,
                sample_sizes: Optional[Sequence[float]] = None, seed: int = 0,
-               drop_last: bool = False, **dataloader_kwargs: Any) -> BalancedLoader:
+               drop_last: bool = False, partition: Any = None, rebalance: bool = True,
+               **dataloader_kwargs: Any) -> BalancedLoader:
         """This rank's loader of ``dataset`` in the global order (see :mod:`hetlb.data`).
 
         Args:
@@ -389,11 +391,15 @@ class Balancer:
                 drop the short last step. The same on every rank (checked).
             sample_sizes: per-sample data amounts (e.g. frames, tokens); required for
                 weighting="sizes".
+            partition, rebalance: sharded mode, each rank reading only the samples it holds,
+                rebalanced at the end of every epoch (see :class:`hetlb.DataLoader` and
+                :mod:`hetlb.shard`).
             **dataloader_kwargs: passed to ``torch.utils.data.DataLoader`` (num_workers,
                 collate_fn, pin_memory, prefetch_factor, persistent_workers, ...).
         """
         loader = BalancedLoader(dataset, batch_size, shuffle, sample_sizes=sample_sizes, seed=seed,
-                                drop_last=drop_last, board=self.board, **dataloader_kwargs)
+                                drop_last=drop_last, partition=partition, rebalance=rebalance,
+                                board=self.board, **dataloader_kwargs)
         self._bind(loader)
         return loader
 
@@ -401,6 +407,9 @@ class Balancer:
         if self._loader_config is not None:
             raise ValueError("this Balancer already drives a loader; iterate that one every epoch "
                              "(loader.set_epoch(epoch))")
+        if loader.board.partition is not None and self.accumulate > 1:
+            raise ValueError("a sharded loader (partition=) cannot run with gradient accumulation "
+                             "(accumulate > 1): a sharded step's sizes follow the shards")
         if self.weighting == "sizes" and loader.sample_sizes is None:
             raise ValueError('weighting="sizes" needs per-sample sizes: '
                              'bal.loader(dataset, sample_sizes=...)')
@@ -469,7 +478,8 @@ class Balancer:
             if plan.window_end and plan.window_len > 1 else float(plan.data[self.rank])
         offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
         self.telemetry.start(self._step, self._weight(plan), self._row(plan, data),
-                             int(plan.sizes[self.rank]), offset=offset, new_window=first)
+                             int(plan.sizes[self.rank]), offset=offset, new_window=first,
+                             sq=0.0 if plan.sq is None else float(plan.sq[self.rank]))
         self._open = _Open(plan, explicit)
         self._spent += time.perf_counter() - t
 
@@ -603,8 +613,28 @@ class Balancer:
         self._step += 1
         self._partials[g] = (plan, table)
         self._record(g, table)
+        part = self.board.partition
+        if part is not None and part.rebalance and part.pending is None and \
+                plan.epoch == self.board.epoch and self.board.epoch_finished():
+            self._rebalance(part, plan.epoch)
         self._spent += time.perf_counter() - t
         self.last_overhead, self._spent = self._spent, 0.0
+
+    def _rebalance(self, part: Partition, epoch: int) -> None:
+        """The epoch ended (sharded mode): decide the moves for the next one, from the size-aware
+        policy's time models when it has them, else from each rank's measured time per unit of
+        data over the epoch. Every rank computes the same from the same values."""
+        d = self._decision
+        if isinstance(d, ScheduleRule) and np.all(d.slope > 0):
+            slope, intercept = d.slope, d.intercept
+        else:
+            rates = epoch_rates(self.history, epoch, self.world)
+            if rates is None:
+                log.warning("epoch %d: no usable timing of every rank; the partition is kept", epoch)
+                return
+            slope, intercept = rates, np.zeros(self.world)
+        moves = part.plan(slope, intercept)
+        log.info("epoch %d: rebalancing moves %d of %d samples", epoch, len(moves), part.home.size)
 
     def _verify(self, table: np.ndarray, plan: StepPlan) -> None:
         g = self._step
@@ -642,7 +672,7 @@ class Balancer:
         record = StepRecord(step=done, epoch=plan.epoch, epoch_end=spe is not None and plan.step + 1 >= spe,
                             batch=plan.sizes.copy(), compute=cols[COL["compute"]],
                             data=cols[COL["data"]], memory=cols[COL["memory"]],
-                            cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]])
+                            cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]], sq=plan.sq)
         try:
             self.history.append(record)  # refuses a structurally unusable record
             if self._local is not None:

@@ -36,6 +36,10 @@ class Padded:
     lengths: torch.Tensor
     rest: Any = None
 
+    def empty(self) -> "Padded":
+        """This batch with no samples (same dtype and trailing shape)."""
+        return Padded(self.data[:0], self.lengths[:0], _empty_rest(self.rest))
+
     def mask(self) -> torch.Tensor:
         """bool ``[B, L_max]``: True on real positions."""
         return torch.arange(self.data.shape[1]) < self.lengths[:, None]
@@ -54,6 +58,18 @@ class Packed:
     @property
     def lengths(self) -> torch.Tensor:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(torch.int64)
+
+    def empty(self) -> "Packed":
+        """This batch with no samples (same dtype and trailing shape)."""
+        return Packed(self.data[:0], self.cu_seqlens[:1].clone(), 0, _empty_rest(self.rest))
+
+
+def _empty_rest(rest: Any) -> Any:
+    if isinstance(rest, torch.Tensor):
+        return rest[:0]
+    if isinstance(rest, (tuple, list)):
+        return type(rest)(_empty_rest(r) for r in rest)
+    return rest
 
 
 def _split(batch: Sequence[Any]) -> Tuple[List[torch.Tensor], Any]:

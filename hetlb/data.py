@@ -21,7 +21,6 @@ the next iteration or after a resume.
 from __future__ import annotations
 
 import inspect
-
 import math
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -30,7 +29,9 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from .checks import integer
+from .collate import Packed, Padded
 from .plan import PlanBoard, StepPlan
+from .shard import Migration, Partition, even_partition
 
 __all__ = ["GlobalOrderSampler", "BalancedLoader"]
 
@@ -75,6 +76,8 @@ class GlobalOrderSampler:
 
     @property
     def steps_per_epoch(self) -> int:
+        if self.board.partition is not None:
+            return self.board.partition.steps
         if self.drop_last:
             return self.full_steps
         return math.ceil(self.length / self.global_batch)
@@ -94,8 +97,14 @@ class GlobalOrderSampler:
     def config(self) -> Dict[str, Any]:
         """What every rank must agree on for the global order to be one order."""
         sizes_sum = None if self.sample_sizes is None else float(np.sum(self.sample_sizes))
-        return {"length": self.length, "shuffle": self.shuffle, "seed": self.seed,
-                "drop_last": self.drop_last, "sample_sizes": sizes_sum}
+        out = {"length": self.length, "shuffle": self.shuffle, "seed": self.seed,
+               "drop_last": self.drop_last, "sample_sizes": sizes_sum}
+        if self.board.partition is not None:
+            # Not the partition itself: a checkpoint carries its own, which takes over on resume
+            # (ranks that disagree on it fail the plan checksum of the first step).
+            out["sharded"] = True
+            out["rebalance"] = self.board.partition.rebalance
+        return out
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The epoch's global order (identical on every rank); read-only, cached per epoch."""
@@ -117,6 +126,9 @@ class GlobalOrderSampler:
 
     def step_indices(self, plan: StepPlan) -> List[np.ndarray]:
         """Every rank's indices of a drawn step (for checks and tests)."""
+        part = self.board.partition
+        if part is not None:
+            return [part.step_indices(plan.epoch, plan.step, r) for r in range(self.board.world)]
         perm = self.permutation(plan.epoch)
         o = plan.step * self.global_batch
         step = perm[o:o + plan.count]
@@ -128,6 +140,12 @@ class GlobalOrderSampler:
             yield from self._stream()
             return
         epoch, start = board.epoch, board.done
+        part = board.partition
+        if part is not None:
+            for s in range(start, part.steps):
+                board.draw_sharded(epoch, s)
+                yield part.step_indices(epoch, s, board.rank).tolist()
+            return
         perm = self.permutation(epoch)
         full = self.full_steps
         for s in range(start, self.steps_per_epoch):
@@ -204,12 +222,19 @@ class BalancedLoader:
             Default: the dataset's own, from a ``sample_size(index)`` method, or from a
             ``__sizeof__(index)`` override taking an index (datasets written for CHRONICA's
             released code); else none.
+        partition: sharded mode (see :mod:`hetlb.shard`): each rank reads only the samples it
+            holds. ``"even"`` (a seeded permutation cut into equal data per rank) or the rank
+            holding each sample (int ``[N]``, the same on every rank; e.g. where the files lie).
+            Default None: the global order, every rank reads any sample.
+        rebalance: sharded mode: move the fewest samples at the end of every epoch so the
+            predicted epoch times are equal (CHRONICA's shuffler; :attr:`migration`).
         **dataloader_kwargs: passed to ``torch.utils.data.DataLoader`` (num_workers,
             collate_fn, pin_memory, prefetch_factor, persistent_workers, ...).
     """
 
     def __init__(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True, *,
                  sample_sizes: Optional[Any] = None, seed: int = 0, drop_last: bool = False,
+                 partition: Any = None, rebalance: bool = True,
                  board: Optional[PlanBoard] = None, **dataloader_kwargs: Any) -> None:
         for key, why in _REFUSED.items():
             if key in dataloader_kwargs:
@@ -243,6 +268,8 @@ class BalancedLoader:
             if bad.size:
                 raise ValueError(f"sample_sizes must be finite and non-negative; sample {int(bad[0])} "
                                  f"has {float(sample_sizes[bad[0]])!r} ({bad.size} bad in all)")
+        if partition is not None:
+            _shard(board, partition, rebalance, n, sample_sizes, seed, shuffle, drop_last)
         self.dataset = dataset
         self.batch_size = batch_size
         self.sample_sizes = sample_sizes
@@ -254,6 +281,35 @@ class BalancedLoader:
         collate = dataloader_kwargs.pop("collate_fn", None) or default_collate
         self._dl = DataLoader(dataset, batch_sampler=_Steps(self.sampler),
                               collate_fn=_EmptySafeCollate(dataset, collate), **dataloader_kwargs)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank reads only its own partition (``partition=``)."""
+        return self.board.partition is not None
+
+    @property
+    def owners(self) -> np.ndarray:
+        """Sharded mode: int64 ``[N]`` the rank holding each sample now (before a pending
+        :attr:`migration`)."""
+        return self._partition().home.copy()
+
+    @property
+    def shard(self) -> np.ndarray:
+        """Sharded mode: the samples this rank holds now (int64, increasing)."""
+        return np.flatnonzero(self._partition().home == self.board.rank)
+
+    @property
+    def migration(self) -> Optional[Migration]:
+        """Sharded mode: the moves decided for the next epoch (sample, source, target), or None.
+        Set when an epoch ends (and when a checkpoint is resumed on another world size); applied
+        when the next iteration starts, so move the files in between: ``migration.incoming(rank)``
+        and ``migration.outgoing(rank)``."""
+        return self._partition().pending
+
+    def _partition(self) -> Partition:
+        if self.board.partition is None:
+            raise AttributeError("this loader is not sharded (pass partition= to the loader)")
+        return self.board.partition
 
     @property
     def epoch(self) -> int:
@@ -326,6 +382,28 @@ def check_loader_config(state: Dict[str, Any], mine: Dict[str, Any]) -> None:
             ". Resume with the same dataset, shuffle, seed and drop_last")
 
 
+def _shard(board: PlanBoard, partition: Any, rebalance: bool, n: int,
+           sample_sizes: Optional[np.ndarray], seed: int, shuffle: bool, drop_last: bool) -> None:
+    """Put the board in sharded mode (see :mod:`hetlb.shard`)."""
+    if board.mode != "steps":
+        raise ValueError("partition= is for balanced steps; a stream shards the epoch itself")
+    if board.accumulate > 1:
+        raise ValueError("partition= cannot run with gradient accumulation (accumulate > 1): a "
+                         "sharded step's sizes follow the shards, not a window's decision")
+    if drop_last:
+        raise ValueError("partition= with drop_last=True is not supported: a sharded epoch trains "
+                         "every sample of every shard (drop samples from the partition instead)")
+    work = np.ones(n) if sample_sizes is None else sample_sizes
+    if isinstance(partition, str):
+        if partition != "even":
+            raise ValueError(f"partition must be 'even' or one rank per sample, got {partition!r}")
+        home = even_partition(work, board.world, seed)
+    else:
+        home = partition
+    board.partition = Partition(home, board.world, board.global_batch, work, seed=seed,
+                                shuffle=shuffle, rebalance=rebalance, sized=sample_sizes is not None)
+
+
 def _board_from_process_group(batch_size: Optional[int]) -> PlanBoard:
     import torch.distributed as dist
     if batch_size is None:
@@ -384,9 +462,12 @@ class _Steps:
 
 
 def _empty_like(batch: Any) -> Any:
-    """``batch`` with zero rows: tensors and arrays sliced ``[:0]``, containers recursed."""
+    """``batch`` with zero rows: tensors and arrays sliced ``[:0]``, containers recursed, and
+    :mod:`hetlb.collate`'s batches emptied."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return batch[:0]
+    if isinstance(batch, (Padded, Packed)):
+        return batch.empty()
     if isinstance(batch, dict):
         return type(batch)((k, _empty_like(v)) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple

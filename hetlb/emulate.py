@@ -146,12 +146,16 @@ class Emulator:
         by: what the time model is a function of: ``"batch"`` (the rank's samples per step) or
             ``"data"`` (its data amount: the sum of its samples' sizes, e.g. tokens; CHRONICA's
             ``T = a * size + b``). The Balancer passes the one asked for.
+        quadratic: with ``by="data"``, ``c`` of an attention-bound worker whose work per sample
+            is ``s + c * s**2``: the model is evaluated at ``sum(s) + c * sum(s**2)`` (the
+            Balancer passes both sums).
     """
 
     def __init__(self, model: Optional[TimeModel] = None, speed: float = 1.0, noise: float = 0.0,
                  disturbances: Sequence[Union[Disturbance, Mapping[str, Any]]] = (),
                  bandwidth: Optional[float] = None, seed: int = 0, *, jitter: float = 0.0,
-                 rank: int = 0, spin: float = DEFAULT_SPIN, by: str = "batch") -> None:
+                 rank: int = 0, spin: float = DEFAULT_SPIN, by: str = "batch",
+                 quadratic: float = 0.0) -> None:
         if model is not None and not isinstance(model, TimeModel):
             raise ValueError(f"model must be a hetlb TimeModel or None, got {type(model).__name__}")
         speed = _finite_float("speed", speed)
@@ -172,6 +176,10 @@ class Emulator:
         if by == "data" and model is None:
             raise ValueError("by='data' needs a time model of the data amount (model=...)")
         self.by = by
+        quadratic = _finite_float("quadratic", quadratic)
+        if quadratic < 0 or (quadratic and by != "data"):
+            raise ValueError(f"quadratic must be >= 0 and needs by='data', got {quadratic} with by={by!r}")
+        self.quadratic = quadratic
         spin = _finite_float("spin", spin)
         if spin < 0:
             raise ValueError(f"spin must be >= 0 seconds, got {spin}")
@@ -283,7 +291,7 @@ class Emulator:
             "speed": self.speed, "noise": self.noise, "jitter": self.jitter,
             "disturbances": [d.to_dict() for d in self.disturbances],
             "bandwidth": self.bandwidth, "seed": self.seed, "rank": self.rank, "spin": self.spin,
-            "by": self.by,
+            "by": self.by, "quadratic": self.quadratic,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Deque, Dict, Optional, Union
 import numpy as np
 
 from .checks import integer
+from .shard import Partition
 from .solve import allocate_proportional, schedule
 
 __all__ = ["StepPlan", "StreamPlan", "ScheduleRule", "PlanBoard", "decision_checksum", "split_last",
@@ -50,6 +51,8 @@ def decision_checksum(decision: Any) -> int:
         data = decision.slope.tobytes() + decision.intercept.tobytes() + bytes([decision.pivot])
         if decision.cap is not None:
             data += decision.cap.tobytes()
+        if decision.quadratic:
+            data += np.float64(decision.quadratic).tobytes()
     else:
         data = np.ascontiguousarray(np.asarray(decision, dtype=np.int64)).tobytes()
     return zlib.crc32(data) % EXACT_INT
@@ -70,19 +73,22 @@ def split_last(shares: np.ndarray, count: int) -> np.ndarray:
 @dataclass(frozen=True)
 class ScheduleRule:
     """A size-aware decision: assign each step's samples to ranks with :func:`hetlb.schedule`
-    under per-rank linear time models ``intercept[r] + slope[r] * (sum of sizes)``.
+    under per-rank linear time models ``intercept[r] + slope[r] * (sum of work)``, a sample's
+    work being ``s + quadratic * s**2`` for its size ``s``.
 
     Args:
-        slope, intercept: float64 ``[world]`` (seconds per unit of sample size, seconds).
+        slope, intercept: float64 ``[world]`` (seconds per unit of work, seconds).
         cap: float64 ``[world]`` largest summed size per rank (memory), or None.
         pivot: place one sample of each step first, drawn from ``(seed, epoch, step)`` (CHRONICA
             Algorithm 2's random first pivot), so the assignment varies between steps.
+        quadratic: ``c`` of the work ``w(s) = s + c*s^2`` (attention-bound models; 0: linear).
     """
 
     slope: np.ndarray
     intercept: np.ndarray
     cap: Optional[np.ndarray] = None
     pivot: bool = False
+    quadratic: float = 0.0
 
     def __post_init__(self) -> None:
         s = np.ascontiguousarray(np.asarray(self.slope, dtype=np.float64))
@@ -98,6 +104,18 @@ class ScheduleRule:
                 raise ValueError(f"ScheduleRule: cap must be {s.shape[0]} numbers >= 0, got {c.tolist()}")
             object.__setattr__(self, "cap", c)
         object.__setattr__(self, "pivot", bool(self.pivot))
+        q = float(self.quadratic)
+        if not (q >= 0 and np.isfinite(q)):
+            raise ValueError(f"ScheduleRule: quadratic must be a finite number >= 0, got {self.quadratic!r}")
+        object.__setattr__(self, "quadratic", q)
+        if q and self.cap is not None:
+            raise ValueError("ScheduleRule: a cap (summed size) with a quadratic work term is not "
+                             "supported: the scheduler sees work s + c*s^2, not size")
+
+    def work(self, sizes: np.ndarray) -> np.ndarray:
+        """Work of samples of ``sizes``: ``s + quadratic * s**2``."""
+        s = np.asarray(sizes, np.float64)
+        return s + self.quadratic * s * s if self.quadratic else s
 
     def first(self, seed: int, epoch: int, step: int, count: int) -> Optional[int]:
         """The step's first pivot (a sample index in ``[0, count)``), or None without ``pivot``."""
@@ -108,11 +126,13 @@ class ScheduleRule:
     def to_dict(self) -> Dict[str, Any]:
         """Plain values for checkpoints; :meth:`from_dict` inverts it."""
         return {"slope": self.slope.tolist(), "intercept": self.intercept.tolist(),
-                "cap": None if self.cap is None else self.cap.tolist(), "pivot": self.pivot}
+                "cap": None if self.cap is None else self.cap.tolist(), "pivot": self.pivot,
+                "quadratic": self.quadratic}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "ScheduleRule":
-        return cls(d["slope"], d["intercept"], d.get("cap"), bool(d.get("pivot", False)))
+        return cls(d["slope"], d["intercept"], d.get("cap"), bool(d.get("pivot", False)),
+                   float(d.get("quadratic", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -128,6 +148,8 @@ class StepPlan:
         window_pos, window_len: this step's place in its accumulation window.
         assignment: int64 ``[count]`` rank of each of the step's samples (in the global order)
             for a size-aware step, or None (rank ``r`` takes the ``r``-th contiguous slice).
+        sq: float64 ``[world]`` sum of squared sample sizes of every rank, or None when samples
+            have no size.
     """
 
     epoch: int
@@ -138,6 +160,7 @@ class StepPlan:
     window_pos: int = 0
     window_len: int = 1
     assignment: Optional[np.ndarray] = field(default=None, compare=False)
+    sq: Optional[np.ndarray] = field(default=None, compare=False)
 
     @property
     def count(self) -> int:
@@ -215,6 +238,8 @@ class PlanBoard:
         self.used = np.zeros(self.world, np.int64)
         self.reference = 1
         self._cursor = 0
+        #: Sharded mode: which rank holds each sample (see :mod:`hetlb.shard`), or None.
+        self.partition: Optional[Partition] = None
 
     # ------------------------------------------------------------------ decisions
 
@@ -264,7 +289,7 @@ class PlanBoard:
             seed: the loader's seed (a size-aware rule's random first pivot derives from it).
         """
         key, pos, length = self._window_of(step, full_steps)
-        assignment = None
+        assignment = sq = None
         if pos == 0 and sample_sizes is None and count == self._total and \
                 isinstance(self.decision, np.ndarray):
             # A whole step of the posted sizes (the common case): checked and hashed when posted.
@@ -273,7 +298,7 @@ class PlanBoard:
             if isinstance(self.decision, ScheduleRule):
                 amounts = np.ones(count) if sample_sizes is None else np.asarray(sample_sizes, np.float64)
                 rule = self.decision
-                assignment = np.asarray(schedule(amounts, rule.slope, rule.intercept,
+                assignment = np.asarray(schedule(rule.work(amounts), rule.slope, rule.intercept,
                                                  first=rule.first(seed, epoch, step, count), cap=rule.cap),
                                         dtype=np.int64)
                 sizes = np.bincount(assignment, minlength=self.world).astype(np.int64)
@@ -284,12 +309,15 @@ class PlanBoard:
             if sizes.shape != (self.world,) or int(sizes.sum()) != count or np.any(sizes < 0):
                 raise RuntimeError(f"step plan {sizes.tolist()} does not split {count} samples over "
                                    f"{self.world} ranks")
+            sq = None
             if sample_sizes is None:
                 data = sizes.astype(np.float64)
             else:
                 s = np.asarray(sample_sizes, np.float64)
                 owner = assignment if assignment is not None else np.repeat(np.arange(self.world), sizes)
                 data = np.bincount(owner, weights=s, minlength=self.world).astype(np.float64)
+                sq = np.bincount(owner, weights=s * s, minlength=self.world).astype(np.float64)
+                sq.flags.writeable = False
             sizes.flags.writeable = data.flags.writeable = False  # a plan is a value: shared, not changed
             # A size-aware plan is its assignment: two ranks with the same counts but different
             # samples must not pass the check.
@@ -297,9 +325,33 @@ class PlanBoard:
         if pos == 0:
             self._window = (epoch, key, sizes)
         plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=data, checksum=checksum,
-                        window_pos=pos, window_len=length, assignment=assignment)
+                        window_pos=pos, window_len=length, assignment=assignment, sq=sq)
         self.drawn.append(plan)
         return plan
+
+    def draw_sharded(self, epoch: int, step: int) -> StepPlan:
+        """Plan step ``step`` of ``epoch`` in sharded mode: every rank's samples come from its own
+        shard (:meth:`hetlb.shard.Partition.layout`); the checksum covers the partition."""
+        _, counts, data, crc = self.partition.layout(epoch)
+        sizes = counts[:, step].copy()
+        amounts = data[:, step].copy()
+        sizes.flags.writeable = amounts.flags.writeable = False
+        checksum = zlib.crc32(sizes.tobytes(), crc) % EXACT_INT
+        plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=amounts, checksum=checksum,
+                        sq=self.partition.step_sq(epoch, step))
+        self.drawn.append(plan)
+        return plan
+
+    def epoch_finished(self) -> bool:
+        """Whether every step of the current epoch has trained."""
+        spe = self.steps_per_epoch
+        return spe is not None and spe > 0 and self.done >= spe
+
+    def _new_epoch(self, epoch: int) -> None:
+        self.epoch, self.done = int(epoch), 0
+        if self.partition is not None:
+            self.partition.new_epoch()
+            self.steps_per_epoch = self.partition.steps
 
     def restart(self) -> int:
         """A new iteration over the loader begins: forget plans drawn or handed out but not
@@ -315,10 +367,10 @@ class PlanBoard:
                 self.shards, self.used = None, np.zeros(self.world, np.int64)
             self._cursor = int(self.used[self.rank])
             return self._cursor
-        spe = self.steps_per_epoch
-        if spe is not None and spe > 0 and self.done >= spe:
-            self.epoch += 1
-            self.done = 0
+        if self.epoch_finished():
+            self._new_epoch(self.epoch + 1)
+        elif self.partition is not None:
+            self.partition.apply_pending()  # re-placed after a world-size change
         return self.done
 
     def hand(self) -> StepPlan:
@@ -362,7 +414,7 @@ class PlanBoard:
         if self.restored and e > self.epoch + 1:
             raise ValueError(f"set_epoch({e}): the loaded checkpoint completed epoch {self.epoch}; "
                              f"the next epoch is {self.epoch + 1}")
-        self.epoch, self.done = e, 0
+        self._new_epoch(e)
         self.drawn.clear()
         self.current = None
         self._window = None
@@ -421,7 +473,10 @@ class PlanBoard:
             return {"epoch": int(self.epoch), "global_batch": self.global_batch,
                     "shards": None if self.shards is None else self.shards.tolist(),
                     "used": self.used.tolist()}
-        return {"epoch": int(self.epoch), "step": int(self.done), "global_batch": self.global_batch}
+        out = {"epoch": int(self.epoch), "step": int(self.done), "global_batch": self.global_batch}
+        if self.partition is not None:
+            out["partition"] = self.partition.state()
+        return out
 
     def load_position(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`position` output; iterators started earlier refuse to go on."""
@@ -438,6 +493,14 @@ class PlanBoard:
                 raise ValueError(f"a stream position of {self.used.size} ranks cannot resume on {self.world}")
         else:
             self.done = integer(state["step"], "checkpoint step", 0)
+            saved = state.get("partition")
+            if (saved is None) != (self.partition is None):
+                raise ValueError("the checkpoint was taken with a " + ("sharded" if saved is not None else "global-order") +
+                                 " loader and this loader is " + ("sharded" if self.partition is not None else
+                                 "global-order") + "; resume with the same partition= setting")
+            if saved is not None:
+                self.done = self.partition.load(saved, self.epoch, self.done, self.world)
+                self.steps_per_epoch = self.partition.steps
         self.restored = True
         self.generation += 1
         self.drawn.clear()

@@ -24,7 +24,7 @@ from .models import TimeModel
 
 __all__ = [
     "raw_time", "effective_times", "allocate", "proportional_shares", "allocate_proportional",
-    "schedule", "rebalance", "continuous_bound", "ref_scale_", "ref_flatten_scaled", "ref_unflatten_", "ref_delay_compensate_",
+    "schedule", "rebalance", "rebalance_level", "continuous_bound", "ref_scale_", "ref_flatten_scaled", "ref_unflatten_", "ref_delay_compensate_",
     "ReferenceHookState", "weighted_allreduce_hook",
 ]
 
@@ -231,19 +231,10 @@ def schedule(sizes: Sequence[float], slope: Sequence[float], intercept: Sequence
     return np.asarray(dest, np.int64)
 
 
-def rebalance(owner: Sequence[int], sizes: Sequence[float], slope: Sequence[float],
-              intercept: Sequence[float]) -> np.ndarray:
-    """Reference for :func:`hetlb.rebalance` (CHRONICA Algorithm 3 with an equal-time target)."""
-    sizes = [float(s) for s in sizes]
-    slope = [float(a) for a in slope]
-    intercept = [float(b) for b in intercept]
+def rebalance_level(total: float, slope: Sequence[float], intercept: Sequence[float]) -> float:
+    """The equal-time level of :func:`hetlb.rebalance`: ``sum_r max(0, (T - b_r) / a_r) = total``,
+    solved by adding ranks in order of intercept (the same operations as the native code)."""
     R = len(slope)
-    load = [0.0] * R
-    total = 0.0
-    for i, r in enumerate(owner):
-        load[r] += sizes[i]
-        total += sizes[i]
-    # Level T with sum_r max(0, (T - b_r) / a_r) = total: add ranks by increasing intercept.
     by_b = sorted(range(R), key=lambda r: (intercept[r], r))
     inv = wsum = 0.0
     level = intercept[by_b[0]]
@@ -253,27 +244,43 @@ def rebalance(owner: Sequence[int], sizes: Sequence[float], slope: Sequence[floa
         level = (total + wsum) / inv
         if k + 1 == R or level <= intercept[by_b[k + 1]]:
             break
-    dest = [int(r) for r in owner]
+    return level
+
+
+def rebalance(owner: Sequence[int], sizes: Sequence[float], slope: Sequence[float],
+              intercept: Sequence[float], tolerance: Optional[float] = None) -> np.ndarray:
+    """Reference for :func:`hetlb.rebalance`: ranks above ``level + tolerance`` give up their
+    largest samples until they are not; the given-up and unowned samples go largest first to the
+    rank predicted to finish first."""
+    sizes = [float(s) for s in sizes]
+    slope = [float(a) for a in slope]
+    intercept = [float(b) for b in intercept]
+    R = len(slope)
+    load = [0.0] * R
+    total = 0.0
     storage: List[int] = []
+    for i, r in enumerate(owner):
+        if r < 0:
+            storage.append(i)
+        else:
+            load[r] += sizes[i]
+        total += sizes[i]
+    tol = max(slope) * max(sizes, default=0.0) if tolerance is None else float(tolerance)
+    eps = 1e-12 * total
+    level = rebalance_level(total, slope, intercept)
     for r in range(R):
-        excess = load[r] - max(0.0, (level - intercept[r]) / slope[r])
-        if not excess > 0:
-            continue
-        mine = sorted((i for i in range(len(sizes)) if owner[i] == r and sizes[i] > 0), key=lambda i: (sizes[i], i))
-        while excess > 0:
-            fits = [i for i in mine if sizes[i] <= excess]
-            if fits:
-                i = fits[-1]  # the largest that fits (last in order)
-                mine.remove(i)
-                storage.append(i)
-                excess -= sizes[i]
-                load[r] -= sizes[i]
-                continue
-            if mine and sizes[mine[0]] < 2 * excess:
-                storage.append(mine[0])
-                load[r] -= sizes[mine[0]]
-            break
-    _eft(sizes, storage, slope, intercept, load, dest)
+        bound = max(0.0, (level - intercept[r]) / slope[r]) + tol / slope[r] + eps
+        mine = sorted((i for i in range(len(sizes)) if owner[i] == r), key=lambda i: (-sizes[i], i))
+        for i in mine:
+            if not load[r] > bound:
+                break
+            storage.append(i)
+            load[r] -= sizes[i]
+    dest = [int(r) for r in owner]
+    for i in sorted(storage, key=lambda i: (-sizes[i], i)):
+        r = min(range(R), key=lambda r: (intercept[r] + slope[r] * load[r], r))
+        dest[i] = r
+        load[r] += sizes[i]
     return np.asarray(dest, np.int64)
 
 

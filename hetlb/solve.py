@@ -6,6 +6,7 @@ infeasible bounds) so no input can reach it unchecked.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Optional, Sequence
 
@@ -166,26 +167,41 @@ def schedule(sizes: Any, slope: Any, intercept: Any, *, first: Optional[int] = N
     return _C.schedule(s, a, b, first=-1 if first is None else int(first), cap=c)
 
 
-def rebalance(owner: Any, sizes: Any, slope: Any, intercept: Any) -> np.ndarray:
+def rebalance(owner: Any, sizes: Any, slope: Any, intercept: Any, *,
+              tolerance: Optional[float] = None) -> np.ndarray:
     """New owner of every sample of a sharded dataset (CHRONICA's data shuffler, Algorithm 3).
 
-    Predicted epoch time of rank ``r`` is ``intercept[r] + slope[r] * (sum of sizes it owns)``.
-    Each rank above the continuous equal-time level gives up samples, largest fitting in its excess
-    first (so few samples move); those are then placed largest first on the rank that would finish
-    earliest. A balanced sharding is left as it is.
+    Rank ``r``'s predicted epoch time is ``intercept[r] + slope[r] * (sum of sizes it owns)``; the
+    *level* is the equal time all ranks would reach if samples could be split
+    (:func:`hetlb.reference.continuous_bound`). A rank predicted above ``level + tolerance``
+    gives up its largest samples until it is not; those (and samples no rank holds) then go,
+    largest first, each to the rank predicted to finish first. A sharding already within
+    tolerance stays as it is (no churn from noisy estimates).
+
+    Guarantee, with the default tolerance (the largest sample on the slowest rank, or any
+    tolerance at least that): every rank ends within ``level + tolerance``, and no reassignment
+    that achieves that moves fewer samples. A smaller tolerance holds the ranks that give up
+    samples to it and the others to within one sample of the level.
 
     Args:
-        owner: ``int64[N]`` current rank of each sample, in ``[0, R)``.
+        owner: ``int64[N]`` current rank of each sample, in ``[0, R)``; -1 for a sample no rank
+            holds (one of a rank that left), which is always placed.
         sizes: ``float[N]`` data amount of each sample (>= 0).
         slope: ``float[R]`` per-rank time per unit of data (> 0).
-        intercept: ``float[R]`` per-rank fixed time (>= 0).
+        intercept: ``float[R]`` per-rank fixed time of the epoch (>= 0).
+        tolerance: seconds a rank may stay above the level; None: the largest sample's time
+            on the slowest rank, ``max(sizes) * max(slope)``.
 
     Returns:
-        ``int64[N]`` new owners.
+        ``int64[N]`` new owners, in ``[0, R)``; moved samples are those where it differs from
+        ``owner``.
     """
     a, b = _rates(slope, intercept)
     own = _vector(owner, "owner", np.int64)
     s = _vector(sizes, "sizes", np.float64)
     if own.size != s.size:
         raise ValueError(f"owner and sizes differ in length: {own.size} vs {s.size}")
-    return _C.rebalance(own, s, a, b)
+    tol = -1.0 if tolerance is None else float(tolerance)
+    if tolerance is not None and not (tol >= 0 and math.isfinite(tol)):
+        raise ValueError(f"tolerance must be a finite number of seconds >= 0, got {tolerance!r}")
+    return _C.rebalance(own, s, a, b, tol)

@@ -63,6 +63,9 @@ class StepRecord:
         predicted: each rank's own predicted speed (samples/s) or NaN, ``[world]``.
         epoch_end: whether this was the last step of its epoch (known from the loader's plan;
             False when there is no loader).
+        sq: sum of squared sample sizes of each rank's samples ``[world]`` (from the step's plan,
+            known to every rank; the quadratic work term ``s + c*s^2``), or None when samples
+            have no size.
     """
 
     step: int
@@ -74,6 +77,7 @@ class StepRecord:
     cpu: np.ndarray
     predicted: np.ndarray = field(default=None)  # type: ignore[assignment]
     epoch_end: bool = False
+    sq: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         if self.predicted is None:
@@ -112,6 +116,8 @@ class StepRecord:
                                "epoch_end": bool(self.epoch_end)}
         for name in RECORD_ARRAYS:
             out[name] = getattr(self, name).tolist()
+        if self.sq is not None:
+            out["sq"] = self.sq.tolist()
         return out
 
     @classmethod
@@ -124,7 +130,8 @@ class StepRecord:
                    memory=np.asarray(d["memory"], dtype=np.float64),
                    cpu=np.asarray(d["cpu"], dtype=np.float64),
                    predicted=np.asarray(d.get("predicted", [math.nan] * world), dtype=np.float64),
-                   epoch_end=bool(d.get("epoch_end", False)))
+                   epoch_end=bool(d.get("epoch_end", False)),
+                   sq=None if d.get("sq") is None else np.asarray(d["sq"], dtype=np.float64))
 
 
 class History:

@@ -302,3 +302,108 @@ def test_chronica_cap_bounds_every_rank():
     capped = simulate(sc, hetlb.Chronica(cap=[1400.0, 2000.0]), 30)
     assert free.data[:, 1].max() > 2000  # the fast rank would take more
     assert (capped.data[:, 0] <= 1400).all() and (capped.data[:, 1] <= 2000).all()
+
+
+# ------------------------------------------------------------------ the quadratic work term
+
+
+def feed_quadratic(prophet, a, b, c, rng, steps, noise=0.0):
+    """Steps of lognormal token lengths per rank, time ``a*(S + c*Q) + b``."""
+    a, b = np.asarray(a), np.asarray(b)
+    for _ in range(steps):
+        lens = [np.clip(rng.lognormal(5, 1, rng.integers(4, 40)), 16, 2048) for _ in a]
+        S = np.array([x.sum() for x in lens])
+        Q = np.array([(x * x).sum() for x in lens])
+        prophet.update(S, (a * (S + c * Q) + b) * (1 + noise * rng.standard_normal(a.size)), Q)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(1e-4, 1e-2), st.integers(0, 2 ** 31))
+def test_prophet_fits_the_quadratic_term(c, seed):
+    a, b = np.array([1e-3, 5e-4, 2.5e-4]), np.array([0.01, 0.02, 0.0])
+    p = RuntimeProphet(3, quadratic="fit")
+    feed_quadratic(p, a, b, c, np.random.default_rng(seed), 300, noise=0.01)
+    assert p.coefficient() == pytest.approx(c, rel=0.1)
+    fa, _ = p.models()
+    np.testing.assert_allclose(fa, a, rtol=0.1)
+    # Exact without noise, and a given c reproduces the linear fit on transformed work.
+    q = RuntimeProphet(3, quadratic=c)
+    feed_quadratic(q, a, b, c, np.random.default_rng(seed), 30)
+    qa, qb = q.models()
+    np.testing.assert_allclose(qa, a, rtol=1e-6)
+    np.testing.assert_allclose(qb, b, rtol=1e-4, atol=1e-9)
+
+
+def test_prophet_quadratic_bad_input_and_old_checkpoints():
+    with pytest.raises(ValueError, match="quadratic must be"):
+        RuntimeProphet(2, quadratic="auto")
+    with pytest.raises(ValueError, match="quadratic"):
+        RuntimeProphet(2, quadratic=-1.0)
+    with pytest.raises(ValueError, match="squared sizes"):
+        RuntimeProphet(2, quadratic=0.1).update(np.ones(2), np.ones(2))
+    with pytest.raises(ValueError, match="cap= with a quadratic"):
+        hetlb.Chronica(cap=100.0, quadratic="fit")
+    with pytest.raises(ValueError, match="cap"):
+        ScheduleRule([1.0], [0.0], cap=[5.0], quadratic=0.1)
+    # A linear prophet's checkpoint (5 rows) still loads and gives the same models.
+    p = RuntimeProphet(2)
+    feed(p, [0.001, 0.002], [0.01, 0.0], np.random.default_rng(0), 20)
+    old = p.state_dict()
+    n, s, q, ss, sq, qq, t, st_, qt = p.stats
+    old["stats"] = np.stack([n, s, ss, t, st_]).tolist()
+    del old["quadratic"]
+    again = RuntimeProphet(2)
+    again.load_state_dict(old)
+    np.testing.assert_array_equal(again.models()[0], p.models()[0])
+
+
+def test_rule_schedules_by_quadratic_work():
+    from hetlb.plan import PlanBoard, decision_checksum
+    lin = ScheduleRule([1.0, 1.0], [0.0, 0.0])
+    quad = ScheduleRule([1.0, 1.0], [0.0, 0.0], quadratic=0.5)
+    assert decision_checksum(lin) != decision_checksum(quad)
+    assert ScheduleRule.from_dict(quad.to_dict()).quadratic == 0.5
+    with pytest.raises(ValueError, match="quadratic"):
+        ScheduleRule([1.0], [0.0], quadratic=-1)
+    # One long sample against many short ones: by size they tie, by quadratic work they do not.
+    sizes = np.array([8.0] + [1.0] * 8)
+    board = PlanBoard(2, 0, 9)
+    board.post(quad)
+    plan = board.draw(0, 0, 9, 1, sizes)
+    np.testing.assert_array_equal(plan.assignment, hetlb.schedule(quad.work(sizes), [1.0, 1.0], [0.0, 0.0]))
+    assert plan.sizes.tolist() == [1, 8]  # the long sample alone: work 40 vs 8 * 1.5
+    assert plan.data.tolist() == [8.0, 8.0]  # data (for weighting) stays the summed size
+    assert plan.sq.tolist() == [64.0, 8.0]
+
+
+def quadratic_worker(rank, world, quadratic, gb, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    n = gb * steps
+    lens = np.clip(np.random.default_rng(5).lognormal(4.5, 1.0, n), 16, 1024).round()
+    ds = torch.utils.data.TensorDataset(torch.arange(n))
+    ddp = DDP(torch.nn.Linear(1, 1))
+    emu = Emulator.for_rank(rank, [1.0, 2.0], model=hetlb.LinearModel(0.0, 3e-6), by="data",
+                            quadratic=0.01, spin=0.0005)
+    bal = hetlb.Balancer(ddp, gb, policy=hetlb.Chronica(quadratic=quadratic), weighting="sizes",
+                         lower=0, emulator=emu)
+    loader = bal.loader(ds, sample_sizes=lens, seed=1)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for (idx,) in loader:
+            ddp(idx[:, None].float()).sum().backward()
+    recs = [r for r in bal.history if r.epoch == 1]
+    assert all(r.sq is not None for r in recs)
+    c = bal.policy._prophet.coefficient()
+    return {"c": c, "gap": [float(r.compute.max() / r.compute.min()) for r in recs]}
+
+
+def test_quadratic_work_balances_attention_bound_ranks():
+    """Emulated ranks 1:2 whose time is quadratic in sequence length: the fitted quadratic term
+    finds c and balances the step, where the linear model (the paper's) does not."""
+    from distributed import run, unwrap
+    fit = unwrap(run(quadratic_worker, 2, "fit", 32, 10))
+    lin = unwrap(run(quadratic_worker, 2, 0.0, 32, 10))
+    assert fit[0]["c"] == pytest.approx(0.01, rel=0.25)
+    assert lin[0]["c"] == 0.0
+    assert np.median(fit[0]["gap"]) < np.median(lin[0]["gap"]), (fit[0]["gap"], lin[0]["gap"])
+    assert np.median(fit[0]["gap"]) < 1.25

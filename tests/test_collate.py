@@ -84,3 +84,14 @@ def test_collate_fn_through_the_balanced_loader():
     assert [b.rest[0].tolist() for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [b.lengths.tolist() for b in got] == [lengths[:4], lengths[4:]]
     assert bal.steps == 2
+
+
+def test_a_rank_given_no_samples_gets_an_empty_batch_of_the_right_kind():
+    from hetlb.data import _EmptySafeCollate
+    ds = [(torch.arange(n + 1), torch.tensor(n)) for n in (3, 5)]
+    for fn in (packed_collate, pad_collate):
+        e = _EmptySafeCollate(ds, fn)([])
+        assert type(e) is type(fn(ds[:1]))
+        assert e.data.dtype == torch.int64 and e.data.shape[0] == 0
+        assert e.lengths.numel() == 0 and e.rest[0].shape == (0,)
+    assert _EmptySafeCollate(ds, packed_collate)([]).cu_seqlens.tolist() == [0]

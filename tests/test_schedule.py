@@ -149,27 +149,62 @@ def test_schedule_bad_input(call, match):
 @st.composite
 def shard_problem(draw, max_n=60, max_r=6):
     sizes, slope, intercept = draw(sched_problem(max_n, max_r))
-    owner = draw(st.lists(st.integers(0, len(slope) - 1), min_size=len(sizes), max_size=len(sizes)))
+    # -1: a sample no rank holds (its rank left the job)
+    owner = draw(st.lists(st.integers(-1 if draw(st.booleans()) else 0, len(slope) - 1),
+                          min_size=len(sizes), max_size=len(sizes)))
     return owner, sizes, slope, intercept
 
 
-@given(shard_problem())
-def test_rebalance_matches_reference(prob):
+def within(sizes, new, slope, intercept, tol):
+    """Whether every rank's predicted time is within ``tol`` of the equal-time level (or of its
+    own intercept, for a rank whose fixed time alone exceeds the level)."""
+    level = ref.rebalance_level(float(np.sum(sizes)), list(map(float, slope)), list(map(float, intercept)))
+    eps = 1e-12 * float(np.sum(sizes)) * max(slope) + 1e-12 * abs(level)
+    floor = np.maximum(level, np.asarray(intercept, float))
+    return bool(np.all(finish(sizes, new, slope, intercept) <= floor + tol + eps))
+
+
+@given(shard_problem(), st.one_of(st.none(), st.floats(0, 50)))
+def test_rebalance_matches_reference(prob, tolerance):
     owner, sizes, slope, intercept = prob
-    got = hetlb.rebalance(owner, sizes, slope, intercept)
-    np.testing.assert_array_equal(got, ref.rebalance(owner, sizes, slope, intercept))
+    got = hetlb.rebalance(owner, sizes, slope, intercept, tolerance=tolerance)
+    np.testing.assert_array_equal(got, ref.rebalance(owner, sizes, slope, intercept, tolerance))
 
 
 @given(shard_problem())
 def test_rebalance_improves(prob):
     owner, sizes, slope, intercept = prob
     new = hetlb.rebalance(owner, sizes, slope, intercept)
-    before = finish(sizes, owner, slope, intercept).max() if sizes else max(intercept)
-    after = finish(sizes, new, slope, intercept).max() if sizes else max(intercept)
-    assert after <= before + 1e-9
-    # Within one largest sample's time of the continuous level.
-    big = max(sizes, default=0.0) * max(slope)
-    assert after <= ref.continuous_bound(sum(sizes), slope, intercept) + big + 1e-9
+    assert np.all((new >= 0) & (new < len(slope)))
+    assert np.all((new == np.asarray(owner)) | (np.asarray(owner) < 0) | (np.asarray(sizes) > 0)), \
+        "a zero-size sample was moved"
+    held = [r >= 0 for r in owner]
+    if all(held):
+        before = finish(sizes, owner, slope, intercept).max() if sizes else max(intercept)
+        after = finish(sizes, new, slope, intercept).max() if sizes else max(intercept)
+        assert after <= before + 1e-9
+    # Within one largest sample's time on the slowest rank of the continuous level.
+    assert within(sizes, new, slope, intercept, max(sizes, default=0.0) * max(slope))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 7), st.integers(1, 3), st.integers(0, 2 ** 31), st.booleans())
+def test_rebalance_moves_no_more_than_brute_force(n, ranks, seed, integral):
+    """Among all R^N reassignments within the tolerance, none moves fewer samples than
+    rebalance; rebalance's own result is within it."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 9, n).astype(float) if integral else rng.lognormal(1, 1, n)
+    slope = rng.choice([0.5, 1.0, 2.0], ranks) if integral else rng.uniform(0.2, 3, ranks)
+    intercept = rng.choice([0.0, 1.0, 4.0], ranks) if integral else rng.uniform(0, 5, ranks)
+    owner = rng.integers(-1 if rng.random() < 0.3 else 0, ranks, n)
+    tol = float(sizes.max() * slope.max())
+    new = hetlb.rebalance(owner, sizes, slope, intercept)
+    assert within(sizes, new, slope, intercept, tol)
+    moves = int(np.count_nonzero(new != owner))
+    best = min(int(np.count_nonzero(np.asarray(a) != owner))
+               for a in itertools.product(range(ranks), repeat=n)
+               if within(sizes, a, slope, intercept, tol))
+    assert moves == best
 
 
 def test_rebalance_moves_few():
@@ -180,17 +215,35 @@ def test_rebalance_moves_few():
     new = hetlb.rebalance(owner, sizes, slope, intercept)
     moved = np.count_nonzero(new != owner)
     t = finish(sizes, new, slope, intercept)
-    assert t.max() / t.min() < 1.02
+    assert within(sizes, new, slope, intercept, 2 * sizes.max())  # one largest sample, slow rank
     # The slow rank holds ~1/4 of the data and should keep ~1/7 of the work: ~ (1/4 - 1/7) of
     # the samples must move; moving largest-first does it with fewer.
     assert moved < 0.5 * (1 / 4 - 1 / 7) * 2000
     # A balanced sharding stays put.
     again = hetlb.rebalance(new, sizes, slope, intercept)
-    assert np.count_nonzero(again != new) <= 0.01 * 2000
+    assert np.count_nonzero(again != new) == 0
+    # A tighter tolerance balances tighter and moves more.
+    tight = hetlb.rebalance(owner, sizes, slope, intercept, tolerance=0.05 * sizes.max())
+    t2 = finish(sizes, tight, slope, intercept)
+    assert t2.max() - t2.min() < t.max() - t.min()
+    assert t2.max() / t2.min() < 1.02
+    assert np.count_nonzero(tight != owner) >= moved
+
+
+def test_rebalance_places_unowned_samples():
+    sizes = np.ones(12)
+    owner = np.array([0] * 4 + [1] * 4 + [-1] * 4)  # rank 2 left; its samples have no holder
+    new = hetlb.rebalance(owner, sizes, np.ones(2), np.zeros(2))
+    assert np.all(new >= 0)
+    assert np.bincount(new, minlength=2).tolist() == [6, 6]
+    assert np.all(new[:8] == owner[:8])  # nothing else moved
 
 
 @pytest.mark.parametrize("call,match", [
     (lambda: hetlb.rebalance([0, 2], [1, 1], [1, 1], [0, 0]), "owner of sample 1"),
+    (lambda: hetlb.rebalance([0, -2], [1, 1], [1, 1], [0, 0]), "owner of sample 1 is -2"),
+    (lambda: hetlb.rebalance([0], [1], [1], [0], tolerance=-1), "tolerance"),
+    (lambda: hetlb.rebalance([0], [1], [1], [0], tolerance=float("nan")), "tolerance"),
     (lambda: hetlb.rebalance([0], [1, 1], [1, 1], [0, 0]), "differ in length"),
     (lambda: hetlb.rebalance([0], [1], [0, 1], [0, 0]), "> 0"),
     (lambda: hetlb.rebalance([0.5], [1], [1], [0]), "integers"),

@@ -221,20 +221,34 @@ std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slop
 }
 
 std::vector<int64_t> rebalance(const int64_t* owner, const double* sizes, int64_t n,
-                               const double* slope, const double* intercept, int64_t ranks) {
+                               const double* slope, const double* intercept, int64_t ranks,
+                               double tolerance) {
   check_rates(slope, intercept, ranks, true, "rebalance");
   check_sizes(sizes, n, "rebalance");
+  if (std::isnan(tolerance))
+    throw std::invalid_argument("rebalance: tolerance must be a number of seconds >= 0 (or < 0 for "
+                                "the default), got nan");
   std::vector<std::vector<int64_t>> held(ranks);
+  std::vector<int64_t> storage;  // samples to place: unowned ones, then those given up
   std::vector<double> load(ranks, 0.0);
-  double total = 0.0;
+  double total = 0.0, largest = 0.0, slowest = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    if (owner[i] < 0 || owner[i] >= ranks)
+    if (owner[i] < -1 || owner[i] >= ranks)
       throw std::invalid_argument("rebalance: owner of sample " + std::to_string(i) + " is " +
-                                  std::to_string(owner[i]) + ", outside [0, " + std::to_string(ranks) + ")");
-    held[owner[i]].push_back(i);
-    load[owner[i]] += sizes[i];
+                                  std::to_string(owner[i]) + ", outside [0, " + std::to_string(ranks) +
+                                  ") (or -1 for a sample no rank holds)");
+    if (owner[i] < 0) {
+      storage.push_back(i);
+    } else {
+      held[owner[i]].push_back(i);
+      load[owner[i]] += sizes[i];
+    }
     total += sizes[i];
+    largest = std::max(largest, sizes[i]);
   }
+  for (int64_t r = 0; r < ranks; ++r) slowest = std::max(slowest, slope[r]);
+  const double tol = tolerance < 0 ? slowest * largest : tolerance;
+  const double eps = 1e-12 * total;
   // Continuous target: the level T with sum_r max(0, (T - b_r) / a_r) = total, ranks by intercept.
   std::vector<int64_t> by_b(ranks);
   std::iota(by_b.begin(), by_b.end(), 0);
@@ -247,41 +261,32 @@ std::vector<int64_t> rebalance(const int64_t* owner, const double* sizes, int64_
     level = (total + wsum) / inv;
     if (k + 1 == ranks || level <= intercept[by_b[k + 1]]) break;
   }
-  std::vector<int64_t> dest(owner, owner + n), storage;
+  // A rank above level + tol must give up samples; the fewest that bring it under are its largest.
+  // Every rank must give up at least that many in any assignment within level + tol, so this count
+  // is the least possible.
   for (int64_t r = 0; r < ranks; ++r) {
-    const double target = std::max(0.0, (level - intercept[r]) / slope[r]);
-    double excess = load[r] - target;
-    if (!(excess > 0)) continue;
-    // Zero-size samples cost nothing anywhere: never worth a move.
-    std::vector<int64_t> mine;
-    for (int64_t i : held[r]) if (sizes[i] > 0) mine.push_back(i);
-    std::stable_sort(mine.begin(), mine.end(), [&](int64_t p, int64_t q) { return sizes[p] < sizes[q]; });
-    // Largest sample that still fits in the excess first: fewest moves. Excess only shrinks, so one
-    // downward sweep finds them all; the smallest sample may overshoot if that halves |excess|.
-    std::vector<char> taken(mine.size(), 0);
-    int64_t p = static_cast<int64_t>(mine.size()) - 1;
-    while (excess > 0) {
-      while (p >= 0 && sizes[mine[p]] > excess) --p;
-      if (p >= 0) {
-        taken[p] = 1;
-        storage.push_back(mine[p]);
-        excess -= sizes[mine[p]];
-        load[r] -= sizes[mine[p]];
-        --p;
-        continue;
-      }
-      const auto it = std::find(taken.begin(), taken.end(), 0);
-      if (it != taken.end()) {
-        const int64_t i = mine[it - taken.begin()];
-        if (sizes[i] < 2 * excess) {
-          storage.push_back(i);
-          load[r] -= sizes[i];
-        }
-      }
-      break;
+    const double bound = std::max(0.0, (level - intercept[r]) / slope[r]) + tol / slope[r] + eps;
+    if (!(load[r] > bound)) continue;
+    for (int64_t i : decreasing(sizes, held[r])) {
+      if (!(load[r] > bound)) break;
+      storage.push_back(i);
+      load[r] -= sizes[i];
     }
   }
-  place_eft(sizes, decreasing(sizes, storage), slope, intercept, ranks, load, dest);
+  // Largest first, each to the rank predicted to finish first now (ties: lower rank). That rank is
+  // below the level while samples remain, so it ends within one sample of it: within tol when tol
+  // covers the largest sample on the slowest rank (the default).
+  using Slot = std::pair<double, int64_t>;
+  std::priority_queue<Slot, std::vector<Slot>, std::greater<Slot>> heap;
+  for (int64_t r = 0; r < ranks; ++r) heap.push({intercept[r] + slope[r] * load[r], r});
+  std::vector<int64_t> dest(owner, owner + n);
+  for (int64_t i : decreasing(sizes, storage)) {
+    const int64_t r = heap.top().second;
+    heap.pop();
+    dest[i] = r;
+    load[r] += sizes[i];
+    heap.push({intercept[r] + slope[r] * load[r], r});
+  }
   return dest;
 }
 

@@ -45,8 +45,11 @@ std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slop
 // Whether schedule's vector (AVX2) scan runs on this CPU.
 bool schedule_simd_available();
 
-// CHRONICA epoch shuffler: new owner of every sample, moving few samples.
+// CHRONICA epoch shuffler: new owner of every sample (owner -1: held by no rank, must be placed),
+// every rank's predicted time within tolerance (seconds; < 0: the largest sample on the slowest
+// rank) of the equal-time level, moving the fewest samples that achieves it.
 std::vector<int64_t> rebalance(const int64_t* owner, const double* sizes, int64_t n,
-                               const double* slope, const double* intercept, int64_t ranks);
+                               const double* slope, const double* intercept, int64_t ranks,
+                               double tolerance = -1.0);
 
 }  // namespace hetlb

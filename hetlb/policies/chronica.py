@@ -7,6 +7,8 @@ Two pieces (CHRONICA Sec. V-A, V-B):
   the ranks' feedback (the telemetry's ``data`` and ``compute`` columns), with a non-negative
   slope. The paper regresses on all feedback (``forget=1``, the default); ``forget < 1``
   (opt-in) weighs step ``t - k`` by ``forget**k`` so the model follows a rank whose speed changes.
+  ``quadratic`` (opt-in, for attention-bound models) makes a sample's work ``s + c*s^2`` with ``c``
+  given or fitted; the squared sizes come from the step's plan, which every rank knows.
 * :class:`Chronica`, the policy: every step's samples are the next global batch of the global
   order (so coverage, checkpoints and resume are those of every policy); it returns a
   :class:`hetlb.plan.ScheduleRule` with the prophet's models, and the loader assigns the step's
@@ -32,42 +34,88 @@ __all__ = ["RuntimeProphet", "Chronica"]
 
 
 class RuntimeProphet:
-    """Per-rank online least squares of compute seconds on data amount.
+    """Per-rank online least squares of compute seconds on the work of a step.
 
-    Keeps, per rank, the (forgetting-)weighted sums of ``1, W, W^2, T, W*T`` over the steps the
-    rank had data, so one update and one solve cost O(world). A rank whose feedback cannot
-    separate slope from intercept (one distinct amount so far) or whose fit has a negative slope
-    or intercept is modelled as proportional, ``T = (sum T / sum W) * W``: the non-negative fit
-    closest to what it has seen.
+    A sample of size ``s`` costs work ``w(s) = s + c * s**2``: ``c = 0`` is CHRONICA's linear
+    ``T = a * size + b`` (the default); ``c > 0`` models attention-bound work, given or fitted.
+    Keeps, per rank, the (forgetting-)weighted sums of the products of ``1, S, Q, T`` (``S`` the
+    rank's summed size, ``Q`` its summed squared size) over the steps the rank had data, so one
+    update and one solve cost O(world). A rank whose feedback cannot separate slope from
+    intercept (one distinct amount so far) or whose fit has a negative slope or intercept is
+    modelled as proportional, ``T = (sum T / sum W) * W``: the non-negative fit closest to what
+    it has seen.
 
     Args:
         world: number of ranks.
         forget: weight of the previous steps' statistics at each update, in ``(0, 1]``
             (1: ordinary least squares over all feedback, the paper's).
+        quadratic: ``c`` (>= 0, fixed), or ``"fit"``: ``T = a*S + a*c*Q + b`` fitted per rank
+            by least squares and ``c`` taken as the median over ranks of their ``(a*c) / a``
+            (c is the workload's, a rank's speed scales ``a``); 0 until some rank's fit
+            separates it.
     """
 
-    def __init__(self, world: int, forget: float = 1.0) -> None:
+    #: Rows of ``stats``: the weighted sums of these products per rank.
+    TERMS = ("n", "s", "q", "ss", "sq", "qq", "t", "st", "qt")
+
+    def __init__(self, world: int, forget: float = 1.0, quadratic: Any = 0.0) -> None:
         self.world = int(world)
         self.forget = number(forget, "RuntimeProphet: forget", above=0.0, maximum=1.0)
-        self.stats = np.zeros((5, self.world))  # n, sw, sww, st, swt
+        self.quadratic = check_quadratic(quadratic, "RuntimeProphet")
+        self.stats = np.zeros((len(self.TERMS), self.world))
 
-    def update(self, work: np.ndarray, time: np.ndarray) -> None:
-        """Add one step's feedback: ``work`` and ``time`` ``[world]``; ranks with no work or a
+    def update(self, work: np.ndarray, time: np.ndarray, sq: Optional[np.ndarray] = None) -> None:
+        """Add one step's feedback: summed sizes ``work``, seconds ``time`` and summed squared
+        sizes ``sq`` (``[world]``; needed unless ``quadratic == 0``); ranks with no work or a
         non-finite time are skipped (their statistics are kept, not decayed)."""
         w = np.asarray(work, np.float64)
         t = np.asarray(time, np.float64)
-        ok = (w > 0) & np.isfinite(t) & (t >= 0)
-        x = np.stack([np.ones_like(w), w, w * w, t, w * t])
+        if sq is None:
+            if self.quadratic != 0.0:
+                raise ValueError("RuntimeProphet: a quadratic work term needs the summed squared "
+                                 "sizes (sq=)")
+            q = np.zeros_like(w)
+        else:
+            q = np.asarray(sq, np.float64)
+        ok = (w > 0) & np.isfinite(t) & (t >= 0) & np.isfinite(q)
+        x = np.stack([np.ones_like(w), w, q, w * w, w * q, q * q, t, w * t, q * t])
         self.stats[:, ok] = self.stats[:, ok] * self.forget + x[:, ok]
 
+    def coefficient(self) -> float:
+        """The quadratic coefficient ``c`` in use (the given one, or the current fit)."""
+        if self.quadratic != "fit":
+            return float(self.quadratic)
+        n, s, q, ss, sq, qq, t, st, qt = self.stats
+        A = np.stack([np.stack([n, s, q], -1), np.stack([s, ss, sq], -1), np.stack([q, sq, qq], -1)], 1)
+        y = np.stack([t, st, qt], -1)
+        # Scale the columns so the conditioning test does not depend on the units of size.
+        d = np.sqrt(np.maximum(np.diagonal(A, axis1=1, axis2=2), 0.0))
+        usable = (n >= 4) & np.all(d > 0, axis=1)
+        if not usable.any():
+            return 0.0
+        d, A, y = d[usable], A[usable], y[usable]
+        As = A / (d[:, :, None] * d[:, None, :])
+        sound = np.linalg.cond(As) < 1e8
+        if not sound.any():
+            return 0.0
+        coef = np.linalg.solve(As[sound], (y[sound] / d[sound])[..., None])[..., 0] / d[sound]
+        # Only the ratio matters here; a small intercept's sign is noise (the models refit it).
+        _, alpha, beta = coef.T
+        ok = (alpha > 0) & (beta >= 0)
+        ratios = beta[ok] / alpha[ok]
+        return float(np.median(ratios)) if ratios.size else 0.0
+
     def models(self) -> "tuple[np.ndarray, np.ndarray]":
-        """``(slope, intercept)`` float64 ``[world]``; NaN for a rank with no feedback yet."""
-        n, sw, sww, st, swt = self.stats
+        """``(slope, intercept)`` float64 ``[world]`` per unit of work ``s + c*s^2`` (``c``:
+        :meth:`coefficient`); NaN for a rank with no feedback yet."""
+        c = self.coefficient()
+        n, s, q, ss, sq, qq, t, st, qt = self.stats
+        sw, sww, swt = s + c * q, ss + 2 * c * sq + c * c * qq, st + c * qt
         with np.errstate(divide="ignore", invalid="ignore"):
             det = n * sww - sw * sw
-            a = (n * swt - sw * st) / det
-            b = (st - a * sw) / n
-            prop = st / sw
+            a = (n * swt - sw * t) / det
+            b = (t - a * sw) / n
+            prop = t / sw
         # Separable only with spread in W (relative to its scale), and sound only non-negative.
         spread = det > 1e-9 * n * sww
         good = spread & np.isfinite(a) & np.isfinite(b) & (a > 0) & (b >= 0)
@@ -84,12 +132,28 @@ class RuntimeProphet:
         return a * np.asarray(work, np.float64) + b
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"world": self.world, "forget": self.forget, "stats": self.stats.tolist()}
+        return {"world": self.world, "forget": self.forget, "quadratic": self.quadratic,
+                "stats": self.stats.tolist()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.world = int(state["world"])
         self.forget = float(state["forget"])
-        self.stats = np.asarray(state["stats"], np.float64).reshape(5, self.world)
+        self.quadratic = check_quadratic(state.get("quadratic", 0.0), "RuntimeProphet")
+        stats = np.asarray(state["stats"], np.float64)
+        if stats.shape == (5, self.world):  # a linear prophet's checkpoint: n, sw, sww, st, swt
+            old = stats
+            stats = np.zeros((len(self.TERMS), self.world))
+            stats[[0, 1, 3, 6, 7]] = old
+        self.stats = stats.reshape(len(self.TERMS), self.world)
+
+
+def check_quadratic(value: Any, who: str) -> Any:
+    """``"fit"`` or a finite number >= 0 (as float)."""
+    if isinstance(value, str):
+        if value != "fit":
+            raise ValueError(f"{who}: quadratic must be a number >= 0 or 'fit', got {value!r}")
+        return value
+    return number(value, f"{who}: quadratic", minimum=0.0)
 
 
 class Chronica(Policy):
@@ -104,6 +168,9 @@ class Chronica(Policy):
             order either way).
         cap: largest summed sample size per rank and step (a number, or one per rank), e.g. the
             tokens that fit in a rank's memory; None: no cap.
+        quadratic: the work of a sample of size ``s`` is ``s + c*s^2``: 0 (the paper's linear
+            model, the default), a given ``c``, or ``"fit"`` (estimated from the feedback; for
+            attention-bound models, where a sequence's cost grows with its length squared).
 
     Until a rank has fed back, it is modelled as the others' mean (equal speeds at the start:
     the first steps are balanced by data amount, as token balancing does). Needs the loader's
@@ -113,14 +180,19 @@ class Chronica(Policy):
 
     name = "chronica"
 
-    def __init__(self, forget: float = 1.0, pivot: bool = True, cap: Any = None) -> None:
+    def __init__(self, forget: float = 1.0, pivot: bool = True, cap: Any = None,
+                 quadratic: Any = 0.0) -> None:
         self.forget = number(forget, "Chronica: forget", above=0.0, maximum=1.0)
+        self.quadratic = check_quadratic(quadratic, "Chronica")
         self.pivot = bool(pivot)
         if cap is not None:
             c = np.asarray(cap, np.float64)
             if c.ndim > 1 or np.any(~np.isfinite(c)) or np.any(c <= 0):
                 raise ValueError(f"Chronica: cap must be a positive number or one per rank, got {cap!r}")
             cap = c.tolist()
+            if self.quadratic != 0.0:
+                raise ValueError("Chronica: cap= with a quadratic work term is not supported yet (the "
+                                 "cap bounds summed size; the scheduler then places by work)")
         self.cap = cap
         self.world = 0
         self._prophet: Optional[RuntimeProphet] = None
@@ -132,22 +204,23 @@ class Chronica(Policy):
         self.global_batch = int(ctx.global_batch)
         if self.cap is not None and np.ndim(self.cap) == 1 and len(self.cap) != self.world:
             raise ValueError(f"Chronica: cap has {len(self.cap)} entries for {self.world} ranks")
-        self._prophet = RuntimeProphet(self.world, self.forget)
+        self._prophet = RuntimeProphet(self.world, self.forget, self.quadratic)
         return self._rule()
 
     def _rule(self) -> ScheduleRule:
         assert self._prophet is not None
         a, b = self._prophet.models()
+        c = self._prophet.coefficient()
         known = np.isfinite(a)
         if not known.any():
             return ScheduleRule(np.ones(self.world), np.zeros(self.world), cap=self._caps(),
-                                pivot=self.pivot)
+                                pivot=self.pivot, quadratic=c)
         # A rank without feedback yet: the mean of the others (it gets a fair share to measure).
         a = np.where(known, a, float(np.mean(a[known])))
         b = np.where(known, b, float(np.mean(b[known])))
         if not (np.all(a > 0) and math.isfinite(float(a.sum()))):
             raise ValueError(f"Chronica: slopes must be positive, got {a.tolist()}")
-        return ScheduleRule(a, b, cap=self._caps(), pivot=self.pivot)
+        return ScheduleRule(a, b, cap=self._caps(), pivot=self.pivot, quadratic=c)
 
     def _caps(self) -> Optional[np.ndarray]:
         return None if self.cap is None else np.broadcast_to(np.asarray(self.cap, np.float64), (self.world,))
@@ -163,19 +236,22 @@ class Chronica(Policy):
             raise ValueError(f"Chronica.decide: record has {rec.world} ranks, policy was started "
                              f"with world={self.world}")
         require_progress(rec, self.name)
-        self._prophet.update(rec.data, rec.compute)
+        # Without sample sizes every sample counts 1, so the squares sum to the count.
+        self._prophet.update(rec.data, rec.compute, rec.data if rec.sq is None else rec.sq)
         return self._rule()
 
     def state_dict(self) -> Dict[str, Any]:
         assert self._prophet is not None, "Chronica: start(ctx) first"
-        return {"forget": self.forget, "pivot": self.pivot, "cap": self.cap, "world": self.world,
+        return {"forget": self.forget, "pivot": self.pivot, "cap": self.cap,
+                "quadratic": self.quadratic, "world": self.world,
                 "global_batch": self.global_batch, "prophet": self._prophet.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.forget = float(state["forget"])
         self.pivot = bool(state.get("pivot", True))
         self.cap = state.get("cap")
+        self.quadratic = check_quadratic(state.get("quadratic", 0.0), "Chronica")
         self.world = int(state["world"])
         self.global_batch = int(state["global_batch"])
-        self._prophet = RuntimeProphet(self.world, self.forget)
+        self._prophet = RuntimeProphet(self.world, self.forget, self.quadratic)
         self._prophet.load_state_dict(state["prophet"])
