@@ -25,6 +25,7 @@ from .plan import ScheduleRule
 from .policies import DBS, EMA, LBB, LBBSP, NARX, WLBS, Chronica, Memoryless, Uniform
 from .profile import Profile, profile
 from .telemetry import UnusableTelemetry
+from .sync import DelayedSync
 
 __version__ = "0.1.0"
 
@@ -34,5 +35,5 @@ __all__ = [
     "Balancer", "DataLoader", "BalancedLoader", "DecisionMismatchError", "BatchSizeError",
     "UnusableTelemetry", "ScheduleRule", "Profile", "profile",
     "policies", "Uniform", "LBB", "LBBSP", "WLBS", "DBS", "Chronica", "Memoryless", "EMA", "NARX",
-    "emulate", "telemetry", "sim", "collate",
+    "emulate", "telemetry", "sim", "collate", "DelayedSync",
 ]

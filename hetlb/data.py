@@ -166,7 +166,10 @@ class GlobalOrderSampler:
             plan = board.draw_stream(length)
             if plan is None:
                 return
-            yield perm[base + plan.start:base + plan.start + plan.count].tolist()
+            idx = perm[base + plan.start:base + plan.start + plan.count]
+            if self.sample_sizes is not None:
+                object.__setattr__(plan, "data", float(self.sample_sizes[idx].sum()))
+            yield idx.tolist()
 
 
 def dataset_sample_sizes(dataset: Any) -> Optional[np.ndarray]:
@@ -442,6 +445,9 @@ class _Iteration:
             batch = next(self._it)
         except StopIteration:
             self._done = True
+            finish = getattr(self._bal, "_exhausted", None)
+            if finish is not None:  # delayed sync: take part until every rank's shard is done
+                finish()
             raise
         self._bal._handed(self._board.hand())
         return batch

@@ -191,6 +191,7 @@ class StreamPlan:
     epoch: int
     start: int
     count: int
+    data: Optional[float] = None  # summed sample sizes (None: samples have no size)
 
 
 Decision = Union[np.ndarray, ScheduleRule]
@@ -349,6 +350,8 @@ class PlanBoard:
 
     def _new_epoch(self, epoch: int) -> None:
         self.epoch, self.done = int(epoch), 0
+        if self.mode == "stream":
+            self.shards, self.used = None, np.zeros(self.world, np.int64)
         if self.partition is not None:
             self.partition.new_epoch()
             self.steps_per_epoch = self.partition.steps
@@ -445,6 +448,7 @@ class PlanBoard:
             return None
         plan = StreamPlan(self.epoch, self._cursor, min(self.reference, left))
         self._cursor += plan.count
+        self.drawn.append(plan)
         return plan
 
     def stream_offset(self) -> int:

@@ -359,3 +359,15 @@ def test_malformed_samples(patch, field):
     d.update(patch)
     with pytest.raises(ScenarioError, match=field):
         Scenario.from_dict(d)
+
+
+def test_profiles_are_in_samples_when_work_is_data():
+    """With work='data' a worker's model is of its data amount; LBB's profiles count samples,
+    so a batch of b samples is profiled at b times the mean size, and LBB starts balanced."""
+    sc = Scenario.from_dict({"global_batch": 256, "work": "data", "lower": 1, "seed": 3,
+                             "samples": {"kind": "normal", "mean": 45, "std": 5, "min": 1},
+                             "workers": [{"model": [0.002, 2e-5], "speed": s} for s in (1, 2, 3, 4)]})
+    res = simulate(sc, "lbb", steps=3, profile=True)
+    share = res.sizes[0] / res.sizes[0].sum()
+    np.testing.assert_allclose(share, np.array([1, 2, 3, 4]) / 10, atol=0.02)
+    assert res.se[0] < 0.1

@@ -178,15 +178,20 @@ class _Cluster:
 
 def _profiles(sc: Scenario, idx: np.ndarray, upper: np.ndarray) -> List[Dict[str, Any]]:
     """What LBB's profiling phase would measure on each worker: the model at powers of two up
-    to its limit (noise-free), fitted as the Balancer fits a :class:`hetlb.Profile`."""
+    to its limit (noise-free), fitted as the Balancer fits a :class:`hetlb.Profile`. Profiles are
+    in samples; with ``work="data"`` a batch of ``b`` samples holds ``b`` times the mean size
+    (estimated from the scenario's size distribution)."""
+    per_sample = 1.0
+    if sc.work == "data" and sc.samples is not None:
+        per_sample = float(sc.samples.draw(np.random.default_rng(0), 100_000).mean())
     out = []
     for r, w in enumerate(idx.tolist()):
         spec = sc.workers[w]
         top = int(min(upper[r], spec.limit or sc.global_batch))
         bs = [b for b in (2 ** k for k in range(1, 31)) if b <= top] or [1]
-        ts = spec.time_model.time(np.array(bs, np.float64))
+        ts = spec.time_model.time(np.array(bs, np.float64) * per_sample)
         if len(bs) == 1:
-            bs, ts = bs + [bs[0] + 1], np.append(ts, spec.time_model.time(bs[0] + 1))
+            bs, ts = bs + [bs[0] + 1], np.append(ts, spec.time_model.time((bs[0] + 1) * per_sample))
         out.append({"model": PolyModel.fit(bs, ts, degree=min(3, len(bs) - 1)),
                     "linear": LinearModel.fit(bs, ts), "limit": int(bs[-1]),
                     "oom_at": None if spec.limit is None else spec.limit + 1})

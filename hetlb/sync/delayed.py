@@ -1,0 +1,434 @@
+"""ABS-SGD: delayed synchronous training that never lets a worker idle (ABS-SGD Algorithm 1).
+
+Iteration ``t`` runs two things at once on every rank:
+
+1. the all-reduce of the previous iteration's gradients ``G_{t-1}`` (each rank's sum over its
+   samples), started asynchronously at the iteration boundary, with every rank's telemetry row
+   (accumulated batch, data amount, compute and wait seconds, samples left in its shard) in the
+   same flat buffer, so the total batch arrives with the gradient (no separate exchange);
+2. reference batches of ``reference_batch`` samples on the current parameters ``x_t``, their
+   gradients accumulated, until the all-reduce has completed (at least one per iteration; a rank
+   checks after each reference batch). A rank's batch of the iteration is ``k * reference_batch``
+   for the ``k`` batches it managed: its share follows its speed by itself.
+
+When the all-reduce completes the rank divides by the total batch, compensates the one-step
+staleness (Eq. 6: ``G~ = G + lam * G * G * (x_t - x_{t-1})``, :func:`hetlb.ops.delay_compensate_`),
+steps the optimizer and starts the next iteration's all-reduce. Parameters stay identical on every
+rank (every rank applies the same update); no DDP is involved: hetlb owns the gradient buffers.
+
+Delay compensation with momentum or Adam: the compensated gradient ``G~`` is what the optimizer
+receives as ``p.grad``; its own state (momentum, moment estimates) then runs on compensated,
+one-step-stale gradients. The paper analyses plain SGD only; with momentum the staleness adds one
+step to the momentum's own lag, which is usually harmless for small learning rates.
+
+The epoch (with :meth:`DelayedSync.loader`): the epoch's global order is cut into one shard per
+rank, sized by each rank's measured share of the previous epoch (equal at the first); a rank draws
+reference batches from its own shard. A rank whose shard is used up keeps taking part in the
+iterations with an empty accumulator until the telemetry shows every shard used up and every
+accumulated gradient applied; then every rank ends the epoch at the same iteration, so no
+collective is left waiting. Each sample is trained exactly once per epoch; a shard's last
+reference batch may be smaller.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from ..checks import integer, number
+from ..data import BalancedLoader
+from ..plan import PlanBoard, StreamPlan
+
+__all__ = ["DelayedSync", "IterationRecord"]
+
+log = logging.getLogger("hetlb")
+
+#: The telemetry row each rank writes into its slots of the flat buffer.
+ROW = ("batch", "data", "compute", "wait", "left")
+_R = {name: i for i, name in enumerate(ROW)}
+_FORMAT = "hetlb.DelayedSync/1"
+WEIGHTINGS = ("samples", "sizes", "none")
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One iteration as every rank saw it (arrays ``[world]``).
+
+    Attributes:
+        iteration: the iteration whose gradients these are (counted from 0).
+        batch: int64 samples each rank accumulated.
+        data: data amount each rank accumulated (equals ``batch`` without sample sizes).
+        compute: seconds each rank spent on its reference batches.
+        wait: seconds each rank waited, idle, for the previous iteration's all-reduce (it rides
+            in the next buffer: a wait is known only once its all-reduce has completed).
+    """
+
+    iteration: int
+    batch: np.ndarray
+    data: np.ndarray
+    compute: np.ndarray
+    wait: np.ndarray
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"iteration": self.iteration, "batch": self.batch.tolist(), "data": self.data.tolist(),
+                "compute": self.compute.tolist(), "wait": self.wait.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "IterationRecord":
+        return cls(int(d["iteration"]), np.asarray(d["batch"], np.int64), np.asarray(d["data"], np.float64),
+                   np.asarray(d["compute"], np.float64), np.asarray(d["wait"], np.float64))
+
+
+class DelayedSync:
+    """Delay-compensated delayed-synchronous data parallelism (ABS-SGD).
+
+    ::
+
+        ds = hetlb.DelayedSync(model, opt, reference_batch=32, lam=0.5)
+        loader = ds.loader(dataset)
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            for x, y in loader:
+                loss_fn(model(x), y).backward()     # the mean loss over the reference batch
+                ds.step()                           # True when an update was applied
+
+    Args:
+        model: a plain ``torch.nn.Module`` (not wrapped in DDP), identical on every rank.
+        optimizer: any torch optimizer over its parameters; stepped once per update (step an LR
+            scheduler when :meth:`step` returns True).
+        reference_batch: samples per reference batch (the paper's ``M_r``).
+        lam: delay-compensation coefficient (the paper's 0.5); 0 is plain one-step-delayed SGD.
+        weighting: ``"samples"`` (the sum of gradients over the total batch, the paper's),
+            ``"sizes"`` (by data amount: the loss a mean per data unit, needs ``sample_sizes``),
+            ``"none"`` (the plain mean of the ranks' mean gradients).
+        group: process group (default: the world).
+        batches_per_iteration: deterministic mode: every rank computes exactly this many
+            reference batches per iteration and then waits for the all-reduce (tests,
+            reproducibility); None: as many as fit while the all-reduce runs (the paper's).
+        emulator: an :class:`hetlb.emulate.Emulator` that stretches each reference batch.
+
+    Gradients accumulate and travel in float32 buffers (float64 when a parameter is float64), so
+    bf16 parameters are fine and the integer batch counts ride exactly.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reference_batch: int,
+                 lam: float = 0.5, weighting: str = "samples", group: Any = None, *,
+                 batches_per_iteration: Optional[int] = None, emulator: Any = None) -> None:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("DelayedSync takes the plain module, not DDP: it all-reduces the "
+                             "gradients itself (pass ddp.module, or do not wrap the model)")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        self.model, self.optimizer = model, optimizer
+        self.reference_batch = integer(reference_batch, "reference_batch", 1)
+        self.lam = number(lam, "lam", minimum=0.0)
+        self.weighting = weighting
+        self.group = group
+        self.fixed = None if batches_per_iteration is None else integer(batches_per_iteration, "batches_per_iteration", 1)
+        self.emulator = emulator
+        on = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if on else 1
+        self.rank = dist.get_rank(group) if on else 0
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("DelayedSync: the model has no parameter that requires a gradient")
+        self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self.device = self.params[0].device
+        self._acc = [torch.zeros(p.shape, dtype=self.dtype, device=self.device) for p in self.params]
+        self._gbar = [torch.zeros_like(a) for a in self._acc]
+        self._prev: Optional[List[torch.Tensor]] = None  # parameters the in-flight gradient was computed at
+        self._batch = 0  # samples accumulated this iteration
+        self._data = 0.0
+        self._compute = 0.0
+        self._count = 0  # reference batches this iteration
+        self._waited = 0.0  # seconds waited for all-reduces since the last send
+        self._flight: Optional[tuple] = None  # (work, buffer, iteration)
+        self._mark = time.perf_counter()  # start of the current reference batch
+        self.iteration = 0  # iterations started (all-reduces issued)
+        self.updates = 0  # updates applied
+        self.references = 0  # reference batches trained
+        self.history: Deque[IterationRecord] = deque(maxlen=4096)
+        self.board: Optional[PlanBoard] = None
+        self._loader: Optional[BalancedLoader] = None
+        self._used = 0  # samples of this rank's shard trained this epoch
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self, batch_size: Optional[int] = None, data: Optional[float] = None) -> bool:
+        """Accumulate the reference batch just back-propagated; poll (or, deterministic, wait
+        for) the iteration's all-reduce; when it has completed apply the update and start the
+        next iteration. Returns True when an update was applied.
+
+        Args:
+            batch_size: samples in the reference batch (default: the loader's plan, else
+                ``reference_batch``).
+            data: its data amount for ``weighting="sizes"`` (default: the loader's plan).
+        """
+        plan = self._plan()
+        m = integer(batch_size if batch_size is not None else (plan.count if plan else self.reference_batch),
+                    "batch_size", 1)
+        amount = float(data if data is not None else (plan.data if plan is not None and plan.data is not None else m))
+        if self.emulator is not None:
+            by_data = getattr(self.emulator, "by", "batch") == "data"
+            self.emulator.stretch(self.references, amount if by_data else m, self._mark)
+        self._compute += time.perf_counter() - self._mark
+        weight = {"samples": m, "sizes": amount, "none": m}[self.weighting]
+        for p, a in zip(self.params, self._acc):
+            if p.grad is not None:
+                a.add_(p.grad.to(self.dtype), alpha=float(weight))
+                p.grad = None
+        self._batch += m
+        self._data += amount
+        self._count += 1
+        self.references += 1
+        if plan is not None:
+            self._used += m
+            self.board.current = None
+        applied = self._advance(wait=self.fixed is not None and self._count >= self.fixed)
+        self._mark = time.perf_counter()
+        return applied
+
+    def _advance(self, wait: bool) -> bool:
+        """End the iteration if its all-reduce has completed (or ``wait``): update, then send."""
+        if self.fixed is not None and self._count < self.fixed:
+            return False
+        applied = False
+        if self._flight is not None:
+            work = self._flight[0]
+            if not wait and not work.is_completed():
+                return False
+            applied = self._complete()
+        self._send()
+        return applied
+
+    def _complete(self) -> bool:
+        """Wait for the in-flight all-reduce and apply its update; returns whether one was applied
+        (an iteration in which no rank had samples applies none)."""
+        work, buf, it = self._flight
+        t = time.perf_counter()
+        work.wait()
+        waited = time.perf_counter() - t
+        self._flight = None
+        self._waited += waited
+        n = buf.numel() - self.world * len(ROW)
+        table = buf[n:].view(self.world, len(ROW)).double().cpu().numpy()
+        batch = np.rint(table[:, _R["batch"]]).astype(np.int64)
+        rec = IterationRecord(it, batch, table[:, _R["data"]].copy(), table[:, _R["compute"]].copy(),
+                              table[:, _R["wait"]].copy())
+        self.history.append(rec)
+        self._table = table
+        if self.weighting == "samples":
+            total = float(batch.sum())
+        elif self.weighting == "sizes":
+            total = float(rec.data.sum())
+        else:
+            total = float(np.count_nonzero(batch))
+        if total <= 0:  # nobody had samples: no update; the next gradient is at these parameters
+            with torch.no_grad():
+                for p, prev in zip(self.params, self._prev):
+                    prev.copy_(p.detach())
+            return False
+        ops.unflatten_(buf, self._gbar, 1.0 / total)
+        with torch.no_grad():
+            for p, g, prev in zip(self.params, self._gbar, self._prev):
+                cur = p.detach() if p.dtype == self.dtype else p.detach().to(self.dtype)
+                if self.lam:
+                    ops.delay_compensate_(g, cur, prev, self.lam)
+                prev.copy_(cur)  # the next in-flight gradient is computed at these parameters
+                p.grad = g.to(p.dtype) if p.dtype != self.dtype else g.clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        return True
+
+    def _send(self) -> None:
+        """Pack this iteration's accumulated gradient and row, start its all-reduce, and begin the
+        next iteration (the parameters it was computed at are kept for the compensation)."""
+        row = torch.zeros(self.world * len(ROW), dtype=self.dtype, device=self.device)
+        left = self._left()
+        mine = [float(self._batch), self._data, self._compute, self._waited, float(left)]
+        self._waited = 0.0
+        row[self.rank * len(ROW):(self.rank + 1) * len(ROW)] = torch.tensor(mine, dtype=self.dtype)
+        scale = 1.0
+        if self.weighting == "none" and self._batch > 0:
+            scale = 1.0 / self._batch
+        buf = ops.flatten_scaled(self._acc, scale, extra=row)
+        if self._prev is None:
+            self._prev = [p.detach().to(self.dtype).clone() for p in self.params]
+        if self.world > 1:
+            work = dist.all_reduce(buf, group=self.group, async_op=True)
+        else:
+            work = _Done()
+        self._flight = (work, buf, self.iteration)
+        self.iteration += 1
+        for a in self._acc:
+            a.zero_()
+        self._batch, self._data, self._compute, self._count = 0, 0.0, 0.0, 0
+
+    def flush(self) -> None:
+        """Apply everything accumulated: wait for the in-flight all-reduce and apply it, then send
+        this iteration's gradients and apply them too. Collective: every rank calls it at the
+        same update (e.g. ``if ds.step() and ds.updates % 100 == 0: ds.flush(); save(...)``);
+        :meth:`state_dict` calls it."""
+        if self._flight is not None:
+            self._complete()
+        self._send()
+        self._complete()
+
+    # ------------------------------------------------------------------ data
+
+    def loader(self, dataset: Any, shuffle: bool = True, *, seed: int = 0, drop_last: bool = False,
+               sample_sizes: Any = None, **dataloader_kwargs: Any) -> BalancedLoader:
+        """This rank's reference batches of ``dataset`` (see the module docstring for the epoch).
+
+        Args:
+            dataset: a map-style dataset.
+            shuffle, seed, drop_last: the epoch's global order (``seed + epoch``), as in
+                ``DistributedSampler``; ``drop_last`` drops the tail that does not fill a whole
+                ``world * reference_batch``.
+            sample_sizes: per-sample data amounts (for ``weighting="sizes"``).
+            **dataloader_kwargs: passed to ``torch.utils.data.DataLoader``.
+        """
+        if self._loader is not None:
+            raise ValueError("this DelayedSync already drives a loader; iterate it every epoch")
+        for key in ("batch_size", "batch_sampler", "sampler"):
+            if key in dataloader_kwargs:
+                raise ValueError(f"DelayedSync.loader: {key}= is not accepted: reference batches are "
+                                 f"reference_batch={self.reference_batch} samples of this rank's shard")
+        self.board = PlanBoard(self.world, self.rank, self.world * self.reference_batch, mode="stream")
+        loader = BalancedLoader(dataset, None, shuffle, sample_sizes=sample_sizes, seed=seed,
+                                drop_last=drop_last, board=self.board, **dataloader_kwargs)
+        if self.weighting == "sizes" and loader.sample_sizes is None:
+            raise ValueError('weighting="sizes" needs per-sample sizes: ds.loader(dataset, sample_sizes=...)')
+        loader.balancer = self
+        self._loader = loader
+        return loader
+
+    def _plan(self) -> Optional[StreamPlan]:
+        return None if self.board is None else self.board.current
+
+    def _left(self) -> int:
+        if self.board is None or self.board.shards is None:
+            return 0
+        return int(self.board.shards[self.rank]) - self._used
+
+    def _epoch_length(self) -> int:
+        s = self._loader.sampler
+        return (s.length // s.global_batch) * s.global_batch if s.drop_last else s.length
+
+    def _shards(self) -> np.ndarray:
+        """The epoch's shard sizes, proportional to each rank's measured speed (samples per
+        second of compute over the recent iterations in which it computed; equal at the first),
+        largest-remainder rounded. Every rank computes the same from the shared history."""
+        from ..solve import allocate_proportional
+        n = self._epoch_length()
+        recent = list(self.history)[-256:]
+        samples = np.zeros(self.world)
+        seconds = np.zeros(self.world)
+        for r in recent:
+            busy = (r.batch > 0) & (r.compute > 0)
+            samples[busy] += r.batch[busy]
+            seconds[busy] += r.compute[busy]
+        speed = np.ones(self.world)
+        if np.all(seconds > 0):
+            speed = samples / seconds
+        return allocate_proportional(speed, n)
+
+    # the loader's hooks (see hetlb.data._Iteration)
+    def _iteration_starts(self) -> None:
+        if self.world > 1 and self._flight is None:
+            dist.barrier(group=self.group)  # start the epoch together: no rank's shard runs ahead
+        b = self.board
+        if b.stream_finished():  # iterated again without set_epoch: the next epoch
+            b.epoch += 1
+            b.shards, b.used = None, np.zeros(self.world, np.int64)
+        if b.shards is None:
+            b.post_shards(self._shards(), self.reference_batch)
+            log.info("epoch %d: shards %s", b.epoch, b.shards.tolist())
+        self._used = int(b.used[self.rank])
+        self._mark = time.perf_counter()
+
+    def _before_next(self) -> None:
+        if self.board.current is not None:
+            raise RuntimeError("DelayedSync: call ds.step() after every reference batch's backward")
+
+    def _handed(self, plan: StreamPlan) -> None:
+        self._mark = time.perf_counter()
+
+    def _exhausted(self) -> None:
+        """This rank's shard is used up: take part in iterations with nothing more to add until
+        every rank's shard is used up and applied; then the epoch ends on every rank together."""
+        while True:
+            if self._flight is None:
+                self._send()
+            self._complete()
+            if np.all(self._table[:, _R["left"]] == 0):
+                break
+        self.board.used = self.board.shards.copy()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Flush (collective: see :meth:`flush`), then the counters, history and data position;
+        save the model and optimizer next to it. Plain values, loadable with ``torch.load``."""
+        self.flush()
+        if self.board is not None and self.board.shards is not None:
+            self.board.used = self._consumed()
+        return {"format": _FORMAT, "world": self.world, "iteration": self.iteration, "updates": self.updates,
+                "references": self.references, "reference_batch": self.reference_batch,
+                "history": [r.to_dict() for r in self.history],
+                "position": None if self.board is None else self.board.position(),
+                "loader": None if self._loader is None else self._loader.sampler.config()}
+
+    def _consumed(self) -> np.ndarray:
+        """Every rank's trained samples of its shard, from the last table (flushed)."""
+        shards = self.board.shards
+        return np.maximum(shards - np.rint(self._table[:, _R["left"]]).astype(np.int64), 0)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (load the model and optimizer as saved with it)."""
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"not a {_FORMAT} checkpoint (format={state.get('format')!r})")
+        if int(state["reference_batch"]) != self.reference_batch:
+            raise ValueError(f"checkpoint reference_batch={state['reference_batch']} differs from "
+                             f"{self.reference_batch}")
+        self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
+        self.references = int(state["references"])
+        self.history = deque((IterationRecord.from_dict(d) for d in state["history"]), maxlen=4096)
+        self._flight, self._prev = None, None
+        for a in self._acc:
+            a.zero_()
+        self._batch, self._data, self._compute, self._count = 0, 0.0, 0.0, 0
+        pos = state.get("position")
+        if pos is not None and self.board is not None:
+            shards, used = pos.get("shards"), pos.get("used")
+            finished = shards is not None and sum(shards) > 0 and list(used) == list(shards)
+            if int(state["world"]) == self.world:
+                self.board.load_position(pos)
+            elif shards is None or finished or not any(used):
+                # At an epoch boundary: the next epoch's shards are cut for the new world.
+                self.board.epoch = int(pos["epoch"]) + (1 if finished else 0)
+                self.board.shards, self.board.used = None, np.zeros(self.world, np.int64)
+            else:
+                raise ValueError("DelayedSync resumes in the middle of an epoch only on the number of "
+                                 f"ranks it saved on ({state['world']}, now {self.world}); resume at an "
+                                 "epoch boundary to change it")
+            self.board.restored = False
+            self._used = 0 if self.board.shards is None else int(self.board.used[self.rank])
+
+
+class _Done:
+    """A completed work handle (one rank: nothing to reduce)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
