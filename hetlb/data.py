@@ -75,6 +75,11 @@ class GlobalOrderSampler:
         return self.length // self.global_batch
 
     @property
+    def epoch_length(self) -> int:
+        """Samples an epoch trains (``drop_last`` drops the tail short of a global batch)."""
+        return self.full_steps * self.global_batch if self.drop_last else self.length
+
+    @property
     def steps_per_epoch(self) -> int:
         if self.board.partition is not None:
             return self.board.partition.steps
@@ -160,7 +165,7 @@ class GlobalOrderSampler:
         """Stream mode: this rank's reference batches of its shard (see :mod:`hetlb.plan`)."""
         board = self.board
         perm = self.permutation(board.epoch)
-        length = (self.length // self.global_batch) * self.global_batch if self.drop_last else self.length
+        length = self.epoch_length
         base = board.stream_offset()
         while True:
             plan = board.draw_stream(length)

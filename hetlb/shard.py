@@ -152,6 +152,7 @@ class Partition:
         self.trained: Optional[np.ndarray] = None
         self._layout: Optional[Tuple[Any, ...]] = None
         self._starts = np.zeros((self.world, 0), np.int64)
+        self._sq = np.zeros((self.world, 0))
 
     # ------------------------------------------------------------------ the epoch's steps
 
@@ -173,6 +174,7 @@ class Partition:
         orders: List[np.ndarray] = []
         counts = np.zeros((self.world, steps), np.int64)
         data = np.zeros((self.world, steps))
+        sq = np.zeros((self.world, steps))
         for r in range(self.world):
             mine = np.flatnonzero((self.home == r) & active)
             if self.shuffle:
@@ -190,10 +192,12 @@ class Partition:
                 step_of = (np.arange(mine.size) * steps) // mine.size
             counts[r] = np.bincount(step_of, minlength=steps)
             data[r] = np.bincount(step_of, weights=w, minlength=steps)
+            sq[r] = np.bincount(step_of, weights=w * w, minlength=steps)
         crc = zlib.crc32(self.home.tobytes())
         if self.trained is not None:
             crc = zlib.crc32(np.packbits(self.trained).tobytes(), crc)
         self._starts = np.cumsum(counts, axis=1) - counts
+        self._sq = sq
         self._layout = (key, orders, counts, data, crc)
         return orders, counts, data, crc
 
@@ -207,8 +211,8 @@ class Partition:
         """Every rank's sum of squared sample sizes at ``step`` (None when samples have no size)."""
         if not self.sized:
             return None
-        sq = np.array([float(np.sum(self.work[self.step_indices(epoch, step, r)] ** 2))
-                       for r in range(self.world)])
+        self.layout(epoch)
+        sq = self._sq[:, step].copy()
         sq.flags.writeable = False
         return sq
 

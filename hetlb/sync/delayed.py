@@ -319,16 +319,12 @@ class DelayedSync:
             return 0
         return int(self.board.shards[self.rank]) - self._used
 
-    def _epoch_length(self) -> int:
-        s = self._loader.sampler
-        return (s.length // s.global_batch) * s.global_batch if s.drop_last else s.length
-
     def _shards(self) -> np.ndarray:
         """The epoch's shard sizes, proportional to each rank's measured speed (samples per
         second of compute over the recent iterations in which it computed; equal at the first),
         largest-remainder rounded. Every rank computes the same from the shared history."""
         from ..solve import allocate_proportional
-        n = self._epoch_length()
+        n = self._loader.sampler.epoch_length
         recent = list(self.history)[-256:]
         samples = np.zeros(self.world)
         seconds = np.zeros(self.world)
