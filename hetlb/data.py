@@ -433,7 +433,9 @@ class _Iteration:
         self._bal._iteration_starts()
         self._board.restart()
         self._generation = self._board.generation
-        self._it = iter(loader._dl)
+        self._dl = loader._dl
+        self._it = iter(self._dl)
+        self._collate = loader._dl.collate_fn
         self._done = False
 
     def __iter__(self) -> "_Iteration":
@@ -447,15 +449,30 @@ class _Iteration:
                                "start a new `for` loop over the loader")
         self._bal._before_next()
         try:
+            if self._it is None:
+                raise StopIteration
             batch = next(self._it)
         except StopIteration:
+            self._it = None  # a DataLoader iterator is not asked again once it has stopped
+            drain = getattr(self._bal, "_drain", None)
+            # Delayed sync: a rank whose shard is used up gets empty batches (its steps take
+            # part in the iterations) until every rank's shard is trained and applied; then the
+            # epoch's next round starts, or the epoch ends.
+            what = drain() if drain is not None else None
+            if what == "empty":
+                return self._empty()
+            if what == "round":
+                self._it = iter(self._dl)
+                return next(self)
             self._done = True
-            finish = getattr(self._bal, "_exhausted", None)
-            if finish is not None:  # delayed sync: take part until every rank's shard is done
-                finish()
             raise
         self._bal._handed(self._board.hand())
+        self._last = batch
         return batch
+
+    def _empty(self) -> Any:
+        last = getattr(self, "_last", None)
+        return _empty_like(last) if last is not None else self._collate([])
 
 
 class _Steps:

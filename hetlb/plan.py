@@ -19,10 +19,13 @@ the window's gradient can be weighted exactly (see :mod:`hetlb.aggregate`).
 
 Streams (``mode="stream"``, for delayed synchronous training, where a rank computes as many
 reference batches as fit before an all-reduce completes, so no step has sizes planned ahead): the
-epoch's global order is cut into one contiguous **shard** per rank (sizes posted by
-:meth:`PlanBoard.post_shards`, fixed for the epoch), and each rank draws reference batches of its
-own size from its shard at its own pace. The position is then every rank's count of trained
-samples of its shard (:meth:`PlanBoard.consumed`); the epoch ends when every shard is used up.
+epoch's global order is trained in **rounds** (one per epoch, and a short first one while no
+speed has been measured), and each round's samples are cut into one contiguous **shard** per rank
+(sizes posted by :meth:`PlanBoard.post_shards`, fixed for the round); each rank draws reference
+batches of its own size from its shard at its own pace. The position is then where the round
+starts (``base``) and every rank's count of trained samples of its shard
+(:meth:`PlanBoard.consumed`); a round ends when every shard is used up, the epoch when its last
+round has.
 """
 from __future__ import annotations
 
@@ -238,6 +241,8 @@ class PlanBoard:
         self.shards: Optional[np.ndarray] = None
         self.used = np.zeros(self.world, np.int64)
         self.reference = 1
+        self.base = 0  # samples of the epoch's order in the rounds before this one
+        self.length: Optional[int] = None  # samples in the epoch (posted with the shards)
         self._cursor = 0
         #: Sharded mode: which rank holds each sample (see :mod:`hetlb.shard`), or None.
         self.partition: Optional[Partition] = None
@@ -351,7 +356,7 @@ class PlanBoard:
     def _new_epoch(self, epoch: int) -> None:
         self.epoch, self.done = int(epoch), 0
         if self.mode == "stream":
-            self.shards, self.used = None, np.zeros(self.world, np.int64)
+            self.shards, self.used, self.base = None, np.zeros(self.world, np.int64), 0
         if self.partition is not None:
             self.partition.new_epoch()
             self.steps_per_epoch = self.partition.steps
@@ -367,7 +372,9 @@ class PlanBoard:
         if self.mode == "stream":
             if self.stream_finished():
                 self.epoch += 1
-                self.shards, self.used = None, np.zeros(self.world, np.int64)
+                self.shards, self.used, self.base = None, np.zeros(self.world, np.int64), 0
+            elif self.round_finished():
+                self.next_round()
             self._cursor = int(self.used[self.rank])
             return self._cursor
         if self.epoch_finished():
@@ -424,29 +431,49 @@ class PlanBoard:
 
     # ------------------------------------------------------------------ streams
 
-    def post_shards(self, shards: Any, reference: int) -> None:
-        """Stream mode: the epoch's shard sizes (int64 ``[world]``, summing to the epoch's
-        samples; fixed once the epoch has started) and this rank's reference batch size."""
+    def post_shards(self, shards: Any, reference: int, length: int) -> None:
+        """Stream mode: the round's shard sizes (int64 ``[world]``; fixed once the round has
+        started), this rank's reference batch size and the epoch's samples (the round covers
+        ``base .. base + sum(shards)`` of them)."""
         if self.mode != "stream":
             raise ValueError("post_shards is for a PlanBoard(mode='stream')")
         shards = np.asarray(shards, dtype=np.int64)
+        length = integer(length, "epoch length", 0)
         if shards.shape != (self.world,) or np.any(shards < 0):
             raise ValueError(f"shards must be {self.world} non-negative integers, got {shards.tolist()}")
+        if self.base + int(shards.sum()) > length:
+            raise ValueError(f"shards {shards.tolist()} from sample {self.base} run past the epoch's {length}")
         if self.shards is not None and self.used.any() and not np.array_equal(shards, self.shards):
-            raise ValueError("the shards of an epoch under way cannot change (post them at its start)")
+            raise ValueError("the shards of a round under way cannot change (post them at its start)")
         self.shards = shards.copy()
+        self.length = length
         self.reference = integer(reference, "reference batch", 1)
+
+    def next_round(self) -> None:
+        """The round is trained: the next one starts after it (its shards are posted next)."""
+        if not self.round_finished():
+            raise RuntimeError("next_round: the round is not trained yet")
+        self.base += int(self.shards.sum())
+        self.shards, self.used = None, np.zeros(self.world, np.int64)
+        self._cursor = 0
+        self.drawn.clear()
+        self.current = None
 
     def draw_stream(self, length: int) -> Optional[StreamPlan]:
         """This rank's next reference batch of the epoch (None once its shard is drawn)."""
         if self.shards is None:
             raise RuntimeError("a stream needs shards: post_shards() first")
-        if int(self.shards.sum()) != length:
-            raise RuntimeError(f"shards {self.shards.tolist()} do not cover the epoch's {length} samples")
+        if self.base + int(self.shards.sum()) > length:
+            raise RuntimeError(f"shards {self.shards.tolist()} from sample {self.base} run past the epoch's {length}")
         left = int(self.shards[self.rank]) - self._cursor
         if left <= 0:
             return None
-        plan = StreamPlan(self.epoch, self._cursor, min(self.reference, left))
+        # A shard's tail is split so no reference batch is tiny (an update of a few samples is
+        # a noisy step when it is all a tail iteration has): between 1 and 2 batches' worth left
+        # goes in two halves, each at most a reference batch.
+        m = self.reference
+        count = m if left >= 2 * m else (left + 1) // 2 if left > m else left
+        plan = StreamPlan(self.epoch, self._cursor, count)
         self._cursor += plan.count
         self.drawn.append(plan)
         return plan
@@ -455,7 +482,7 @@ class PlanBoard:
         """Where this rank's shard starts in the epoch's global order."""
         if self.shards is None:
             raise RuntimeError(f"a stream needs the shards of epoch {self.epoch}: post_shards() first")
-        return int(self.shards[:self.rank].sum())
+        return self.base + int(self.shards[:self.rank].sum())
 
     def consumed(self, used: Any) -> None:
         """Every rank's trained samples of its shard (from the shared telemetry): the stream's
@@ -465,10 +492,15 @@ class PlanBoard:
             raise ValueError(f"used must be {self.world} counts within the shards, got {used.tolist()}")
         self.used = used.copy()
 
-    def stream_finished(self) -> bool:
-        """Whether every shard of the epoch has been trained (an empty epoch never starts)."""
+    def round_finished(self) -> bool:
+        """Whether every shard of the round has been trained (an empty round never starts)."""
         return (self.shards is not None and int(self.shards.sum()) > 0
                 and bool(np.array_equal(self.used, self.shards)))
+
+    def stream_finished(self) -> bool:
+        """Whether the epoch's last round has been trained."""
+        return (self.round_finished() and self.length is not None
+                and self.base + int(self.shards.sum()) >= self.length)
 
     def position(self) -> Dict[str, Any]:
         """The data position (plain values): epoch and steps of it trained (a stream: the shards
@@ -476,7 +508,7 @@ class PlanBoard:
         if self.mode == "stream":
             return {"epoch": int(self.epoch), "global_batch": self.global_batch,
                     "shards": None if self.shards is None else self.shards.tolist(),
-                    "used": self.used.tolist()}
+                    "used": self.used.tolist(), "base": int(self.base), "length": self.length}
         out = {"epoch": int(self.epoch), "step": int(self.done), "global_batch": self.global_batch}
         if self.partition is not None:
             out["partition"] = self.partition.state()
@@ -493,6 +525,8 @@ class PlanBoard:
             shards = state.get("shards")
             self.shards = None if shards is None else np.asarray(shards, np.int64)
             self.used = np.asarray(state["used"], np.int64)
+            self.base = int(state.get("base", 0))
+            self.length = state.get("length")
             if self.used.shape != (self.world,):
                 raise ValueError(f"a stream position of {self.used.size} ranks cannot resume on {self.world}")
         else:

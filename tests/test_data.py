@@ -247,43 +247,63 @@ def test_split_last_and_checksums():
 
 
 @given(n=st.integers(0, 200), world=st.integers(1, 5), seed=st.integers(0, 999),
-       cut=st.integers(0, 30), refs=st.lists(st.integers(1, 9), min_size=5, max_size=5))
-def test_streams_cover_the_epoch_once_at_each_rank_s_own_pace(n, world, seed, cut, refs):
-    # Delayed synchronous training: every rank draws reference batches of its own size from its
-    # own shard; a checkpoint keeps every rank's count; a resume (on the same ranks) continues.
+       cut=st.integers(0, 30), refs=st.lists(st.integers(1, 9), min_size=5, max_size=5),
+       first=st.floats(0.0, 1.0))
+def test_streams_cover_the_epoch_once_at_each_rank_s_own_pace(n, world, seed, cut, refs, first):
+    # Delayed synchronous training: the epoch in two rounds (the first `first` of it, then the
+    # rest); every rank draws reference batches of its own size from its own shard of a round; a
+    # checkpoint keeps the round and every rank's count; a resume (on the same ranks) continues.
     rng = np.random.default_rng(seed)
-    w = rng.random(world) + 0.1
-    shards = split_last(np.maximum(1, np.round(w / w.sum() * 1000)).astype(np.int64), n)
+    first = max(1, int(first * n)) if n else 0  # an empty round is never posted
+    rounds = []
+    for size in (first, n - first):
+        w = rng.random(world) + 0.1
+        rounds.append(split_last(np.maximum(1, np.round(w / w.sum() * 1000)).astype(np.int64), size))
     boards = [PlanBoard(world, r, 8, mode="stream") for r in range(world)]
     samplers = [GlobalOrderSampler(n, b, seed=seed) for b in boards]
     seen = []
+    shards = rounds[0]
+    used = np.zeros(world, np.int64)
     for r, (b, s) in enumerate(zip(boards, samplers)):
-        b.post_shards(shards, refs[r])
+        b.post_shards(shards, refs[r], n)
         b.restart()
         for k, idx in enumerate(s):
-            assert 1 <= len(idx) <= refs[r]
+            # full reference batches; a tail of more than one batch is split in two halves
+            left = shards[r] - used[r]
+            assert len(idx) == (refs[r] if left >= 2 * refs[r] else -(-left // 2) if left > refs[r] else left)
             if k < cut:
                 seen += idx
+                used[r] += len(idx)
             else:
                 break
-    used = np.array([min(cut * refs[r], shards[r]) for r in range(world)])
     for b in boards:
         b.consumed(used)
     state = boards[0].position()
-    assert state["used"] == used.tolist() and state["shards"] == shards.tolist()
+    assert state["used"] == used.tolist() and state["shards"] == shards.tolist() and state["base"] == 0
     rest = [PlanBoard(world, r, 8, mode="stream") for r in range(world)]
     for r, b in enumerate(rest):
         b.load_position(state)
-        if n and np.array_equal(used, shards):  # the checkpoint closed the epoch: the next one
+        if n and first == n and np.array_equal(used, shards):  # the checkpoint closed the epoch
             b.restart()
             assert b.epoch == 1 and b.shards is None
             with pytest.raises(RuntimeError, match="shards of epoch 1: post_shards"):
                 list(GlobalOrderSampler(n, b, seed=seed))
             continue
-        b.post_shards(shards, refs[r])
-        b.restart()
-        seen += [i for idx in GlobalOrderSampler(n, b, seed=seed) for i in idx]
-        b.consumed(shards)
+        b.restart()  # a finished first round moves on to the second
+        if b.shards is None:
+            assert b.base == first
+        else:
+            seen += [i for idx in GlobalOrderSampler(n, b, seed=seed) for i in idx]
+            b.consumed(shards)
+            if n - first:
+                b.next_round()
+        if n - first and b.base < n:
+            assert b.base == first
+            b.post_shards(rounds[1], refs[r], n)
+            b.restart()
+            seen += [i for idx in GlobalOrderSampler(n, b, seed=seed) for i in idx]
+            b.consumed(rounds[1])
+            assert b.stream_finished()
     assert sorted(seen) == list(range(n))
 
 
@@ -291,16 +311,20 @@ def test_stream_misuse():
     b = PlanBoard(2, 0, 8, mode="stream")
     with pytest.raises(RuntimeError, match="post_shards"):
         b.draw_stream(10)
-    b.post_shards([6, 4], 3)
-    with pytest.raises(RuntimeError, match="do not cover the epoch's 11"):
-        b.draw_stream(11)
+    with pytest.raises(ValueError, match="run past the epoch's 9"):
+        b.post_shards([6, 4], 3, 9)
+    b.post_shards([6, 4], 3, 10)
+    with pytest.raises(RuntimeError, match="run past the epoch's 9"):
+        b.draw_stream(9)
+    with pytest.raises(RuntimeError, match="not trained yet"):
+        b.next_round()
     b.consumed([3, 0])
     with pytest.raises(ValueError, match="cannot change"):
-        b.post_shards([5, 5], 3)
+        b.post_shards([5, 5], 3, 10)
     with pytest.raises(ValueError, match="within the shards"):
         b.consumed([7, 0])
     with pytest.raises(ValueError, match="mode='stream'"):
-        PlanBoard(2, 0, 8).post_shards([4, 4], 2)
+        PlanBoard(2, 0, 8).post_shards([4, 4], 2, 8)
     with pytest.raises(ValueError, match="mode must be"):
         PlanBoard(2, 0, 8, mode="async")
 

@@ -27,7 +27,7 @@ OPTIMIZERS = {
 }
 
 
-def reference(world, iterations, k, lam, lr, optimizer="sgd"):
+def reference(world, iterations, k, lam, lr, optimizer="sgd", scale_lr=False):
     """ABS-SGD Algorithm 1 written out on one process: every rank's k reference batches of an
     iteration at the current parameters; the previous iteration's weighted mean, with delay
     compensation, given to the optimizer as the gradient at the iteration's end."""
@@ -52,7 +52,7 @@ def reference(world, iterations, k, lam, lr, optimizer="sgd"):
                 g, m = grad_sum(x, r, j)
                 G, M = G + g, M + m
         if inflight is not None:
-            gbar = inflight[0] / inflight[1]
+            gbar = inflight[0] / (world * 4 if scale_lr else inflight[1])  # scale_lr: over the nominal batch
             leaf.grad = gbar + lam * gbar * gbar * (x - inflight[2])
             opt.step()
         inflight = (G, M, x.clone())
@@ -60,10 +60,10 @@ def reference(world, iterations, k, lam, lr, optimizer="sgd"):
     return x
 
 
-def update_worker(rank, world, iterations, k, lam, lr, optimizer="sgd"):
+def update_worker(rank, world, iterations, k, lam, lr, optimizer="sgd", scale_lr=False):
     net = model0()
     opt = OPTIMIZERS[optimizer](net.parameters(), lr)
-    ds = hetlb.DelayedSync(net, opt, reference_batch=4, lam=lam, batches_per_iteration=k)
+    ds = hetlb.DelayedSync(net, opt, reference_batch=4, lam=lam, batches_per_iteration=k, scale_lr=scale_lr)
     applied = []
     for j in range(iterations * k):
         xb, yb = batch_of(rank, j)
@@ -75,12 +75,14 @@ def update_worker(rank, world, iterations, k, lam, lr, optimizer="sgd"):
     return out
 
 
-@pytest.mark.parametrize("lam,optimizer", [(0.0, "sgd"), (0.5, "sgd"), (0.5, "momentum"), (0.5, "adam")])
-def test_update_equals_the_hand_computed_abs_sgd_update(lam, optimizer):
-    """With momentum or Adam the optimizer receives the compensated stale gradient as p.grad."""
+@pytest.mark.parametrize("lam,optimizer,scale_lr", [(0.0, "sgd", False), (0.5, "sgd", False), (0.5, "momentum", False),
+                                                    (0.5, "adam", False), (0.5, "sgd", True)])
+def test_update_equals_the_hand_computed_abs_sgd_update(lam, optimizer, scale_lr):
+    """With momentum or Adam the optimizer receives the compensated stale gradient as p.grad;
+    scale_lr divides the sum by the nominal batch (here k = 2 times smaller than the total)."""
     world, iterations, k, lr = 2, 5, 2, 0.05
-    res = unwrap(run(update_worker, world, iterations, k, lam, lr, optimizer))
-    want = reference(world, iterations, k, lam, lr, optimizer)
+    res = unwrap(run(update_worker, world, iterations, k, lam, lr, optimizer, scale_lr))
+    want = reference(world, iterations, k, lam, lr, optimizer, scale_lr)
     for r in res:
         np.testing.assert_allclose(r["x"], want.tolist(), rtol=1e-12, atol=1e-14)
         # an update after every iteration but the first (nothing was in flight then)
@@ -123,18 +125,19 @@ def loader_worker(rank, world, speeds, n, epochs, state=None, stop_at=None):
     loader = ds.loader(data, seed=5)
     if state is not None:
         loader.load_state_dict(state)
-    seen, shards = {}, {}
+    seen, shards, rounds = {}, {}, {}
     epoch = ds.board.epoch
     while epoch < epochs:
         loader.set_epoch(epoch)
         for (x,) in loader:
             shards[epoch] = ds.board.shards.tolist()
+            rounds.setdefault(epoch, {})[ds.board.base] = ds.board.shards.tolist()
             net(x).sum().backward()
             seen.setdefault(epoch, []).extend(int(v) for v in x[:, 0].tolist())
             if ds.step() and stop_at is not None and ds.updates == stop_at:
                 return {"seen": seen, "state": loader.state_dict(), "shards": shards}
         epoch += 1
-    return {"seen": seen, "shards": shards, "batch": [r.batch.tolist() for r in ds.history],
+    return {"seen": seen, "shards": shards, "rounds": rounds, "batch": [r.batch.tolist() for r in ds.history],
             "updates": ds.updates, "x": [p.detach().tolist() for p in net.parameters()]}
 
 
@@ -145,7 +148,12 @@ def test_every_sample_once_and_shards_follow_speed():
         assert sorted(sum((r["seen"][e] for r in res), [])) == list(range(n)), f"epoch {e}"
     assert len({str(r["x"]) for r in res}) == 1 and len({r["updates"] for r in res}) == 1
     share = np.array([1, 2, 3, 4]) / 10
-    # Epoch 1's shards are cut by epoch 0's measured shares.
+    # A fresh run: a probe round of 4 reference batches per rank in equal shares, then the rest
+    # of the epoch cut by the shares it measured; epoch 1 is one round.
+    for r in res:
+        assert r["rounds"][0] == {0: [32] * 4, 128: r["rounds"][0][128]}
+        assert list(r["rounds"][1]) == [0]
+    np.testing.assert_allclose(np.array(res[0]["rounds"][0][128]) / (n - 128), share, rtol=0.15)
     np.testing.assert_allclose(np.array(res[0]["shards"][1]) / n, share, rtol=0.15)
     # Settled iterations: every rank computing, past the first of an epoch (nothing is in
     # flight at an epoch's start, so every rank sends after one reference batch there).
@@ -153,15 +161,89 @@ def test_every_sample_once_and_shards_follow_speed():
     np.testing.assert_allclose(busy.sum(0) / busy.sum(), share, rtol=0.15)
 
 
-def test_checkpoint_with_an_all_reduce_in_flight_resumes_exactly_once():
+@pytest.mark.parametrize("stop_at", [2, 4, 9])
+def test_checkpoint_with_an_all_reduce_in_flight_resumes_exactly_once(stop_at):
+    # 240 samples on 2 ranks: a probe round of 64, then the rest of the epoch (stops in either)
     n = 240
-    first = unwrap(run(loader_worker, 2, [1.0, 2.0], n, 2, None, 4))
+    first = unwrap(run(loader_worker, 2, [1.0, 2.0], n, 2, None, stop_at))
     state = first[0]["state"]
     rest = unwrap(run(loader_worker, 2, [1.0, 2.0], n, 2, state))
     before = sum((r["seen"].get(0, []) for r in first), [])
     after = sum((r["seen"].get(0, []) for r in rest), [])
     assert sorted(before + after) == list(range(n))
     assert sorted(sum((r["seen"][1] for r in rest), [])) == list(range(n))
+
+
+def stop_worker(rank, world, stop):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    ds = hetlb.DelayedSync(net, opt, reference_batch=8, batches_per_iteration=1)
+    loader = ds.loader(torch.utils.data.TensorDataset(torch.arange(50, dtype=torch.float32)[:, None]), seed=3)
+    log = []  # (samples in the batch, update applied, updates so far)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for (x,) in loader:
+            net(x).mean().backward()  # NaN for the empty batch: step() must drop it
+            applied = ds.step()
+            log.append((len(x), applied, ds.updates))
+            if applied and ds.updates >= stop:
+                break
+        if ds.updates >= stop:
+            break
+    ds.flush()
+    return {"log": log, "updates": ds.updates, "x": [p.detach().tolist() for p in net.parameters()]}
+
+
+def test_a_loop_that_stops_after_n_updates_stops_together_also_while_a_rank_drains():
+    # 50 samples on 3 ranks: shards 17, 17, 16 -> rank 2 has one reference batch fewer, so it
+    # gets an empty batch while the others train their last one.
+    full = unwrap(run(stop_worker, 3, 10 ** 6))
+    log2 = full[2]["log"]
+    drained = [u for n, applied, u in log2 if n == 0 and applied]
+    assert drained, log2
+    assert all(np.isfinite(v).all() for v in map(np.array, sum(full[0]["x"], [])))
+    assert sum(sum(n for n, _, _ in r["log"]) for r in full) == 100  # two epochs, none lost
+    stop = drained[0]
+    part = unwrap(run(stop_worker, 3, stop))
+    # every rank broke out at the same update and flushed the same iterations
+    assert [r["log"][-1][2] for r in part] == [stop] * 3
+    assert len({r["updates"] for r in part}) == 1
+    assert part[2]["log"][-1][0] == 0  # rank 2 stopped on an empty batch, the others on samples
+    assert all(r["log"][-1][0] > 0 for r in part[:2])
+    assert len({str(r["x"]) for r in part}) == 1
+
+
+def link_worker(rank, world, fixed, iterations=8):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    nbytes = (4 * 2 + 2 + world * len(hetlb.sync.delayed.ROW)) * 4  # the flat buffer, float32
+    # The link takes 60 ms for the buffer; a reference batch 10 ms.
+    emu = Emulator(model=hetlb.LinearModel(0.010, 0.0), bandwidth=nbytes / 0.060, rank=rank, spin=0.0005)
+    ds = hetlb.DelayedSync(net, opt, reference_batch=2, emulator=emu, batches_per_iteration=fixed)
+    x = torch.randn(2, 4)
+    while ds.updates < iterations:
+        net(x).sum().backward()
+        ds.step()
+    ds.flush()
+    return [(r.batch.tolist(), r.wait.tolist(), r.link.tolist()) for r in ds.history]
+
+
+@pytest.mark.parametrize("fixed", [1, None])
+def test_emulated_link_delays_the_all_reduce(fixed):
+    hist = unwrap(run(link_worker, 2, fixed))[0]
+    # link and wait ride one iteration late; the first iteration's is in the second record
+    link = np.array([h[2] for h in hist[1:]])
+    wait = np.array([h[1] for h in hist[1:]])
+    batch = np.array([h[0] for h in hist[1:-1]])  # the last is the flush's empty send
+    assert np.all(link >= 0.060), link
+    if fixed == 1:
+        # one 10 ms batch, then idle until the link delivers: most of the 60 ms is exposed
+        assert np.all(batch == 2) and np.all(wait[:-1] >= 0.030), wait
+    else:
+        # free running: ranks keep computing while the link is busy (~6 batches of 10 ms)
+        assert batch.mean() >= 3 * 2, batch
 
 
 def test_bad_input():
@@ -171,6 +253,8 @@ def test_bad_input():
         hetlb.DelayedSync(net, opt, 4, weighting="mean")
     with pytest.raises(ValueError, match="reference_batch"):
         hetlb.DelayedSync(net, opt, 0)
+    with pytest.raises(ValueError, match='scale_lr=True scales by samples; it needs weighting="samples"'):
+        hetlb.DelayedSync(net, opt, 4, weighting="none", scale_lr=True)
     ds = hetlb.DelayedSync(net, opt, 4)
     with pytest.raises(ValueError, match="batch_size= is not accepted"):
         ds.loader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=4)

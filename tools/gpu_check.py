@@ -102,6 +102,31 @@ def gloo_cuda_worker(rank, world, native, bal_backward=False):
     return {"err": max(errs), "transport": bal.transport}
 
 
+def delayed_worker(rank, world, device):
+    """DelayedSync (deterministic mode) on ``device``: the update must not depend on the device."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 4).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ds = hetlb.DelayedSync(net, opt, reference_batch=4, batches_per_iteration=2)
+    for j in range(12):
+        g = torch.Generator().manual_seed(100 * rank + j)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        torch.nn.functional.mse_loss(net(x.to(device)), y.to(device)).backward()
+        ds.step()
+    ds.flush()
+    return {"x": [p.detach().cpu().reshape(-1).tolist() for p in net.parameters()], "updates": ds.updates}
+
+
+def check_delayed_cuda():
+    cuda = unwrap(run(delayed_worker, 2, "cuda", timeout=300))
+    cpu = unwrap(run(delayed_worker, 2, "cpu", timeout=300))
+    for a, b in zip(cuda, cpu):
+        assert a["updates"] == b["updates"]
+        for p, q in zip(a["x"], b["x"]):
+            np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6)
+    return {"updates": cuda[0]["updates"]}
+
+
 def check_profile_oom():
     free, total = torch.cuda.mem_get_info()
     chunk = max(int(free // 40), 1 << 20)  # bytes per sample: fits up to ~32 samples
@@ -138,6 +163,7 @@ def main() -> int:
         "gloo_cuda (native)": lambda: _gloo(True),
         "gloo_cuda (reference)": lambda: _gloo(False),
         "gloo_cuda (bal.backward)": lambda: _gloo(True, True),
+        "delayed_sync (gloo, cuda tensors)": check_delayed_cuda,
         "profile_oom": check_profile_oom,
         "probe": check_probe,
     }

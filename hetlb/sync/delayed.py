@@ -21,13 +21,19 @@ receives as ``p.grad``; its own state (momentum, moment estimates) then runs on 
 one-step-stale gradients. The paper analyses plain SGD only; with momentum the staleness adds one
 step to the momentum's own lag, which is usually harmless for small learning rates.
 
-The epoch (with :meth:`DelayedSync.loader`): the epoch's global order is cut into one shard per
-rank, sized by each rank's measured share of the previous epoch (equal at the first); a rank draws
-reference batches from its own shard. A rank whose shard is used up keeps taking part in the
-iterations with an empty accumulator until the telemetry shows every shard used up and every
-accumulated gradient applied; then every rank ends the epoch at the same iteration, so no
-collective is left waiting. Each sample is trained exactly once per epoch; a shard's last
-reference batch may be smaller.
+The epoch (with :meth:`DelayedSync.loader`) is trained in rounds: each round's samples (a
+stretch of the epoch's global order) are cut into one shard per rank, sized by each rank's
+measured speed (samples per second of compute over the recent iterations), and a rank draws
+reference batches from its own shard. An epoch is one round, except in a fresh run: there no
+speed is known yet, so a short probe round (``probe_batches`` reference batches per rank, equal
+shares) goes first and the rest of the epoch is cut by the speeds it measured. A rank whose shard
+is used up gets empty batches (call :meth:`DelayedSync.step` after them as after any other: it
+takes part in the iteration with nothing to add) until the telemetry shows every shard used up and
+every accumulated gradient applied; then every rank starts the next round, or ends the epoch, at
+the same iteration, so no collective is left waiting and a loop that stops after ``N`` updates
+stops on every rank together. Each sample is trained exactly once per epoch; a shard's tail of
+between one and two reference batches is split into two halves, so no reference batch (and no
+tail iteration's update) is made of a handful of samples.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ import torch.distributed as dist
 from .. import ops
 from ..checks import integer, number
 from ..data import BalancedLoader
+from ..emulate import sleep_until
 from ..plan import PlanBoard, StreamPlan
 
 __all__ = ["DelayedSync", "IterationRecord"]
@@ -51,7 +58,7 @@ __all__ = ["DelayedSync", "IterationRecord"]
 log = logging.getLogger("hetlb")
 
 #: The telemetry row each rank writes into its slots of the flat buffer.
-ROW = ("batch", "data", "compute", "wait", "left")
+ROW = ("batch", "data", "compute", "wait", "link", "left")
 _R = {name: i for i, name in enumerate(ROW)}
 _FORMAT = "hetlb.DelayedSync/1"
 WEIGHTINGS = ("samples", "sizes", "none")
@@ -68,6 +75,9 @@ class IterationRecord:
         compute: seconds each rank spent on its reference batches.
         wait: seconds each rank waited, idle, for the previous iteration's all-reduce (it rides
             in the next buffer: a wait is known only once its all-reduce has completed).
+        link: seconds from each rank's start of the previous iteration's all-reduce until its
+            result was there (including an emulated link's delay); ``1 - wait / link`` is the
+            fraction of it hidden behind computation. Rides in the next buffer, like ``wait``.
     """
 
     iteration: int
@@ -75,15 +85,18 @@ class IterationRecord:
     data: np.ndarray
     compute: np.ndarray
     wait: np.ndarray
+    link: np.ndarray
 
     def to_dict(self) -> Dict[str, Any]:
         return {"iteration": self.iteration, "batch": self.batch.tolist(), "data": self.data.tolist(),
-                "compute": self.compute.tolist(), "wait": self.wait.tolist()}
+                "compute": self.compute.tolist(), "wait": self.wait.tolist(), "link": self.link.tolist()}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "IterationRecord":
+        wait = np.asarray(d["wait"], np.float64)
+        link = np.asarray(d["link"], np.float64) if "link" in d else np.full_like(wait, np.nan)
         return cls(int(d["iteration"]), np.asarray(d["batch"], np.int64), np.asarray(d["data"], np.float64),
-                   np.asarray(d["compute"], np.float64), np.asarray(d["wait"], np.float64))
+                   np.asarray(d["compute"], np.float64), wait, link)
 
 
 class DelayedSync:
@@ -112,7 +125,19 @@ class DelayedSync:
         batches_per_iteration: deterministic mode: every rank computes exactly this many
             reference batches per iteration and then waits for the all-reduce (tests,
             reproducibility); None: as many as fit while the all-reduce runs (the paper's).
-        emulator: an :class:`hetlb.emulate.Emulator` that stretches each reference batch.
+        probe_batches: while no rank's speed has been measured (a fresh run), the epoch's first
+            round is this many reference batches per rank in equal shares, so the rest of the
+            epoch is cut by measured speed (0: the whole first epoch in equal shares).
+        scale_lr: opt-in, not in the paper: divide the summed gradient by the nominal batch
+            ``world * reference_batch`` instead of the iteration's total batch, i.e. the mean
+            gradient with the learning rate scaled by ``total / nominal`` (the linear scaling
+            rule of Goyal et al.), so an iteration that trained ``k`` times the nominal batch
+            moves ``k`` times as far. The paper's update (False) makes a large adaptive batch
+            a less noisy step of the same length. Needs ``weighting="samples"``.
+        emulator: an :class:`hetlb.emulate.Emulator` that stretches each reference batch; with
+            a ``bandwidth`` it also emulates the link: an all-reduce's result is there
+            ``nbytes / bandwidth`` seconds after the collective completed (``history[i].link``
+            and ``wait`` then show how much of it was hidden behind computation).
 
     Gradients accumulate and travel in float32 buffers (float64 when a parameter is float64), so
     bf16 parameters are fine and the integer batch counts ride exactly.
@@ -120,7 +145,8 @@ class DelayedSync:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reference_batch: int,
                  lam: float = 0.5, weighting: str = "samples", group: Any = None, *,
-                 batches_per_iteration: Optional[int] = None, emulator: Any = None) -> None:
+                 batches_per_iteration: Optional[int] = None, emulator: Any = None,
+                 probe_batches: int = 4, scale_lr: bool = False) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("DelayedSync takes the plain module, not DDP: it all-reduces the "
                              "gradients itself (pass ddp.module, or do not wrap the model)")
@@ -133,6 +159,12 @@ class DelayedSync:
         self.group = group
         self.fixed = None if batches_per_iteration is None else integer(batches_per_iteration, "batches_per_iteration", 1)
         self.emulator = emulator
+        self.probe_batches = integer(probe_batches, "probe_batches", 0)
+        if not isinstance(scale_lr, bool):
+            raise ValueError(f"scale_lr must be True or False, got {scale_lr!r}")
+        if scale_lr and weighting != "samples":
+            raise ValueError(f'scale_lr=True scales by samples; it needs weighting="samples", got {weighting!r}')
+        self.scale_lr = scale_lr
         on = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if on else 1
         self.rank = dist.get_rank(group) if on else 0
@@ -149,7 +181,9 @@ class DelayedSync:
         self._compute = 0.0
         self._count = 0  # reference batches this iteration
         self._waited = 0.0  # seconds waited for all-reduces since the last send
-        self._flight: Optional[tuple] = None  # (work, buffer, iteration)
+        self._link = 0.0  # seconds the all-reduces completed since the last send took
+        self._round_over = False  # the last applied iteration finished every rank's shard
+        self._flight: Optional[_Flight] = None
         self._mark = time.perf_counter()  # start of the current reference batch
         self.iteration = 0  # iterations started (all-reduces issued)
         self.updates = 0  # updates applied
@@ -172,6 +206,13 @@ class DelayedSync:
             data: its data amount for ``weighting="sizes"`` (default: the loader's plan).
         """
         plan = self._plan()
+        if plan is not None and plan.count == 0:  # the drain's empty batch: nothing to add
+            for p in self.params:
+                p.grad = None  # a mean loss over nothing is NaN
+            self.board.current = None
+            applied = self._advance(wait=True, force=True)
+            self._mark = time.perf_counter()
+            return applied
         m = integer(batch_size if batch_size is not None else (plan.count if plan else self.reference_batch),
                     "batch_size", 1)
         amount = float(data if data is not None else (plan.data if plan is not None and plan.data is not None else m))
@@ -195,35 +236,39 @@ class DelayedSync:
         self._mark = time.perf_counter()
         return applied
 
-    def _advance(self, wait: bool) -> bool:
-        """End the iteration if its all-reduce has completed (or ``wait``): update, then send."""
-        if self.fixed is not None and self._count < self.fixed:
+    def _advance(self, wait: bool, force: bool = False) -> bool:
+        """End the iteration if its all-reduce has completed (or ``wait``): update, then send
+        (unless the round's last iteration has just been applied: every rank stops there)."""
+        if not force and self.fixed is not None and self._count < self.fixed:
             return False
         applied = False
         if self._flight is not None:
-            work = self._flight[0]
-            if not wait and not work.is_completed():
+            if not wait and not self._flight.ready():
                 return False
             applied = self._complete()
-        self._send()
+        if not self._round_over:
+            self._send()
         return applied
 
     def _complete(self) -> bool:
         """Wait for the in-flight all-reduce and apply its update; returns whether one was applied
         (an iteration in which no rank had samples applies none)."""
-        work, buf, it = self._flight
+        flight = self._flight
+        buf, it = flight.buf, flight.iteration
         t = time.perf_counter()
-        work.wait()
-        waited = time.perf_counter() - t
+        self._link += flight.wait()
+        self._waited += time.perf_counter() - t
         self._flight = None
-        self._waited += waited
         n = buf.numel() - self.world * len(ROW)
         table = buf[n:].view(self.world, len(ROW)).double().cpu().numpy()
         batch = np.rint(table[:, _R["batch"]]).astype(np.int64)
         rec = IterationRecord(it, batch, table[:, _R["data"]].copy(), table[:, _R["compute"]].copy(),
-                              table[:, _R["wait"]].copy())
+                              table[:, _R["wait"]].copy(), table[:, _R["link"]].copy())
         self.history.append(rec)
         self._table = table
+        # Every shard trained and (with this update) applied: the round ends on every rank here.
+        self._round_over = bool(self.board is not None and self.board.shards is not None
+                                and np.all(table[:, _R["left"]] == 0))
         if self.weighting == "samples":
             total = float(batch.sum())
         elif self.weighting == "sizes":
@@ -235,7 +280,8 @@ class DelayedSync:
                 for p, prev in zip(self.params, self._prev):
                     prev.copy_(p.detach())
             return False
-        ops.unflatten_(buf, self._gbar, 1.0 / total)
+        # scale_lr: the sum over the nominal batch, i.e. the mean with the rate scaled by total/nominal
+        ops.unflatten_(buf, self._gbar, 1.0 / (self.world * self.reference_batch if self.scale_lr else total))
         with torch.no_grad():
             for p, g, prev in zip(self.params, self._gbar, self._prev):
                 cur = p.detach() if p.dtype == self.dtype else p.detach().to(self.dtype)
@@ -253,8 +299,8 @@ class DelayedSync:
         next iteration (the parameters it was computed at are kept for the compensation)."""
         row = torch.zeros(self.world * len(ROW), dtype=self.dtype, device=self.device)
         left = self._left()
-        mine = [float(self._batch), self._data, self._compute, self._waited, float(left)]
-        self._waited = 0.0
+        mine = [float(self._batch), self._data, self._compute, self._waited, self._link, float(left)]
+        self._waited = self._link = 0.0
         row[self.rank * len(ROW):(self.rank + 1) * len(ROW)] = torch.tensor(mine, dtype=self.dtype)
         scale = 1.0
         if self.weighting == "none" and self._batch > 0:
@@ -262,11 +308,11 @@ class DelayedSync:
         buf = ops.flatten_scaled(self._acc, scale, extra=row)
         if self._prev is None:
             self._prev = [p.detach().to(self.dtype).clone() for p in self.params]
-        if self.world > 1:
-            work = dist.all_reduce(buf, group=self.group, async_op=True)
-        else:
-            work = _Done()
-        self._flight = (work, buf, self.iteration)
+        work = dist.all_reduce(buf, group=self.group, async_op=True) if self.world > 1 else None
+        delay = 0.0
+        if self.emulator is not None and getattr(self.emulator, "bandwidth", None):
+            delay = self.emulator.comm_delay(buf.numel() * buf.element_size())
+        self._flight = _Flight(work, buf, self.iteration, delay)
         self.iteration += 1
         for a in self._acc:
             a.zero_()
@@ -320,11 +366,14 @@ class DelayedSync:
         return int(self.board.shards[self.rank]) - self._used
 
     def _shards(self) -> np.ndarray:
-        """The epoch's shard sizes, proportional to each rank's measured speed (samples per
-        second of compute over the recent iterations in which it computed; equal at the first),
-        largest-remainder rounded. Every rank computes the same from the shared history."""
+        """The round's shard sizes, proportional to each rank's measured speed (samples per
+        second of compute over the recent iterations in which it computed), largest-remainder
+        rounded; the round is the rest of the epoch. While some rank's speed is unknown the round
+        is a short probe of ``probe_batches`` reference batches per rank, equal shares. Every rank
+        computes the same from the shared history."""
         from ..solve import allocate_proportional
-        n = self._loader.sampler.epoch_length
+        b = self.board
+        n = self._loader.sampler.epoch_length - b.base
         recent = list(self.history)[-256:]
         samples = np.zeros(self.world)
         seconds = np.zeros(self.world)
@@ -335,6 +384,8 @@ class DelayedSync:
         speed = np.ones(self.world)
         if np.all(seconds > 0):
             speed = samples / seconds
+        elif self.probe_batches:
+            n = min(n, self.world * self.reference_batch * self.probe_batches)
         return allocate_proportional(speed, n)
 
     # the loader's hooks (see hetlb.data._Iteration)
@@ -344,12 +395,20 @@ class DelayedSync:
         b = self.board
         if b.stream_finished():  # iterated again without set_epoch: the next epoch
             b.epoch += 1
-            b.shards, b.used = None, np.zeros(self.world, np.int64)
+            b.shards, b.used, b.base = None, np.zeros(self.world, np.int64), 0
+        elif b.round_finished():
+            b.next_round()
         if b.shards is None:
-            b.post_shards(self._shards(), self.reference_batch)
-            log.info("epoch %d: shards %s", b.epoch, b.shards.tolist())
+            self._post_round()
         self._used = int(b.used[self.rank])
         self._mark = time.perf_counter()
+
+    def _post_round(self) -> None:
+        b = self.board
+        self._round_over = False
+        self._used = 0
+        b.post_shards(self._shards(), self.reference_batch, self._loader.sampler.epoch_length)
+        log.info("epoch %d, samples %d on: shards %s", b.epoch, b.base, b.shards.tolist())
 
     def _before_next(self) -> None:
         if self.board.current is not None:
@@ -358,16 +417,23 @@ class DelayedSync:
     def _handed(self, plan: StreamPlan) -> None:
         self._mark = time.perf_counter()
 
-    def _exhausted(self) -> None:
-        """This rank's shard is used up: take part in iterations with nothing more to add until
-        every rank's shard is used up and applied; then the epoch ends on every rank together."""
-        while True:
-            if self._flight is None:
-                self._send()
-            self._complete()
-            if np.all(self._table[:, _R["left"]] == 0):
-                break
-        self.board.used = self.board.shards.copy()
+    def _drain(self) -> Optional[str]:
+        """This rank's shard is used up. ``"empty"``: hand out an empty batch, whose :meth:`step`
+        takes part in the next iteration with nothing to add (so a loop that stops after some
+        number of updates stops at the same update on every rank). Once every rank's shard has
+        been trained and applied (every rank sees it in the same iteration): ``"round"`` when the
+        epoch has more samples (their shards are cut now, by the latest speeds), else None: the
+        epoch ends on every rank at the same iteration."""
+        b = self.board
+        if self._round_over and self._flight is None:
+            b.used = b.shards.copy()
+            if b.stream_finished():
+                return None
+            b.next_round()
+            self._post_round()
+            return "round"
+        b.current = StreamPlan(b.epoch, int(b.shards[self.rank]), 0, 0.0)
+        return "empty"
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -399,32 +465,62 @@ class DelayedSync:
         self.references = int(state["references"])
         self.history = deque((IterationRecord.from_dict(d) for d in state["history"]), maxlen=4096)
         self._flight, self._prev = None, None
+        self._waited = self._link = 0.0
         for a in self._acc:
             a.zero_()
         self._batch, self._data, self._compute, self._count = 0, 0.0, 0.0, 0
         pos = state.get("position")
         if pos is not None and self.board is not None:
             shards, used = pos.get("shards"), pos.get("used")
+            base = int(pos.get("base", 0))
             finished = shards is not None and sum(shards) > 0 and list(used) == list(shards)
             if int(state["world"]) == self.world:
                 self.board.load_position(pos)
             elif shards is None or finished or not any(used):
-                # At an epoch boundary: the next epoch's shards are cut for the new world.
-                self.board.epoch = int(pos["epoch"]) + (1 if finished else 0)
+                # At a round boundary: the next round's shards are cut for the new world.
+                length = pos.get("length") or self._loader.sampler.epoch_length
+                base += sum(shards) if finished else 0
+                self.board.epoch = int(pos["epoch"]) + (1 if base >= length else 0)
+                self.board.base = 0 if base >= length else base
                 self.board.shards, self.board.used = None, np.zeros(self.world, np.int64)
             else:
-                raise ValueError("DelayedSync resumes in the middle of an epoch only on the number of "
+                raise ValueError("DelayedSync resumes in the middle of a round only on the number of "
                                  f"ranks it saved on ({state['world']}, now {self.world}); resume at an "
-                                 "epoch boundary to change it")
+                                 "epoch boundary (or after a flush at a round's end) to change it")
             self.board.restored = False
             self._used = 0 if self.board.shards is None else int(self.board.used[self.rank])
 
 
-class _Done:
-    """A completed work handle (one rank: nothing to reduce)."""
+class _Flight:
+    """One iteration's all-reduce in flight. With an emulated link (``delay`` seconds) its result
+    is there ``delay`` seconds after the real collective completed (the moment the last rank
+    joined), as the Balancer's hook delays a bucket; the completion is stamped by a callback on
+    the work's future, so polling costs no collective."""
 
-    def is_completed(self) -> bool:
-        return True
+    def __init__(self, work: Any, buf: torch.Tensor, iteration: int, delay: float) -> None:
+        self.buf, self.iteration, self.delay = buf, iteration, float(delay)
+        self.sent = time.perf_counter()
+        # One rank: nothing to reduce, complete at once.
+        self._done = None if work is None else work.get_future().then(_stamp)
 
-    def wait(self) -> bool:
-        return True
+    def _completed(self) -> float:
+        return self.sent if self._done is None else float(self._done.value())
+
+    def ready(self) -> bool:
+        """Whether the result is there (never blocks)."""
+        if self._done is not None and not self._done.done():
+            return False
+        return time.perf_counter() >= self._completed() + self.delay
+
+    def wait(self) -> float:
+        """Block until the result is there; the seconds from the send until it was."""
+        if self._done is not None:
+            self._done.wait()
+        ready = self._completed() + self.delay
+        sleep_until(ready)
+        return ready - self.sent
+
+
+def _stamp(fut: Any) -> float:
+    fut.value()  # re-raises a failed collective's error in the chained future
+    return time.perf_counter()
