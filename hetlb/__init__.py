@@ -26,12 +26,15 @@ from .policies import DBS, EMA, LBB, LBBSP, NARX, WLBS, Chronica, Memoryless, Un
 from .profile import Profile, profile
 from .telemetry import UnusableTelemetry
 from .sync import DelayedSync
+from .elastic import init_process_group
+from .checkpoint import Checkpointer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LinearModel", "PolyModel", "PiecewiseModel", "TimeModel",
     "allocate", "allocate_proportional", "schedule", "rebalance", "ops",
+    "init_process_group", "Checkpointer",
     "Balancer", "DataLoader", "BalancedLoader", "DecisionMismatchError", "BatchSizeError",
     "UnusableTelemetry", "ScheduleRule", "Profile", "profile",
     "policies", "Uniform", "LBB", "LBBSP", "WLBS", "DBS", "Chronica", "Memoryless", "EMA", "NARX",

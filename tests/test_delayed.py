@@ -115,14 +115,14 @@ def test_lambda_zero_is_one_step_delayed_sgd():
     np.testing.assert_allclose(x2, x1 - lr * g1, rtol=1e-12)
 
 
-def loader_worker(rank, world, speeds, n, epochs, state=None, stop_at=None):
+def loader_worker(rank, world, speeds, n, epochs, state=None, stop_at=None, num_workers=0):
     torch.manual_seed(0)
     net = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     emu = Emulator.for_rank(rank, speeds, model=hetlb.LinearModel(0.0, 0.012), spin=0.0005)
     ds = hetlb.DelayedSync(net, opt, reference_batch=8, emulator=emu)
     data = torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float32)[:, None])
-    loader = ds.loader(data, seed=5)
+    loader = ds.loader(data, seed=5, num_workers=num_workers)
     if state is not None:
         loader.load_state_dict(state)
     seen, shards, rounds = {}, {}, {}
@@ -159,6 +159,17 @@ def test_every_sample_once_and_shards_follow_speed():
     # flight at an epoch's start, so every rank sends after one reference batch there).
     busy = np.array([b for b in res[0]["batch"] if min(b) > 0 and max(b) > 8], dtype=float)
     np.testing.assert_allclose(busy.sum(0) / busy.sum(), share, rtol=0.15)
+
+
+def test_dataloader_workers_across_rounds_and_drains():
+    # Real DataLoader worker processes: prefetched batches, a new iterator for the second round
+    # of the first epoch, empty batches while a rank drains.
+    n = 300
+    res = unwrap(run(loader_worker, 2, [1.0, 3.0], n, 2, None, None, 2))
+    for e in range(2):
+        assert sorted(sum((r["seen"][e] for r in res), [])) == list(range(n)), f"epoch {e}"
+    assert list(res[0]["rounds"][0]) == [0, 64]
+    assert len({str(r["x"]) for r in res}) == 1
 
 
 @pytest.mark.parametrize("stop_at", [2, 4, 9])
