@@ -371,8 +371,7 @@ class PlanBoard:
         self.restored = False
         if self.mode == "stream":
             if self.stream_finished():
-                self.epoch += 1
-                self.shards, self.used, self.base = None, np.zeros(self.world, np.int64), 0
+                self._new_epoch(self.epoch + 1)
             elif self.round_finished():
                 self.next_round()
             self._cursor = int(self.used[self.rank])

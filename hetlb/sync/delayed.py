@@ -394,8 +394,7 @@ class DelayedSync:
             dist.barrier(group=self.group)  # start the epoch together: no rank's shard runs ahead
         b = self.board
         if b.stream_finished():  # iterated again without set_epoch: the next epoch
-            b.epoch += 1
-            b.shards, b.used, b.base = None, np.zeros(self.world, np.int64), 0
+            b._new_epoch(b.epoch + 1)
         elif b.round_finished():
             b.next_round()
         if b.shards is None:
