@@ -414,6 +414,9 @@ struct StepCore {
       at::Tensor flat = flat_;
       auto unpacked = fut->then(
           [s, flat, n, nslots, W, F](c10::ivalue::Future& done) -> c10::IValue {
+            // A failed all-reduce (a peer died) must fail the bucket: reading the buffer instead
+            // would hand DDP this rank's own unreduced gradient as the sum.
+            done.value();
             at::Tensor table = flat.narrow(0, n, nslots).to(at::kDouble).view({W, F}).clone();
             {
               std::lock_guard<std::mutex> lock(s->mu);

@@ -28,13 +28,14 @@ from .telemetry import UnusableTelemetry
 from .sync import DelayedSync
 from .elastic import init_process_group
 from .checkpoint import Checkpointer
+from .watchdog import Watchdog
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LinearModel", "PolyModel", "PiecewiseModel", "TimeModel",
     "allocate", "allocate_proportional", "schedule", "rebalance", "ops",
-    "init_process_group", "Checkpointer",
+    "init_process_group", "Checkpointer", "Watchdog",
     "Balancer", "DataLoader", "BalancedLoader", "DecisionMismatchError", "BatchSizeError",
     "UnusableTelemetry", "ScheduleRule", "Profile", "profile",
     "policies", "Uniform", "LBB", "LBBSP", "WLBS", "DBS", "Chronica", "Memoryless", "EMA", "NARX",

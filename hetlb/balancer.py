@@ -42,6 +42,7 @@ from .runlog import ENV_LOG_DIR, RunLog
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
 from .shard import Partition, epoch_rates
 from .policies.base import Context, Policy, SizedPolicy, check_decision, from_state, to_state
+from .watchdog import Watchdog
 from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
                         UnusableTelemetry, hardware_info)
 
@@ -169,20 +170,29 @@ class Balancer:
     Args:
         model: the ``DistributedDataParallel`` model (a plain module is accepted when the world
             has one rank). The Balancer registers its communication hook and a forward pre-hook.
-        global_batch: samples per step over all ranks; ``sum(batch_sizes) == global_batch``.
-            Optional when ``loader`` is given (then ``batch_size * world``).
+        global_batch: samples per step over all ranks; ``sum(batch_sizes) == global_batch``
+            (an integer in ``[world * lower, 2**24)``). Optional when ``loader`` is given (then
+            ``batch_size * world``).
         policy: a :class:`hetlb.policies.Policy` (default :class:`~hetlb.policies.LBB`).
         weighting: "samples" (``B_r / sum B``), "sizes" (data amount, needs ``sample_sizes=`` in
             the loader) or "none" (the plain mean over ranks with samples, e.g. cross-silo FL).
         loader: a :func:`hetlb.DataLoader` made before the model, to bind to this Balancer.
         group: process group (default: the world).
-        lower, upper: bounds on this rank's batch. ``upper`` is also capped by ``profile.limit``
-            when the profile ran out of memory (a real memory bound).
-        profile: this rank's :class:`hetlb.profile.Profile` (LBB starts from the fitted models).
+        lower, upper: bounds on this rank's batch (integers, ``0 <= lower <= upper``). ``upper``
+            is also capped by ``profile.limit`` when the profile ran out of memory (a real memory
+            bound).
+        profile: this rank's :class:`hetlb.profile.Profile` (LBB starts from the fitted models);
+            checked with :meth:`~hetlb.profile.Profile.validate`.
         emulator: an :class:`hetlb.emulate.Emulator` that stretches this rank's compute.
-        history: number of steps of telemetry kept.
-        max_bad_steps: consecutive steps with unusable telemetry (NaN times, or values the
-            policy cannot interpret) tolerated, keeping the previous sizes, before raising.
+        watchdog: a :class:`hetlb.Watchdog` (one per Balancer): heartbeats to the group's store;
+            a job stalled for its ``stall`` seconds is diagnosed (which rank, which host) and,
+            by default, this worker exits for torchrun to restart the group.
+        history: number of steps of telemetry kept (>= 1).
+        max_bad_steps: consecutive steps with unusable telemetry tolerated, keeping the previous
+            sizes, before raising :class:`hetlb.UnusableTelemetry`: NaN, negative or implausible
+            compute times (outside ``[MIN_COMPUTE, MAX_COMPUTE]`` of :mod:`hetlb.telemetry`),
+            or values the policy cannot interpret (``+inf``, no progress, for most policies).
+            Memory and CPU readings outside ``[0, 1]`` are clamped, not counted.
         accumulate: micro-steps per optimizer step (gradient accumulation). Each micro-step runs
             in ``with bal.step():``, which enters ``ddp.no_sync()`` on all but the last one of a
             window; divide each micro-step's loss by ``accumulate`` as with DDP; step the
@@ -217,6 +227,10 @@ class Balancer:
 
     The telemetry table reaches every rank with the gradient all-reduce (see
     :mod:`hetlb.aggregate`); the Balancer adds no blocking collective per step.
+
+    Every argument is checked before the Balancer touches the model: a wrong type raises
+    ``TypeError``, a wrong value ``ValueError``, each naming the argument, the value received and
+    what is accepted (e.g. a global batch smaller than ``world * lower``).
     """
 
     def __init__(self, model: torch.nn.Module, global_batch: Optional[int] = None,
@@ -226,9 +240,38 @@ class Balancer:
                  history: int = 1024, max_bad_steps: int = 10, accumulate: int = 1,
                  batch_dim: BatchDim = 0, transport: Optional[str] = None,
                  native_hook: bool = True, log_dir: Optional[str] = None,
-                 tensorboard: Optional[bool] = None) -> None:
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+                 tensorboard: Optional[bool] = None, watchdog: Optional[Watchdog] = None) -> None:
+        # Every argument is checked before anything touches the model (hooks) or the group.
+        checks.instance(model, "model", torch.nn.Module, "a torch.nn.Module (DDP-wrapped with "
+                        "more than one rank)")
+        checks.choice(weighting, "weighting", WEIGHTINGS)
+        if isinstance(policy, type):
+            raise TypeError(f"policy must be a policy instance, got the class {policy.__name__}; "
+                            f"pass {policy.__name__}()")
+        if policy is not None:
+            missing = [m for m in ("start", "decide", "state_dict", "load_state_dict")
+                       if not callable(getattr(policy, m, None))]
+            if missing:
+                raise TypeError(f"policy must be a hetlb policy (e.g. hetlb.LBB()) with start, "
+                                f"decide, state_dict and load_state_dict; got "
+                                f"{type(policy).__name__} {policy!r}, which lacks {missing}")
+        history = checks.integer(history, "history", 1)
+        native_hook = checks.flag(native_hook, "native_hook")
+        if tensorboard is not None:
+            tensorboard = checks.flag(tensorboard, "tensorboard")
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got "
+                            f"{type(log_dir).__name__} {log_dir!r}")
+        if profile is not None:
+            from .profile import Profile
+            checks.instance(profile, "profile", Profile, "a hetlb.Profile (from hetlb.profile(...) "
+                            "or Profile.load) or None")
+            profile.validate()
+        if emulator is not None:
+            from .emulate import Emulator
+            checks.instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
+        if watchdog is not None:
+            checks.instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
         self.accumulate = checks.integer(accumulate, "accumulate", 1)
         if self.accumulate > 1 and weighting == "sizes":
             raise ValueError('weighting="sizes" cannot be exact with gradient accumulation: the '
@@ -238,8 +281,8 @@ class Balancer:
         lower = checks.integer(lower, "lower", 0)
         if batch_dim is not None and not callable(batch_dim):
             batch_dim = checks.integer(batch_dim, "batch_dim", 0)
-        if transport is not None and transport not in ("side", "carry"):
-            raise ValueError(f"transport must be 'side', 'carry' or None, got {transport!r}")
+        if transport is not None:
+            checks.choice(transport, "transport", ("side", "carry"))
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -266,6 +309,11 @@ class Balancer:
             raise ValueError("global_batch is required (or pass loader=hetlb.DataLoader(...), "
                              "whose batch_size * world is the global batch)")
         global_batch = checks.integer(global_batch, "global_batch", 1)
+        if global_batch >= EXACT_INT:  # sizes ride in float32 telemetry slots, exact below 2^24
+            raise ValueError(f"global_batch must be < {EXACT_INT} samples per step, got {global_batch}")
+        if upper is not None and checks.integer(upper, "upper", 0) < lower:
+            raise ValueError(f"upper={upper} is smaller than lower={lower}; each rank's batch must be "
+                             f"able to lie in [lower, upper]")
         if global_batch < self.world * lower:
             raise ValueError(f"global_batch={global_batch} is smaller than the world of {self.world} "
                              f"ranks times lower={lower}; every rank needs at least {lower} sample(s) "
@@ -277,6 +325,7 @@ class Balancer:
         self.weighting, self.emulator = weighting, emulator
         self.device = self._device(model)
         self.group = group
+        self.watchdog = watchdog
 
         # One exchange at start-up (not per step): configuration, hook capabilities, bounds.
         nccl = self.distributed and is_nccl(group)
@@ -339,8 +388,13 @@ class Balancer:
         # The bound loader's configuration (a value: the loader holds this Balancer, not the
         # other way round), or None before a loader is bound.
         self._loader_config: Optional[Dict[str, Any]] = None
+        # A checkpoint's loader order and position, loaded before any loader was bound.
+        self._pending_check: Optional[Dict[str, Any]] = None
         if loader is not None:
             self._bind(loader)
+        if watchdog is not None and self.distributed:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+            watchdog.attach(dist.get_rank(), ranks, dist.distributed_c10d._get_default_store())
 
     # ------------------------------------------------------------------ setup
 
@@ -415,6 +469,9 @@ class Balancer:
                              'bal.loader(dataset, sample_sizes=...)')
         everyone = self._all_gather({"loader": loader.sampler.config()}, self._side)
         self._agree(everyone, "loader")
+        if self._pending_check is not None:  # a checkpoint loaded before this loader existed
+            check_loader_config(self._pending_check, loader.sampler.config())
+            self._pending_check = None
         loader.balancer = self
         self._loader_config = loader.sampler.config()
         pending, loader._pending = loader._pending, None
@@ -481,6 +538,8 @@ class Balancer:
                              int(plan.sizes[self.rank]), offset=offset, new_window=first,
                              sq=0.0 if plan.sq is None else float(plan.sq[self.rank]))
         self._open = _Open(plan, explicit)
+        if self.watchdog is not None:
+            self.watchdog.beat(self._step, self.telemetry)
         self._spent += time.perf_counter() - t
 
     def _plan_without_loader(self) -> StepPlan:
@@ -612,6 +671,8 @@ class Balancer:
         g = self._step
         self._step += 1
         self._partials[g] = (plan, table)
+        if self.watchdog is not None:
+            self.watchdog.beat(self._step)
         self._record(g, table)
         part = self.board.partition
         if part is not None and part.rebalance and part.pending is None and \
@@ -695,8 +756,10 @@ class Balancer:
                               actions[-1] if actions else None, decision)
 
     def close(self) -> None:
-        """Flush and close the run log (see ``log_dir``); training may not continue logging
-        after it. Without a log there is nothing to do."""
+        """Flush and close the run log (see ``log_dir``) and stop the watchdog's heartbeat;
+        training may not continue logging after it. Without either there is nothing to do."""
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.runlog is not None:
             self.runlog.close()
             self.runlog = None
@@ -756,35 +819,75 @@ class Balancer:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (or the loader's: the same object); loading twice is
         harmless. On a different world size the data position and step count carry over and the
-        policy restarts from :meth:`Policy.start` (its state is per rank)."""
+        policy restarts from :meth:`Policy.start` (its state is per rank).
+
+        Raises ``TypeError`` for something other than a dict, and ``ValueError`` naming the field
+        for a checkpoint of another format, one that lacks a field, or one of another
+        ``global_batch`` or ``accumulate`` (the checkpoint's value and this Balancer's are both
+        printed); the history and decision are checked before anything is restored."""
+        if not isinstance(state, dict):
+            raise TypeError(f"Balancer.load_state_dict: state must be the dict of "
+                            f"Balancer.state_dict() (or loader.state_dict()), got {type(state).__name__}")
         if state.get("format") != _FORMAT:
-            raise ValueError(f"not a hetlb {_FORMAT} checkpoint (format={state.get('format')!r})")
-        if int(state["global_batch"]) != self.global_batch:
-            raise ValueError(f"checkpoint global_batch={state['global_batch']} differs from "
-                             f"{self.global_batch}")
-        if int(state.get("accumulate", 1)) != self.accumulate:
-            raise ValueError(f"checkpoint accumulate={state.get('accumulate')} differs from "
-                             f"{self.accumulate}")
+            raise ValueError(f"not a hetlb checkpoint of format {_FORMAT} (format="
+                             f"{state.get('format')!r}); expected the dict of Balancer.state_dict() "
+                             f"or loader.state_dict()")
+        missing = [k for k in ("world", "global_batch", "steps", "position", "decision", "policy",
+                               "history") if k not in state]
+        if missing:
+            raise ValueError(f"checkpoint lacks {missing}; expected the dict of "
+                             f"Balancer.state_dict() or loader.state_dict()")
+        gb = checks.integer(state["global_batch"], "checkpoint global_batch", 1)
+        if gb != self.global_batch:
+            raise ValueError(f"checkpoint global_batch={state['global_batch']!r} differs from this "
+                             f"Balancer's global_batch={self.global_batch}: a run resumes with the "
+                             f"global batch it was saved with (another world size is fine)")
+        acc = checks.integer(state.get("accumulate", 1), "checkpoint accumulate", 1)
+        if acc != self.accumulate:
+            raise ValueError(f"checkpoint accumulate={state.get('accumulate')!r} differs from this "
+                             f"Balancer's accumulate={self.accumulate}")
+        world = checks.integer(state["world"], "checkpoint world", 1)
+        steps = checks.integer(state["steps"], "checkpoint steps", 0)
         if self._loader_config is not None:
             check_loader_config(state, self._loader_config)
+        history = decision = None
+        # No loader yet: its order is checked against the checkpoint's when it is bound.
+        pending_check = None if self._loader_config is not None else \
+            {"loader": state.get("loader"), "position": state["position"]}
+        if world == self.world:  # parsed before anything changes, so a bad one changes nothing
+            try:
+                history = History.from_state_dict(state["history"])
+                d = state["decision"]
+                d = ScheduleRule.from_dict(d) if isinstance(d, dict) else np.asarray(d, np.int64)
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
+                raise ValueError(f"checkpoint history/decision is malformed: {e!r}") from e
+            if history.world != self.world:
+                raise ValueError(f"checkpoint history has {history.world} ranks but world={world}")
+            decision = check_decision(d, self.context, "checkpoint decision")
+            # The policy checks its state before changing; kept to undo it if the position fails.
+            backup = self.policy.state_dict()
+            self.policy.load_state_dict(from_state(state["policy"]))
+        try:
+            self.board.load_position(state["position"])
+        except BaseException:
+            if decision is not None:
+                self.policy.load_state_dict(backup)
+            raise
+        self._pending_check = pending_check
         if self._open is not None:
             self._discard()
         self._consumed = None
         self._partials.clear()
         self._micro = 0
-        self.board.load_position(state["position"])
-        self._step = int(state["steps"])
-        if int(state["world"]) != self.world:
+        self._step = steps
+        if world != self.world:
             log.warning("checkpoint from %d ranks resumed on %d: the policy restarts",
-                        state["world"], self.world)
+                        world, self.world)
             self._decision = check_decision(self.policy.start(self.context), self.context,
                                             type(self.policy).__name__)
         else:
-            self.policy.load_state_dict(from_state(state["policy"]))
-            self.history = History.from_state_dict(state["history"])
-            d = state["decision"]
-            d = ScheduleRule.from_dict(d) if isinstance(d, dict) else np.asarray(d, np.int64)
-            self._decision = check_decision(d, self.context, "checkpoint")
+            self.history = history
+            self._decision = decision
             if self._local is not None:
                 self._local.rebuild(self.history, self.rank)
         self.board.post(self._decision)

@@ -1,30 +1,41 @@
 """Argument checks shared by every public constructor: one wording for every error.
 
-Each check returns the value converted (``int`` / ``float``) or raises ``ValueError`` saying which
-argument was wrong, what it must be, and what was received.
+Each check returns the value converted (``int`` / ``float`` / ``bool``) or raises ``ValueError``
+(``TypeError`` for :func:`instance`) saying which argument was wrong, what it must be, and what
+was received. Strings are never taken for numbers (``"0.1"`` is refused, not parsed): a number
+given as text is almost always a configuration mistake.
 """
 from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Tuple, Type, Union
 
-__all__ = ["integer", "number", "optional_integer"]
+import numpy as np
+
+__all__ = ["integer", "number", "optional_integer", "flag", "choice", "instance"]
+
+
+def _show(value: Any) -> str:
+    """``repr`` of a received value, cut to a readable length."""
+    r = repr(value)
+    return r if len(r) <= 120 else r[:117] + "..."
 
 
 def integer(value: Any, name: str, minimum: Optional[int] = None) -> int:
-    """``value`` as an ``int`` (bools and non-integral numbers are refused)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+    """``value`` as an ``int`` (bools, strings and non-integral numbers are refused; an integral
+    float such as ``2.0`` is taken)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got {_show(value)}")
     try:
         i = operator.index(value)
     except TypeError:
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, (float, np.floating)) and float(value).is_integer():
             i = int(value)
         else:
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+            raise ValueError(f"{name} must be an integer, got {_show(value)}") from None
     if minimum is not None and i < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {_show(value)}")
     return int(i)
 
 
@@ -37,17 +48,44 @@ def number(value: Any, name: str, *, minimum: Optional[float] = None,
            maximum: Optional[float] = None, above: Optional[float] = None,
            below: Optional[float] = None, finite: bool = True) -> float:
     """``value`` as a ``float`` within the given bounds (``minimum``/``maximum`` inclusive,
-    ``above``/``below`` exclusive). NaN is always refused; infinities unless ``finite=False``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    ``above``/``below`` exclusive). NaN is always refused; infinities unless ``finite=False``;
+    bools and strings always."""
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        raise ValueError(f"{name} must be a number, got {_show(value)}")
     try:
         x = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be a number, got {_show(value)}") from None
     if math.isnan(x) or (finite and math.isinf(x)):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise ValueError(f"{name} must be a finite number, got {_show(value)}")
     for bound, ok, word in ((minimum, lambda b: x >= b, ">="), (maximum, lambda b: x <= b, "<="),
                             (above, lambda b: x > b, ">"), (below, lambda b: x < b, "<")):
         if bound is not None and not ok(bound):
-            raise ValueError(f"{name} must be {word} {bound}, got {value!r}")
+            raise ValueError(f"{name} must be {word} {bound}, got {_show(value)}")
     return x
+
+
+def flag(value: Any, name: str) -> bool:
+    """``value`` as a ``bool``: only ``True`` / ``False`` (NumPy's too) are taken, so a string such
+    as ``"no"`` is not silently true."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {_show(value)}")
+    return bool(value)
+
+
+def choice(value: Any, name: str, options: Sequence[Any]) -> Any:
+    """``value`` if it is one of ``options`` (compared with ``==``, unhashable values refused)."""
+    try:
+        ok = isinstance(value, type(options[0])) and value in options
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {_show(value)}")
+    return value
+
+
+def instance(value: Any, name: str, types: Union[Type, Tuple[Type, ...]], what: str) -> Any:
+    """``value`` if it is an instance of ``types``, else ``TypeError`` saying ``what`` is accepted."""
+    if not isinstance(value, types):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {_show(value)}")
+    return value

@@ -17,11 +17,18 @@ What counts as consumed: a batch counts once a training step has run on it (its 
 ``with bal.step():`` block). A batch handed out and not trained, as by a peek such as
 ``next(iter(loader))`` or a checkpoint taken at the top of the loop body, is handed out again by
 the next iteration or after a resume.
+
+The dataset is fixed under a loader: its length is checked whenever an iteration starts, and a
+checkpoint taken in the middle of an epoch resumes only over the same global order (length,
+sample sizes, shuffle, seed, drop_last; a ValueError names what differs). A checkpoint taken at
+an epoch boundary (before the epoch's first step, or one that closed its epoch) resumes over any
+dataset at the next epoch: that is how a job moves onto a dataset that changed.
 """
 from __future__ import annotations
 
 import inspect
 import math
+import zlib
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
@@ -63,7 +70,7 @@ class GlobalOrderSampler:
         self.shuffle, self.seed, self.drop_last = bool(shuffle), integer(seed, "seed"), bool(drop_last)
         self.sample_sizes = sample_sizes
         self._perm: Optional[tuple] = None
-        board.steps_per_epoch = self.steps_per_epoch
+        board.attach(self.steps_per_epoch)
 
     @property
     def global_batch(self) -> int:
@@ -96,14 +103,21 @@ class GlobalOrderSampler:
         self.board.set_epoch(epoch)
 
     def __len__(self) -> int:
-        spe, done = self.steps_per_epoch, self.board.done
-        return spe if done >= spe else spe - done
+        spe = self.steps_per_epoch
+        if self.board.epoch_finished():  # the next iteration runs the next epoch, whole
+            part = self.board.partition
+            return spe if part is None else math.ceil(part.work.size / part.global_batch)
+        return max(spe - self.board.done, 0)
 
     def config(self) -> Dict[str, Any]:
         """What every rank must agree on for the global order to be one order."""
-        sizes_sum = None if self.sample_sizes is None else float(np.sum(self.sample_sizes))
+        sizes = self.sample_sizes
+        sizes_sum = None if sizes is None else float(np.sum(sizes))
+        # The sum alone misses sizes that changed but add up the same (a sharded epoch's steps
+        # are cut by the sizes): a CRC of the values too.
+        crc = None if sizes is None else zlib.crc32(np.ascontiguousarray(sizes, np.float64).tobytes())
         out = {"length": self.length, "shuffle": self.shuffle, "seed": self.seed,
-               "drop_last": self.drop_last, "sample_sizes": sizes_sum}
+               "drop_last": self.drop_last, "sample_sizes": sizes_sum, "sample_sizes_crc": crc}
         if self.board.partition is not None:
             # Not the partition itself: a checkpoint carries its own, which takes over on resume
             # (ranks that disagree on it fail the plan checksum of the first step).
@@ -144,6 +158,8 @@ class GlobalOrderSampler:
         if board.mode == "stream":
             yield from self._stream()
             return
+        if board.epoch_finished():
+            return  # (a new iteration moves on to the next epoch first: PlanBoard.restart)
         epoch, start = board.epoch, board.done
         part = board.partition
         if part is not None:
@@ -182,6 +198,7 @@ def dataset_sample_sizes(dataset: Any) -> Optional[np.ndarray]:
     method, or (CHRONICA's convention) ``__sizeof__`` overridden to take an index. Every object has
     a plain ``__sizeof__()``; only one whose signature takes an index counts."""
     fn = getattr(dataset, "sample_size", None)
+    name = f"{type(dataset).__name__}.sample_size(index)"
     if fn is None:
         sizeof = type(dataset).__sizeof__
         if sizeof is object.__sizeof__:
@@ -194,6 +211,7 @@ def dataset_sample_sizes(dataset: Any) -> Optional[np.ndarray]:
                                                 inspect.Parameter.POSITIONAL_OR_KEYWORD):
             return None
         fn = dataset.__sizeof__
+        name = f"{type(dataset).__name__}.__sizeof__(index)"
     elif not callable(fn):
         raise ValueError(f"{type(dataset).__name__}.sample_size must be a method sample_size(index)")
     out = np.empty(len(dataset))
@@ -202,9 +220,21 @@ def dataset_sample_sizes(dataset: Any) -> Optional[np.ndarray]:
         try:
             out[i] = float(v)
         except (TypeError, ValueError):
-            raise ValueError(f"{type(dataset).__name__}: the size of sample {i} is {v!r}, not a "
-                             f"number") from None
+            raise ValueError(f"{name}: the size of sample {i} is {v!r}, not a number") from None
+    check_sample_sizes(out, name)
     return out
+
+
+def check_sample_sizes(sizes: np.ndarray, source: str) -> None:
+    """A ValueError naming ``source``, the first bad samples and their values unless every size
+    is finite and non-negative."""
+    bad = np.flatnonzero(~np.isfinite(sizes) | (sizes < 0))
+    if bad.size:
+        first = ", ".join(f"sample {int(i)} has {float(sizes[i])!r}" for i in bad[:3])
+        raise ValueError(
+            f"{source}: sizes must be finite and non-negative (a data amount such as tokens or "
+            f"frames); {first} ({bad.size} bad of {sizes.size}). Fix those sizes, or leave the "
+            f"samples out of the dataset; a sample with no data has size 0")
 
 
 class BalancedLoader:
@@ -266,16 +296,16 @@ class BalancedLoader:
             sample_sizes = dataset_sample_sizes(dataset)
         if sample_sizes is not None:
             try:
-                sample_sizes = np.asarray(sample_sizes, dtype=np.float64)
+                # The loader's own read-only copy: sizes changed in place later would change the
+                # plans (and a sharded epoch's steps) under a running epoch.
+                sample_sizes = np.array(sample_sizes, dtype=np.float64)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"sample_sizes must be {n} numbers (one per sample): {e}") from None
             if sample_sizes.shape != (n,):
                 raise ValueError(f"sample_sizes must be {n} finite non-negative numbers (one per "
                                  f"sample), got shape {sample_sizes.shape}")
-            bad = np.flatnonzero(~np.isfinite(sample_sizes) | (sample_sizes < 0))
-            if bad.size:
-                raise ValueError(f"sample_sizes must be finite and non-negative; sample {int(bad[0])} "
-                                 f"has {float(sample_sizes[bad[0]])!r} ({bad.size} bad in all)")
+            check_sample_sizes(sample_sizes, "sample_sizes")
+            sample_sizes.flags.writeable = False
         if partition is not None:
             _shard(board, partition, rebalance, n, sample_sizes, seed, shuffle, drop_last)
         self.dataset = dataset
@@ -324,8 +354,7 @@ class BalancedLoader:
         """The epoch the next batch belongs to (after a complete epoch: the next one), so
         ``for epoch in range(loader.epoch, epochs)`` resumes where a checkpoint stopped."""
         b = self.board
-        spe = self.sampler.steps_per_epoch
-        return b.epoch + 1 if spe > 0 and b.done >= spe else b.epoch
+        return b.epoch + 1 if b.epoch_finished() else b.epoch
 
     def __len__(self) -> int:
         """Steps the next iteration runs (the rest of a partly trained epoch, else a whole one)."""
@@ -352,6 +381,15 @@ class BalancedLoader:
         if self.balancer is None:
             raise RuntimeError("this hetlb loader is not bound to a Balancer yet: make one with "
                                "hetlb.Balancer(ddp_model, loader=loader) before iterating")
+        n = len(self.dataset)
+        if n != self.sampler.length:
+            raise ValueError(
+                f"len(dataset) is {n} now, {self.sampler.length} when this loader was made: the "
+                f"loader's global order (every rank's, and the checkpoint's position) covers the "
+                f"first {self.sampler.length} samples, so the dataset must not change length under "
+                f"it. To train on the changed dataset, checkpoint at the end of an epoch and make a "
+                f"new Balancer and loader over it (in a restarted job); the checkpoint resumes "
+                f"there at the next epoch")
         return _Iteration(self)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -365,10 +403,19 @@ class BalancedLoader:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (or the Balancer's: they are the same); before
-        the loader is bound, the Balancer part is kept until it is. Loading twice is harmless."""
+        the loader is bound, the Balancer part is kept until it is. Loading twice is harmless.
+
+        A state taken in the middle of an epoch needs the same dataset, shuffle, seed and
+        drop_last (and the same global batch, and ``partition=`` set or not as then); a state
+        taken at an epoch boundary resumes over another dataset at the next epoch. Another world
+        size is always fine. Anything else is a ValueError naming the field and both values."""
         if self.balancer is not None:
             self.balancer.load_state_dict(state)
             return
+        if not isinstance(state, dict) or "position" not in state:
+            got = f"a dict with keys {sorted(state)}" if isinstance(state, dict) else type(state).__name__
+            raise ValueError("not a hetlb loader state (loader.state_dict() or bal.state_dict(): a "
+                             f"dict with a 'position'), got {got}")
         check_loader_config(state, self.sampler.config())
         self.board.load_position(state["position"])
         self._pending = state if "policy" in state else None
@@ -376,18 +423,27 @@ class BalancedLoader:
 
 def check_loader_config(state: Dict[str, Any], mine: Dict[str, Any]) -> None:
     """A checkpoint taken in the middle of an epoch resumes only with the same global order
-    (``mine``: the resuming loader's :meth:`GlobalOrderSampler.config`)."""
+    (``mine``: the resuming loader's :meth:`GlobalOrderSampler.config`).
+
+    At an epoch boundary (a checkpoint before the epoch's first step, or one that closed its
+    epoch: ``epoch_end`` in the position) any order continues correctly: the resumed loader
+    starts the next epoch over its own dataset. That is the way to move a job onto a changed
+    dataset (more samples, other sizes, another seed)."""
     saved = state.get("loader")
     pos = state.get("position") or {}
-    if saved is None or not pos.get("step"):
+    if saved is None or not pos.get("step") or pos.get("epoch_end"):
         return  # at an epoch boundary any order continues correctly
-    diff = {k: (saved.get(k), mine[k]) for k in mine if saved.get(k) != mine[k]}
+    # (a key the checkpoint does not have is one an older hetlb did not record)
+    diff = {k: (saved.get(k), mine[k]) for k in mine if k in saved and saved[k] != mine[k]}
     if diff:
         raise ValueError(
-            "the checkpoint was taken in the middle of an epoch with a different global order, so "
-            "its remaining samples are not the ones left in this order: " + ", ".join(
+            f"the checkpoint was taken in the middle of epoch {pos.get('epoch')} (after step "
+            f"{pos.get('step')}) with a different global order, so its remaining samples are not "
+            f"the ones left in this order: " + ", ".join(
                 f"{k}={a!r} then, {b!r} now" for k, (a, b) in diff.items()) +
-            ". Resume with the same dataset, shuffle, seed and drop_last")
+            ". Resume with the same dataset (length and sample sizes), shuffle, seed and "
+            "drop_last; or from a checkpoint taken at the end of an epoch, which resumes over any "
+            "dataset")
 
 
 def _shard(board: PlanBoard, partition: Any, rebalance: bool, n: int,
@@ -408,8 +464,8 @@ def _shard(board: PlanBoard, partition: Any, rebalance: bool, n: int,
         home = even_partition(work, board.world, seed)
     else:
         home = partition
-    board.partition = Partition(home, board.world, board.global_batch, work, seed=seed,
-                                shuffle=shuffle, rebalance=rebalance, sized=sample_sizes is not None)
+    board.set_partition(Partition(home, board.world, board.global_batch, work, seed=seed,
+                                  shuffle=shuffle, rebalance=rebalance, sized=sample_sizes is not None))
 
 
 def _board_from_process_group(batch_size: Optional[int]) -> PlanBoard:

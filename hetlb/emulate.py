@@ -37,7 +37,7 @@ import math
 import operator
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -51,9 +51,11 @@ DEFAULT_SPIN = 0.001
 
 
 def _finite_float(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         x = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{name} must be a number, got {value!r}") from None
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
@@ -149,6 +151,9 @@ class Emulator:
         quadratic: with ``by="data"``, ``c`` of an attention-bound worker whose work per sample
             is ``s + c * s**2``: the model is evaluated at ``sum(s) + c * sum(s**2)`` (the
             Balancer passes both sums).
+
+    Every argument is checked: a bad one raises ``ValueError`` naming it, with the value received
+    and what is accepted (numbers are never taken from strings or bools).
     """
 
     def __init__(self, model: Optional[TimeModel] = None, speed: float = 1.0, noise: float = 0.0,
@@ -183,10 +188,17 @@ class Emulator:
         spin = _finite_float("spin", spin)
         if spin < 0:
             raise ValueError(f"spin must be >= 0 seconds, got {spin}")
+        if isinstance(disturbances, (Disturbance, Mapping, str, bytes)) or \
+                not isinstance(disturbances, Iterable):
+            raise ValueError(f"disturbances must be a list of Disturbance objects (or their dicts), "
+                             f"got {disturbances!r}")
         dist = []
         for d in disturbances:
             if isinstance(d, Mapping):
-                d = Disturbance(**d)
+                try:
+                    d = Disturbance(**d)
+                except TypeError as e:  # unknown or missing keys
+                    raise ValueError(f"disturbances: {dict(d)!r} is not a Disturbance ({e})") from None
             if not isinstance(d, Disturbance):
                 raise ValueError(f"disturbances must be Disturbance objects, got {d!r}")
             dist.append(d)
@@ -205,6 +217,8 @@ class Emulator:
         """Emulator of ``rank`` with ``speed=speeds[rank]``. ``disturbances`` may also be a
         mapping ``rank -> [Disturbance, ...]``, so one description serves every rank."""
         rank = _int("rank", rank)
+        if isinstance(speeds, (str, bytes)) or not isinstance(speeds, (Sequence, np.ndarray)):
+            raise ValueError(f"speeds must be a sequence of relative speeds, one per rank, got {speeds!r}")
         if rank >= len(speeds):
             raise ValueError(f"rank {rank} out of range for {len(speeds)} speeds")
         dist = kw.pop("disturbances", ())

@@ -228,6 +228,16 @@ class PlanBoard:
         self.epoch = 0
         self.done = 0
         self.steps_per_epoch: Optional[int] = None
+        #: Whether a loader's sampler draws from this board (:meth:`attach`).
+        self.attached = False
+        #: A restored position that closed its epoch: the epoch counts as finished whatever the
+        #: loader's steps per epoch (a loader over a changed dataset resumes at the next epoch).
+        self._closed = False
+        #: A sharded position loaded before the loader (and its partition) exists: (partition
+        #: state, epoch, step), applied by :meth:`set_partition`.
+        self._deferred: Optional[tuple] = None
+        #: Whether the last restored position was sharded (None: nothing restored).
+        self._loaded_sharded: Optional[bool] = None
         #: True from a restore until iteration starts: set_epoch then checks the script resumes
         #: where the checkpoint stopped.
         self.restored = False
@@ -349,12 +359,46 @@ class PlanBoard:
         return plan
 
     def epoch_finished(self) -> bool:
-        """Whether every step of the current epoch has trained."""
+        """Whether every step of the current epoch has trained (or a restored position says its
+        epoch was complete)."""
         spe = self.steps_per_epoch
-        return spe is not None and spe > 0 and self.done >= spe
+        if self._closed:
+            return True
+        if spe is None:
+            return False
+        if spe > 0:
+            return self.done >= spe
+        # No steps: an empty dataset never finishes an epoch, but the rest of a sharded epoch
+        # whose every sample trained before a world-size change is finished.
+        part = self.partition
+        return part is not None and part.trained is not None and bool(part.trained.all())
+
+    def attach(self, steps_per_epoch: int) -> None:
+        """A loader's sampler draws from this board from now on (``steps_per_epoch``: of its
+        epochs). A sharded position restored before the loader existed must find a partition."""
+        if self._deferred is not None and self.partition is None:
+            self._deferred = None
+            raise ValueError("the checkpoint was taken with a sharded loader (partition=) and this "
+                             "loader is global-order; resume with the same partition= setting")
+        self.steps_per_epoch = steps_per_epoch
+        self.attached = True
+
+    def set_partition(self, partition: Partition) -> None:
+        """Sharded mode (the loader's ``partition=``): a position restored before the loader
+        existed continues on it."""
+        if self._loaded_sharded is False and not self.attached:
+            raise ValueError("the checkpoint was taken with a global-order loader and this loader "
+                             "is sharded (partition=); resume with the same partition= setting")
+        self.partition = partition
+        if self._deferred is not None:
+            saved, epoch, done = self._deferred
+            self._deferred = None
+            self.done = partition.load(saved, epoch, done, self.world)
+            self.steps_per_epoch = partition.steps
 
     def _new_epoch(self, epoch: int) -> None:
         self.epoch, self.done = int(epoch), 0
+        self._closed = False
         if self.mode == "stream":
             self.shards, self.used, self.base = None, np.zeros(self.world, np.int64), 0
         if self.partition is not None:
@@ -403,7 +447,7 @@ class PlanBoard:
         """Select the epoch to iterate (see :meth:`hetlb.data.BalancedLoader.set_epoch`)."""
         e = integer(epoch, "epoch", 0)
         spe = self.steps_per_epoch
-        finished = spe is not None and spe > 0 and self.done >= spe
+        finished = self.epoch_finished()
         where = " (as the loaded checkpoint says)" if self.restored else ""
         if e == self.epoch:
             if finished:
@@ -503,24 +547,43 @@ class PlanBoard:
 
     def position(self) -> Dict[str, Any]:
         """The data position (plain values): epoch and steps of it trained (a stream: the shards
-        and every rank's trained samples of its own)."""
+        and every rank's trained samples of its own); ``epoch_end`` when the epoch is complete
+        (so a loader with another number of steps per epoch resumes at the next epoch), and the
+        partition in sharded mode."""
         if self.mode == "stream":
             return {"epoch": int(self.epoch), "global_batch": self.global_batch,
                     "shards": None if self.shards is None else self.shards.tolist(),
                     "used": self.used.tolist(), "base": int(self.base), "length": self.length}
         out = {"epoch": int(self.epoch), "step": int(self.done), "global_batch": self.global_batch}
+        if self.epoch_finished():
+            # Marks the epoch complete on its own, so a loader with another number of steps per
+            # epoch (a dataset changed between runs) resumes at the next epoch, not inside this one.
+            out["epoch_end"] = True
         if self.partition is not None:
             out["partition"] = self.partition.state()
+        elif self._deferred is not None:
+            out["partition"] = self._deferred[0]
         return out
 
     def load_position(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`position` output; iterators started earlier refuse to go on."""
+        """Restore :meth:`position` output; iterators started earlier refuse to go on.
+
+        Before a loader draws from the board (``Balancer.load_state_dict`` before
+        ``bal.loader()``), a sharded position waits for the loader's partition
+        (:meth:`set_partition`)."""
+        if not isinstance(state, dict) or "global_batch" not in state or "epoch" not in state:
+            raise ValueError(f"not a hetlb data position (a dict with epoch, step and global_batch): "
+                             f"got {type(state).__name__}"
+                             + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
         gb = integer(state["global_batch"], "checkpoint global_batch", 1)
         if gb != self.global_batch:
-            raise ValueError(f"checkpoint global_batch={gb} differs from {self.global_batch}; "
-                             f"the epoch position would not line up")
-        self.epoch = integer(state["epoch"], "checkpoint epoch", 0)
+            raise ValueError(f"checkpoint global_batch={gb} differs from this job's global batch "
+                             f"{self.global_batch} (batch_size * world): the checkpoint counts its "
+                             f"epoch in steps of {gb} samples, so its position would not line up. "
+                             f"Resume with global_batch={gb}")
+        epoch = integer(state["epoch"], "checkpoint epoch", 0)
         if self.mode == "stream":
+            self.epoch = epoch
             shards = state.get("shards")
             self.shards = None if shards is None else np.asarray(shards, np.int64)
             self.used = np.asarray(state["used"], np.int64)
@@ -529,15 +592,21 @@ class PlanBoard:
             if self.used.shape != (self.world,):
                 raise ValueError(f"a stream position of {self.used.size} ranks cannot resume on {self.world}")
         else:
-            self.done = integer(state["step"], "checkpoint step", 0)
+            done = integer(state["step"], "checkpoint step", 0)
             saved = state.get("partition")
-            if (saved is None) != (self.partition is None):
+            defer = saved is not None and self.partition is None and not self.attached
+            if (saved is None) != (self.partition is None) and not defer:
                 raise ValueError("the checkpoint was taken with a " + ("sharded" if saved is not None else "global-order") +
                                  " loader and this loader is " + ("sharded" if self.partition is not None else
                                  "global-order") + "; resume with the same partition= setting")
-            if saved is not None:
-                self.done = self.partition.load(saved, self.epoch, self.done, self.world)
+            if saved is not None and not defer:
+                done = self.partition.load(saved, epoch, done, self.world)
                 self.steps_per_epoch = self.partition.steps
+            self.epoch, self.done = epoch, done
+            # No loader yet: its partition takes this position when it is made (set_partition).
+            self._deferred = (saved, epoch, done) if defer else None
+            self._closed = bool(state.get("epoch_end", False))
+            self._loaded_sharded = saved is not None
         self.restored = True
         self.generation += 1
         self.drawn.clear()

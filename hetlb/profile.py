@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
+from .checks import integer, number
 from .models import LinearModel, PiecewiseModel, PolyModel, TimeModel
 
 __all__ = ["Profile", "profile", "DEFAULT_MAX_BATCH"]
@@ -70,12 +71,65 @@ class Profile:
     samples: List[List[float]] = field(default_factory=list)
     memory: List[Optional[int]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "Profile":
+        """Check that the profile describes a measurement (also run on construction, on
+        :meth:`from_dict` / :meth:`load` and by ``hetlb.Balancer(profile=...)``); returns it.
+
+        Raises ``ValueError`` naming the field, the value and what is accepted: ``batch_sizes``
+        non-empty integers >= 1, strictly increasing; ``times`` one finite number >= 0 per size;
+        ``limit`` an integer >= the largest size; ``oom_at`` None or an integer > ``limit``;
+        ``repeats`` >= 1, ``0 <= trim < repeats``, ``warmup`` >= 0; ``samples`` empty or one
+        non-empty list of finite numbers >= 0 per size; ``memory`` empty or one entry (None or
+        an integer >= 0) per size; ``device`` a string. Times need not grow with the size (noise)."""
+        def fail(name: str, want: str, got: Any) -> None:
+            raise ValueError(f"Profile: {name} must be {want}, got {got!r}")
+
+        if not isinstance(self.batch_sizes, (list, tuple)) or not self.batch_sizes:
+            fail("batch_sizes", "a non-empty list of integers >= 1 (an empty profile has nothing "
+                 "to fit)", self.batch_sizes)
+        self.batch_sizes = [integer(b, "Profile: batch_sizes[]", 1) for b in self.batch_sizes]
+        if any(b >= c for b, c in zip(self.batch_sizes, self.batch_sizes[1:])):
+            fail("batch_sizes", "strictly increasing", self.batch_sizes)
+        if not isinstance(self.times, (list, tuple)) or len(self.times) != len(self.batch_sizes):
+            fail("times", f"a list of {len(self.batch_sizes)} numbers, one per entry of "
+                 f"batch_sizes={self.batch_sizes}", self.times)
+        self.times = [number(t, f"Profile: times[{i}]", minimum=0.0) for i, t in enumerate(self.times)]
+        self.limit = integer(self.limit, "Profile: limit", 1)
+        if self.limit < self.batch_sizes[-1]:
+            fail("limit", f"an integer >= the largest of batch_sizes={self.batch_sizes}", self.limit)
+        if self.oom_at is not None:
+            self.oom_at = integer(self.oom_at, "Profile: oom_at", 1)
+            if self.oom_at <= self.limit:
+                fail("oom_at", f"None or an integer > limit={self.limit}", self.oom_at)
+        if not isinstance(self.device, str):
+            fail("device", "a string such as 'cpu' or 'cuda:0'", self.device)
+        self.repeats = integer(self.repeats, "Profile: repeats", 1)
+        self.trim = integer(self.trim, "Profile: trim", 0)
+        if self.trim >= self.repeats:
+            fail("trim", f"< repeats={self.repeats}", self.trim)
+        self.warmup = integer(self.warmup, "Profile: warmup", 0)
+        n = len(self.batch_sizes)
+        if not isinstance(self.samples, (list, tuple)) or len(self.samples) not in (0, n) or any(
+                not isinstance(x, (list, tuple)) or not x for x in self.samples):
+            fail("samples", f"empty or {n} non-empty lists of seconds, one per entry of "
+                 f"batch_sizes={self.batch_sizes}", self.samples)
+        self.samples = [[number(t, f"Profile: samples[{i}][]", minimum=0.0) for t in x]
+                        for i, x in enumerate(self.samples)]
+        if not isinstance(self.memory, (list, tuple)) or len(self.memory) not in (0, n):
+            fail("memory", f"empty or {n} entries (bytes or None), one per entry of "
+                 f"batch_sizes={self.batch_sizes}", self.memory)
+        self.memory = [None if m is None else integer(m, f"Profile: memory[{i}]", 0)
+                       for i, m in enumerate(self.memory)]
+        return self
+
     def fit(self, kind: str = "cubic") -> TimeModel:
         """Time model of the points: ``"cubic"`` (LBB's profiling model; degree drops to
         ``npoints - 1`` with fewer than 4 points), ``"linear"`` (non-negative ``a0 + a1*b``) or
         ``"piecewise"`` (linear between the points)."""
-        if not self.batch_sizes:
-            raise ValueError("empty profile: nothing to fit")
+        self.validate()
         if kind == "cubic":
             return PolyModel.fit(self.batch_sizes, self.times, degree=min(3, len(self.batch_sizes) - 1))
         if kind == "linear":
@@ -92,32 +146,46 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Profile":
-        """Inverse of :meth:`to_dict` (unknown keys are an error, so typos do not pass silently)."""
+        """Inverse of :meth:`to_dict`. Unknown keys are an error (so typos do not pass silently),
+        as are a missing field, another format ``version`` and every check of :meth:`validate`
+        (``ValueError`` naming the field)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a profile must be a JSON object (dict) of Profile fields, got "
+                             f"{type(d).__name__}")
         d = dict(d)
         version = d.pop("version", _FORMAT_VERSION)
-        if version != _FORMAT_VERSION:
-            raise ValueError(f"unsupported profile format version {version!r}")
+        if version != _FORMAT_VERSION or isinstance(version, bool):
+            raise ValueError(f"unsupported profile format version {version!r}; this hetlb reads "
+                             f"version {_FORMAT_VERSION}")
         known = set(cls.__dataclass_fields__)
         extra = set(d) - known
         if extra:
-            raise ValueError(f"unknown profile fields {sorted(extra)}")
-        p = cls(**d)
-        p.batch_sizes = [int(b) for b in p.batch_sizes]
-        p.times = [float(t) for t in p.times]
-        if len(p.batch_sizes) != len(p.times):
-            raise ValueError(f"profile has {len(p.batch_sizes)} batch sizes but {len(p.times)} times")
-        return p
+            raise ValueError(f"unknown profile fields {sorted(extra)}; expected {sorted(known)}")
+        missing = [k for k in ("batch_sizes", "times", "limit") if k not in d]
+        if missing:
+            raise ValueError(f"profile lacks the fields {missing}")
+        return cls(**d)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write the profile as JSON."""
+        """Write the profile as JSON (strict JSON: a profile holds no NaN or infinity)."""
+        self.validate()
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1)
+            json.dump(self.to_dict(), f, indent=1, allow_nan=False)
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "Profile":
-        """Read a profile written by :meth:`save`."""
+        """Read a profile written by :meth:`save`. A file that is not JSON (truncated, corrupt,
+        empty) or not a valid profile raises ``ValueError`` naming the file and the problem."""
         with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+            try:
+                d = json.load(f)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"{os.fspath(path)}: not a profile JSON file (truncated or "
+                                 f"corrupt?): {e}") from None
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{os.fspath(path)}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,7 +322,11 @@ def _memory_probe(dev: torch.device, needed: bool) -> Any:
 
 
 def _resolve_device(device: DeviceLike) -> torch.device:
-    dev = torch.device("cpu" if device is None else device)
+    try:
+        dev = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"device must be a torch device or its name (e.g. 'cpu', 'cuda:0'), got "
+                         f"{device!r} ({e})") from None
     if dev.type == "cuda" and dev.index is None:
         # Name the concrete device so the profile says which GPU it describes.
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -334,6 +406,8 @@ def _sizes(batch_sizes: Optional[Iterable[int]], max_batch: Optional[int]) -> Li
         if not sizes:
             raise ValueError(f"max_batch={top} leaves no default batch size (they start at 2)")
         return sizes
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Iterable):
+        raise ValueError(f"batch_sizes must be None or an iterable of integers, got {batch_sizes!r}")
     sizes = sorted({_int_arg("batch size", b) for b in batch_sizes})
     if not sizes:
         raise ValueError("batch_sizes is empty")
@@ -399,9 +473,7 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     if memory_limit is not None:
-        memory_limit = float(memory_limit)
-        if not (math.isfinite(memory_limit) and memory_limit > 0):
-            raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit}")
+        memory_limit = number(memory_limit, "memory_limit (a positive number of bytes)", above=0.0)
     if not callable(step_fn):
         raise ValueError(f"step_fn must be callable, got {step_fn!r}")
     sizes = _sizes(batch_sizes, max_batch)

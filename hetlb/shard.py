@@ -6,10 +6,12 @@ the union of the shards. hetlb then runs, per epoch:
 
 - **Steps from the shards.** Every rank shuffles the samples it holds (seeded by seed, epoch and
   rank) and spreads them over the epoch's ``ceil(N / global_batch)`` steps, equal data per step
-  (cut at the quantiles of the shuffled shard's cumulative size). Every rank knows every shard,
-  so all ranks agree on every step's sizes and on the end of the epoch without a collective;
-  each sample is trained exactly once per epoch. Sizes follow the shards within an epoch: the
-  policy's decisions do not move samples between ranks mid-epoch (the shards are on disk).
+  (cut at the quantiles of the shuffled shard's cumulative size; a step that this leaves without
+  a sample on any rank takes one from the nearest step holding two or more). Every rank knows
+  every shard, so all ranks agree on every step's sizes and on the end of the epoch without a
+  collective; each sample is trained exactly once per epoch. Sizes follow the shards within an
+  epoch: the policy's decisions do not move samples between ranks mid-epoch (the shards are on
+  disk).
 - **Rebalancing at the end of an epoch** (CHRONICA's data shuffler, Algorithm 3). A rank that
   holds more work than its speed can do in the common time is the epoch-level straggler.
   :func:`hetlb.rebalance` moves the fewest samples so that the predicted epoch times are equal
@@ -191,6 +193,12 @@ class Partition:
             else:
                 step_of = (np.arange(mine.size) * steps) // mine.size
             counts[r] = np.bincount(step_of, minlength=steps)
+        _fill_empty_steps(counts)
+        for r in range(self.world):
+            if steps == 0 or orders[r].size == 0:
+                continue
+            w = self.work[orders[r]]
+            step_of = np.repeat(np.arange(steps), counts[r])
             data[r] = np.bincount(step_of, weights=w, minlength=steps)
             sq[r] = np.bincount(step_of, weights=w * w, minlength=steps)
         crc = zlib.crc32(self.home.tobytes())
@@ -257,7 +265,8 @@ class Partition:
     def load(self, state: Dict[str, Any], epoch: int, done: int, world: int) -> int:
         """Restore :meth:`state` (taken at step ``done`` of ``epoch``) on a job of ``world``
         ranks; returns the steps of the epoch already trained in the restored layout (``done``,
-        or 0 when the world size changed and the rest of the epoch was re-partitioned)."""
+        or 0 when the world size changed and the rest of the epoch was re-partitioned, or the
+        whole layout's :attr:`steps` when the epoch was complete)."""
         saved_world = integer(state["world"], "checkpoint partition world", 1)
         home = np.asarray(torch.as_tensor(state["home"]).numpy(), np.int64)
         if home.shape != self.home.shape:
@@ -283,7 +292,29 @@ class Partition:
         new = rebalance(np.where(placed < world, placed, -1), self.work, np.ones(world), np.zeros(world))
         self.pending = Migration.between(self.home, new)
         self._layout = None
-        return done if finished else 0
+        # A complete epoch stays complete in the new layout (of every sample, trained is gone):
+        # its steps are all done, whatever the old layout counted.
+        return max(done, self.steps) if finished else 0
+
+
+def _fill_empty_steps(counts: np.ndarray) -> None:
+    """Give every step of a layout (``counts``: samples of every rank at every step, in place)
+    at least one sample when there are enough: a shard cut at the quantiles of its data can leave
+    steps empty (a large sample spans several), and a step with no sample on any rank has no
+    gradient to weigh. Each empty step takes one sample from the nearest step holding two or
+    more (earlier first), from the rank with the most there (lowest first): only the counts of
+    that rank's steps between the two change, so its samples stay in order, each in one step."""
+    total = counts.sum(axis=0)
+    if total.size == 0 or int(total.sum()) < total.size:
+        return
+    for s in np.flatnonzero(total == 0):
+        rich = np.flatnonzero(total >= 2)
+        t = int(rich[np.argmin(np.abs(rich - s) * 2 + (rich > s))])
+        r = int(np.argmax(counts[:, t]))
+        counts[r, t] -= 1
+        counts[r, s] += 1
+        total[t] -= 1
+        total[s] += 1
 
 
 def check_home(home: Any, n: int, world: int) -> np.ndarray:

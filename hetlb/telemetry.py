@@ -17,9 +17,22 @@ What the columns mean (one row per rank and step):
   ``1 - available / total`` RAM).
 * ``predicted``: the rank's own prediction of its speed for the step after next, from a rank-local
   predictor when the policy uses one (LB-BSP's per-worker NARX), else NaN.
+
+Bad values (one place for all policies: :meth:`History.append`). A record that cannot describe a
+step is refused with :class:`UnusableTelemetry` naming the ranks and their values: negative sizes;
+a compute time that is NaN, negative or ``-inf``, zero or below :data:`MIN_COMPUTE` (1 ns) for a
+rank with samples, or above :data:`MAX_COMPUTE` (10^6 s, far beyond any collective's timeout: a
+broken clock, not a step); non-finite or negative data amounts; non-finite memory or CPU readings.
+The Balancer (and the simulator) then keep the previous sizes and count the step; more than
+``max_bad_steps`` such steps in a row raise. ``+inf`` compute is how a rank reports that it made no
+progress: it passes, and each policy says what it means. Memory and CPU readings outside their
+range ``[0, 1]`` are clamped into it, with a warning (logger ``hetlb.telemetry``) the first time
+per rank and column.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import os
 import time
@@ -30,7 +43,9 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .checks import number
+from .checks import integer, number
+
+log = logging.getLogger("hetlb.telemetry")
 
 #: Columns of the world table, in order.
 FIELDS = ("batch", "compute", "data", "memory", "cpu", "predicted", "checksum", "plan", "step", "epoch")
@@ -39,6 +54,12 @@ COL = {name: i for i, name in enumerate(FIELDS)}
 
 #: The per-rank arrays of a :class:`StepRecord`, in table order.
 RECORD_ARRAYS = ("batch", "compute", "data", "memory", "cpu", "predicted")
+
+#: Plausible compute seconds of a step for a rank with samples: shorter is a clock artefact
+#: (and would make its speed overflow), longer a broken clock (no collective waits 11 days).
+#: Records outside are refused as unusable (see the module docstring).
+MIN_COMPUTE = 1e-9
+MAX_COMPUTE = 1e6
 
 
 class UnusableTelemetry(ValueError):
@@ -141,20 +162,43 @@ class History:
     """
 
     def __init__(self, world: int, maxlen: int = 1024) -> None:
-        if world < 1:
-            raise ValueError(f"world must be >= 1, got {world}")
-        self.world = int(world)
-        self._records: Deque[StepRecord] = deque(maxlen=int(maxlen))
+        self.world = integer(world, "History: world", 1)
+        self._records: Deque[StepRecord] = deque(maxlen=integer(maxlen, "History: maxlen", 1))
+        #: Memory / CPU readings clamped into [0, 1] so far (see :meth:`append`).
+        self.clamped = 0
+        self._warned: set = set()  # (column, rank) already named in a clamping warning
 
     def append(self, record: StepRecord) -> None:
         """Add the latest step; raises :class:`UnusableTelemetry` (see :func:`validate_record`)
-        for a record that cannot describe a step, so every record a policy reads is sound."""
+        for a record that cannot describe a step, so every record a policy reads is sound.
+        Memory and CPU readings outside ``[0, 1]`` are clamped into it (the stored record is then
+        a corrected copy; a warning names the rank the first time per rank and column)."""
+        if not isinstance(record, StepRecord):
+            raise TypeError(f"History.append: record must be a StepRecord, got {type(record).__name__}")
         if record.world != self.world:
             raise ValueError(f"record has {record.world} ranks, history has {self.world}")
         validate_record(record)
         if self._records and record.step <= self._records[-1].step:
             raise ValueError(f"steps must increase: got {record.step} after {self._records[-1].step}")
+        if not _readings_in_range(record):
+            record = self._clamp(record)
         self._records.append(record)
+
+    def _clamp(self, record: StepRecord) -> StepRecord:
+        fixed = {}
+        for col in ("memory", "cpu"):
+            a = getattr(record, col)
+            out = (a < 0) | (a > 1)
+            if not out.any():
+                continue
+            fixed[col] = np.clip(a, 0.0, 1.0)
+            self.clamped += int(out.sum())
+            for r in np.flatnonzero(out).tolist():
+                level = logging.DEBUG if (col, r) in self._warned else logging.WARNING
+                self._warned.add((col, r))
+                log.log(level, "step %d: rank %d reported %s=%r, outside [0, 1]; clamped to %r",
+                        record.step, r, col, float(a[r]), float(fixed[col][r]))
+        return dataclasses.replace(record, **fixed)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -198,37 +242,57 @@ class History:
 
 def validate_record(record: StepRecord) -> None:
     """Structural check of a record: raise :class:`UnusableTelemetry` naming the ranks whose
-    values cannot describe a step (negative sizes; compute time NaN, negative, or zero with
-    samples; non-finite data, memory or CPU). ``+inf`` compute passes: it is how a rank reports
-    that it made no progress, and each policy decides what that means."""
+    values cannot describe a step (negative sizes; compute time NaN, negative or ``-inf``, below
+    :data:`MIN_COMPUTE` with samples, or finite above :data:`MAX_COMPUTE`; non-finite or negative
+    data; non-finite memory or CPU). ``+inf`` compute passes: it is how a rank reports that it
+    made no progress, and each policy decides what that means."""
     if _looks_sound(record):
         return
+    arrays = (record.batch, record.compute, record.data, record.memory, record.cpu)
+    n = record.batch.shape
+    if len(n) != 1 or n[0] == 0 or any(np.shape(a) != n for a in arrays):
+        raise UnusableTelemetry(f"step {record.step}: the record's columns must be 1-D of one "
+                                f"length >= 1, got shapes {[np.shape(a) for a in arrays]}")
     b, t, d = record.batch, record.compute, record.data
-    bad = (b < 0) | np.isnan(t) | (t < 0) | ((b > 0) & (t == 0)) | ~np.isfinite(d) | (d < 0)
-    bad |= ~np.isfinite(record.memory) | ~np.isfinite(record.cpu)
+    with np.errstate(invalid="ignore"):
+        bad = (b < 0) | np.isnan(t) | (t < 0) | ((b > 0) & (t < MIN_COMPUTE)) | ~np.isfinite(d) | (d < 0)
+        bad |= np.isfinite(t) & (t > MAX_COMPUTE)
+        bad |= ~np.isfinite(record.memory) | ~np.isfinite(record.cpu)
     if bad.any():
         raise UnusableTelemetry(f"step {record.step}: unusable telemetry from " + ", ".join(
             f"rank {r} (batch={int(b[r])}, compute={float(t[r])!r}, data={float(d[r])!r}, "
             f"memory={float(record.memory[r])!r}, cpu={float(record.cpu[r])!r})"
-            for r in np.flatnonzero(bad)))
+            for r in np.flatnonzero(bad)) +
+            f"; accepted: batch >= 0, compute in [{MIN_COMPUTE:g}, {MAX_COMPUTE:g}] s (0 without "
+            f"samples, +inf for no progress), data finite >= 0, memory and cpu finite")
 
 
 def _looks_sound(record: StepRecord) -> bool:
     """A cheap sufficient condition for :func:`validate_record` to pass (it runs every step): True
     only if every check there holds. Sums propagate NaN and infinities, so a finite sum means
-    finite entries; a NaN minimum compares False, and the sums catch it. Zero compute with zero
-    samples is allowed there but fails here (then the exact check decides)."""
+    finite entries; a NaN minimum compares False, and the sums catch it. Compute below
+    :data:`MIN_COMPUTE` (also zero with zero samples, allowed there) or above :data:`MAX_COMPUTE`
+    (also ``+inf``) fails here, and then the exact check decides."""
     arrays = (record.batch, record.compute, record.data, record.memory, record.cpu)
     n = record.batch.shape
-    if len(n) != 1 or n[0] == 0 or any(a.shape != n for a in arrays):
+    if len(n) != 1 or n[0] == 0 or any(np.shape(a) != n for a in arrays):
         return False
     if n[0] <= 64:  # tiny rows: Python lists beat NumPy's per-call cost
         b, t, d, m, c = (a.tolist() for a in arrays)
-        return (min(b) >= 0 and min(t) > 0 and not math.isnan(sum(t)) and min(d) >= 0
-                and math.isfinite(sum(d) + sum(m) + sum(c)))
+        return (min(b) >= 0 and min(t) >= MIN_COMPUTE and max(t) <= MAX_COMPUTE and min(d) >= 0
+                and math.isfinite(sum(t) + sum(d) + sum(m) + sum(c)))
     b, t, d, m, c = arrays
-    return bool(b.min() >= 0 and t.min() > 0 and not math.isnan(t.sum()) and d.min() >= 0
-                and math.isfinite(float(d.sum()) + float(m.sum()) + float(c.sum())))
+    return bool(b.min() >= 0 and t.min() >= MIN_COMPUTE and t.max() <= MAX_COMPUTE and d.min() >= 0
+                and math.isfinite(float(t.sum()) + float(d.sum()) + float(m.sum()) + float(c.sum())))
+
+
+def _readings_in_range(record: StepRecord) -> bool:
+    """Whether every memory and CPU reading is in ``[0, 1]`` (cheap: it runs every step)."""
+    m, c = record.memory, record.cpu
+    if m.shape[0] <= 64:
+        m, c = m.tolist(), c.tolist()
+        return min(m) >= 0 and max(m) <= 1 and min(c) >= 0 and max(c) <= 1
+    return bool(m.min() >= 0 and m.max() <= 1 and c.min() >= 0 and c.max() <= 1)
 
 
 def require_progress(record: StepRecord, who: str) -> None:
@@ -311,6 +375,7 @@ def hardware_info(device: Optional[torch.device] = None) -> Dict[str, float]:
     return info
 
 
-__all__ = ["FIELDS", "NUM_FIELDS", "COL", "RECORD_ARRAYS", "UnusableTelemetry", "StepRecord",
+__all__ = ["FIELDS", "NUM_FIELDS", "COL", "RECORD_ARRAYS", "MIN_COMPUTE", "MAX_COMPUTE",
+           "UnusableTelemetry", "StepRecord",
            "History", "validate_record", "require_progress", "straggler_effect", "Probe",
            "hardware_info"]

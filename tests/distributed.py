@@ -53,11 +53,13 @@ def gloo_threads() -> List[str]:
     return sorted(n for n in names if "gloo" in n)
 
 
-def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0, backend: str = "gloo") -> List[Any]:
+def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0, backend: str = "gloo",
+        may_die: tuple = ()) -> List[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result.
 
     Raises ``AssertionError`` with the rank's traceback if any rank failed, and kills every
-    process if the group does not finish within ``timeout`` seconds.
+    process if the group does not finish within ``timeout`` seconds. A rank in ``may_die`` that
+    exits without a result (a staged crash) gets the result ``("died", exit code)``.
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,6 +82,9 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0, backend: s
         results = []
         for r in range(world):
             path = os.path.join(tmp, f"{r}.pkl")
+            if not os.path.exists(path) and r in may_die:
+                results.append(("died", procs[r].exitcode))
+                continue
             if not os.path.exists(path):
                 raise AssertionError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
             with open(path, "rb") as f:

@@ -134,9 +134,12 @@ def test_emit_checks_every_new_decision_and_hands_out_copies():
     with pytest.raises(ValueError, match="outside bounds"):
         p.emit(p.last)
     restored = Uniform()
-    restored.load_state_dict({**p.state_dict(), "last": np.array([4, 4, 4])})
+    with pytest.raises(ValueError, match="summing to 12"):  # a restored decision is checked
+        restored.load_state_dict({**p.state_dict(), "last": np.array([4, 4, 4])})
+    restored.load_state_dict({**p.state_dict(), "last": np.array([4, 4, 1])})
+    restored.last = np.array([4, 4, 4])  # replaced after the load: checked on its first emit
     with pytest.raises(ValueError, match="summing to 12"):
-        restored.emit(restored.last)  # a restored decision is checked on its first emit
+        restored.emit(restored.last)
 
 
 # -- LBB ---------------------------------------------------------------------------------------

@@ -469,3 +469,24 @@ def test_cpu_mode_splits_by_the_published_predictions():
                         np.full(3, 0.3), np.full(3, 0.3), np.array([100.0, 300.0, np.nan])))
     # rank 2 has no prediction: its EMA speed is 200 samples/s
     assert p.decide(h).tolist() == [100, 300, 200]
+
+
+def test_a_script_ending_during_a_background_narx_fit_exits_cleanly(tmp_path):
+    # The fit thread was a daemon: a process ending while it ran inside torch aborted ("terminate
+    # called without an active exception", exit code 134), which torchrun counts as a failure.
+    import subprocess
+    import sys
+    script = tmp_path / "narx_exit.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from hetlb.policies.narx import NARX\n"
+        "from hetlb.telemetry import StepRecord\n"
+        "p = NARX(warmup=500).for_rank(0)\n"
+        "rng = np.random.default_rng(0)\n"
+        "for k in range(500):\n"
+        "    b = np.array([100]); t = np.array([0.1 * (1 + 0.05 * rng.random())])\n"
+        "    p.observe(StepRecord(step=k, epoch=0, batch=b, compute=t, data=b.astype(float),\n"
+        "                         memory=np.array([0.3]), cpu=np.array([0.5])), 0)\n"
+        "assert p._thread is not None and p._thread.is_alive()  # the script ends mid-fit\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -150,7 +150,7 @@ def test_hardware_info_on_cpu():
 
 
 _SPECIAL = st.sampled_from([0.0, -0.0, 1.0, 0.5, -1.0, 1e308, -1e308, float("inf"), float("-inf"),
-                            float("nan")])
+                            float("nan"), 1e-12, 1e9])
 
 
 @given(batch=st.lists(st.integers(-2, 5), min_size=1, max_size=70),
@@ -164,8 +164,10 @@ def test_validate_fast_path_agrees_with_the_full_check(batch, values):
     r = StepRecord(step=0, epoch=0, batch=np.asarray(batch, np.int64), compute=col(), data=col(),
                    memory=col(), cpu=col())
     b, t, d = r.batch, r.compute, r.data
+    from hetlb.telemetry import MAX_COMPUTE, MIN_COMPUTE
     with np.errstate(invalid="ignore"):
-        bad = ((b < 0) | np.isnan(t) | (t < 0) | ((b > 0) & (t == 0)) | ~np.isfinite(d) | (d < 0)
+        bad = ((b < 0) | np.isnan(t) | (t < 0) | ((b > 0) & (t < MIN_COMPUTE)) | ~np.isfinite(d)
+               | (d < 0) | (np.isfinite(t) & (t > MAX_COMPUTE))
                | ~np.isfinite(r.memory) | ~np.isfinite(r.cpu)).any()
     if _looks_sound(r):
         assert not bad

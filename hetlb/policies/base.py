@@ -16,23 +16,33 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
 
+from ..checks import integer
 from ..models import TimeModel
 from ..plan import ScheduleRule
 from ..solve import allocate_proportional
 from ..telemetry import History, StepRecord, require_progress
 
 __all__ = ["Context", "Policy", "SizedPolicy", "EpochMeter", "EpochPolicy", "check_sizes",
-           "check_decision", "to_state", "from_state"]
+           "check_decision", "check_state", "to_state", "from_state"]
+
+
+#: Most ranks a :class:`Context` describes (far beyond any data-parallel job; a larger world is
+#: a wrong value, and would allocate per-rank arrays of that length).
+MAX_WORLD = 1 << 20
 
 
 @dataclass
 class Context:
     """What a policy knows before the first step.
+
+    Every field is checked on construction (``ValueError`` naming it): ``world`` an integer in
+    ``[1, MAX_WORLD]``, ``global_batch`` an integer >= 1, the bounds integers >= 0 (one, or one
+    per rank) with ``lower <= upper`` and ``sum(lower) <= global_batch <= sum(upper)``.
 
     Attributes:
         world: number of ranks.
@@ -53,36 +63,82 @@ class Context:
     profiles: List[Optional[Dict[str, Any]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.world < 1:
-            raise ValueError(f"world must be >= 1, got {self.world}")
-        self.lower = np.broadcast_to(np.asarray(self.lower, dtype=np.int64), (self.world,)).copy()
-        self.upper = np.broadcast_to(np.asarray(self.upper, dtype=np.int64), (self.world,)).copy()
-        if self.global_batch < int(self.lower.sum()):
+        self.world = integer(self.world, "Context: world", 1)
+        if self.world > MAX_WORLD:
+            raise ValueError(f"Context: world must be <= {MAX_WORLD} ranks, got {self.world}")
+        self.global_batch = integer(self.global_batch, "Context: global_batch", 1)
+        self.lower = _bounds(self.lower, "lower", self.world)
+        self.upper = _bounds(self.upper, "upper", self.world)
+        # Sums in float64 (exact to 2^53) and upper capped at the global batch: no int64 overflow.
+        lo = float(self.lower.sum(dtype=np.float64))
+        hi = float(np.minimum(self.upper, self.global_batch).sum(dtype=np.float64))
+        if self.global_batch < lo:
             raise ValueError(f"global_batch={self.global_batch} is smaller than the sum of the lower "
-                             f"bounds {int(self.lower.sum())} over {self.world} ranks "
-                             f"(lower={self.lower.tolist()}); every rank needs at least its lower "
-                             f"bound of samples per step")
-        if int(self.upper.sum()) < self.global_batch:
+                             f"bounds {lo:.0f} over {self.world} ranks (lower={_short(self.lower)}); "
+                             f"every rank needs at least its lower bound of samples per step")
+        if hi < self.global_batch:
             raise ValueError(f"global_batch={self.global_batch} exceeds the sum of upper bounds "
-                             f"{int(self.upper.sum())} (upper={self.upper.tolist()})")
+                             f"{hi:.0f} (upper={_short(self.upper)})")
         if np.any(self.lower > self.upper):
-            raise ValueError(f"lower {self.lower.tolist()} exceeds upper {self.upper.tolist()}")
+            raise ValueError(f"Context: lower {_short(self.lower)} exceeds upper {_short(self.upper)} "
+                             f"(each rank's lower bound must be <= its upper bound)")
         if not self.profiles:
             self.profiles = [None] * self.world
         if not self.hardware:
             self.hardware = [{} for _ in range(self.world)]
+        for name in ("profiles", "hardware"):
+            v = getattr(self, name)
+            if not isinstance(v, (list, tuple)) or len(v) != self.world:
+                raise ValueError(f"Context: {name} must be a list of one entry per rank "
+                                 f"({self.world}), got {v!r}")
 
     @classmethod
     def simple(cls, world: int, global_batch: int, lower: int = 1,
                upper: Optional[int] = None, **kw: Any) -> "Context":
         """A context with the same bounds on every rank (``upper`` defaults to ``global_batch``)."""
-        return cls(world, global_batch, np.full(world, lower), np.full(world, upper or global_batch), **kw)
+        world = integer(world, "Context: world", 1)
+        return cls(world, global_batch, np.full(world, integer(lower, "Context: lower", 0)),
+                   np.full(world, integer(global_batch if upper is None else upper,
+                                          "Context: upper", 0)), **kw)
 
     def models(self, kind: str = "model") -> Optional[List[TimeModel]]:
         """The profiled models of every rank, or None unless every rank has one."""
         if any(p is None or kind not in p for p in self.profiles):
             return None
         return [p[kind] for p in self.profiles]
+
+
+def _short(a: np.ndarray) -> str:
+    """A per-rank array for a message, cut after 16 ranks."""
+    v = a.tolist()
+    return str(v) if len(v) <= 16 else f"{str(v[:16])[:-1]}, ... ({len(v)} ranks)]"
+
+
+def _bounds(value: Any, name: str, world: int) -> np.ndarray:
+    """Per-rank int64 bounds from one integer or one per rank; each >= 0."""
+    a = np.asarray(value)
+    if a.dtype.kind == "f" and np.all(np.isfinite(a)) and np.all(a == np.round(a)):
+        a = a.astype(np.int64)
+    if a.dtype.kind not in "iu" or a.ndim > 1 or (a.ndim == 1 and a.shape[0] != world):
+        raise ValueError(f"Context: {name} must be an integer >= 0 or {world} of them (one per "
+                         f"rank), got {value!r}")
+    a = np.broadcast_to(a.astype(np.int64), (world,)).copy()
+    if (a < 0).any():
+        raise ValueError(f"Context: {name} must be >= 0 on every rank, got {_short(a)}")
+    return a
+
+
+def check_state(state: Any, who: str, required: Any = ()) -> Dict[str, Any]:
+    """A policy state to load: a mapping holding ``required`` keys, else ``TypeError`` /
+    ``ValueError`` naming what is missing."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{who}.load_state_dict: state must be a dict (from state_dict()), got "
+                        f"{type(state).__name__}")
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise ValueError(f"{who}.load_state_dict: the state lacks {missing}; expected the output "
+                         f"of {who}.state_dict()")
+    return dict(state)
 
 
 class Policy:
@@ -115,7 +171,7 @@ class Policy:
         return {k: copy.deepcopy(v) for k, v in vars(self).items() if not k.startswith("_")}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for k, v in state.items():
+        for k, v in check_state(state, self.name).items():
             setattr(self, k, copy.deepcopy(v))
 
 
@@ -153,7 +209,27 @@ class SizedPolicy(Policy):
         return ctx
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore the state; the cached context is rebuilt from the restored bounds."""
+        """Restore the state; the cached context is rebuilt from the restored bounds.
+
+        Raises ``ValueError`` naming the field when the state's ``world``, ``global_batch`` and
+        bounds do not make a valid :class:`Context`, and, for a policy already started, when its
+        ``global_batch`` differs from the policy's (a checkpoint of another global batch; another
+        world size is handled by the Balancer, which restarts the policy instead of loading)."""
+        state = check_state(state, self.name)
+        if "world" in state:
+            missing = [k for k in ("global_batch", "lower", "upper", "last") if k not in state]
+            if missing:
+                raise ValueError(f"{self.name}.load_state_dict: the state lacks {missing}")
+            ctx = Context(state["world"], state["global_batch"], state["lower"], state["upper"])
+            if hasattr(self, "global_batch") and ctx.global_batch != self.global_batch:
+                raise ValueError(f"{self.name}.load_state_dict: the state's global_batch="
+                                 f"{ctx.global_batch} differs from this policy's global_batch="
+                                 f"{self.global_batch}; a checkpoint resumes only with the global "
+                                 f"batch it was saved with")
+            try:
+                check_sizes(np.asarray(state["last"]), ctx, "the state's last decision")
+            except ValueError as e:
+                raise ValueError(f"{self.name}.load_state_dict: {e}") from None
         super().load_state_dict(state)
         self._ctx = None
 
@@ -263,8 +339,12 @@ class EpochPolicy(SizedPolicy):
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        state = dict(state)
+        state = check_state(state, self.name, ("meter",))
         meter = state.pop("meter")
+        if not isinstance(meter, Mapping) or any(k not in meter for k in ("epoch", "steps", "samples",
+                                                                         "time")):
+            raise ValueError(f"{self.name}.load_state_dict: the state's meter must be the dict of "
+                             f"EpochMeter.state_dict(), got {meter!r}")
         super().load_state_dict(state)
         self._start_meter()
         self._meter.load_state_dict(meter)

@@ -20,17 +20,19 @@ learning-rate compensation, Eq. 7) with the loss as a mean per data unit (per to
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..checks import number
+from ..checks import flag, integer, number
 from ..plan import ScheduleRule
 from ..telemetry import History, require_progress
-from .base import Context, Policy
+from .base import Context, Policy, check_state
 
 __all__ = ["RuntimeProphet", "Chronica"]
+
+#: Slopes at or above this (seconds per unit of work) are not a model but an overflow.
+_MAX_SLOPE = 1e100
 
 
 class RuntimeProphet:
@@ -59,15 +61,16 @@ class RuntimeProphet:
     TERMS = ("n", "s", "q", "ss", "sq", "qq", "t", "st", "qt")
 
     def __init__(self, world: int, forget: float = 1.0, quadratic: Any = 0.0) -> None:
-        self.world = int(world)
+        self.world = integer(world, "RuntimeProphet: world", 1)
         self.forget = number(forget, "RuntimeProphet: forget", above=0.0, maximum=1.0)
         self.quadratic = check_quadratic(quadratic, "RuntimeProphet")
         self.stats = np.zeros((len(self.TERMS), self.world))
 
     def update(self, work: np.ndarray, time: np.ndarray, sq: Optional[np.ndarray] = None) -> None:
         """Add one step's feedback: summed sizes ``work``, seconds ``time`` and summed squared
-        sizes ``sq`` (``[world]``; needed unless ``quadratic == 0``); ranks with no work or a
-        non-finite time are skipped (their statistics are kept, not decayed)."""
+        sizes ``sq`` (``[world]``; needed unless ``quadratic == 0``); ranks with no work, a time
+        that is not finite and positive, or values whose products overflow are skipped (their
+        statistics are kept, not decayed)."""
         w = np.asarray(work, np.float64)
         t = np.asarray(time, np.float64)
         if sq is None:
@@ -77,9 +80,11 @@ class RuntimeProphet:
             q = np.zeros_like(w)
         else:
             q = np.asarray(sq, np.float64)
-        ok = (w > 0) & np.isfinite(t) & (t >= 0) & np.isfinite(q)
-        x = np.stack([np.ones_like(w), w, q, w * w, w * q, q * q, t, w * t, q * t])
-        self.stats[:, ok] = self.stats[:, ok] * self.forget + x[:, ok]
+        with np.errstate(over="ignore", invalid="ignore"):
+            x = np.stack([np.ones_like(w), w, q, w * w, w * q, q * q, t, w * t, q * t])
+            new = self.stats * self.forget + x
+        ok = (w > 0) & np.isfinite(t) & (t > 0) & np.all(np.isfinite(new), axis=0)
+        self.stats[:, ok] = new[:, ok]
 
     def coefficient(self) -> float:
         """The quadratic coefficient ``c`` in use (the given one, or the current fit)."""
@@ -94,15 +99,25 @@ class RuntimeProphet:
         if not usable.any():
             return 0.0
         d, A, y = d[usable], A[usable], y[usable]
-        As = A / (d[:, :, None] * d[:, None, :])
-        sound = np.linalg.cond(As) < 1e8
-        if not sound.any():
-            return 0.0
-        coef = np.linalg.solve(As[sound], (y[sound] / d[sound])[..., None])[..., 0] / d[sound]
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            As = A / (d[:, :, None] * d[:, None, :])
+            finite = np.all(np.isfinite(As), axis=(1, 2)) & np.all(np.isfinite(y / d), axis=1)
+            if not finite.any():
+                return 0.0
+            d, As, y = d[finite], As[finite], y[finite]
+            try:
+                sound = np.linalg.cond(As) < 1e8
+                if not sound.any():
+                    return 0.0
+                coef = np.linalg.solve(As[sound], (y[sound] / d[sound])[..., None])[..., 0] / d[sound]
+            except np.linalg.LinAlgError:  # degenerate feedback: no quadratic term yet
+                return 0.0
         # Only the ratio matters here; a small intercept's sign is noise (the models refit it).
         _, alpha, beta = coef.T
-        ok = (alpha > 0) & (beta >= 0)
-        ratios = beta[ok] / alpha[ok]
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            ok = (alpha > 0) & (beta >= 0)
+            ratios = beta[ok] / alpha[ok]
+        ratios = ratios[np.isfinite(ratios)]
         return float(np.median(ratios)) if ratios.size else 0.0
 
     def models(self) -> "tuple[np.ndarray, np.ndarray]":
@@ -110,8 +125,8 @@ class RuntimeProphet:
         :meth:`coefficient`); NaN for a rank with no feedback yet."""
         c = self.coefficient()
         n, s, q, ss, sq, qq, t, st, qt = self.stats
-        sw, sww, swt = s + c * q, ss + 2 * c * sq + c * c * qq, st + c * qt
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            sw, sww, swt = s + c * q, ss + 2 * c * sq + c * c * qq, st + c * qt
             det = n * sww - sw * sw
             a = (n * swt - sw * t) / det
             b = (t - a * sw) / n
@@ -136,15 +151,18 @@ class RuntimeProphet:
                 "stats": self.stats.tolist()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.world = int(state["world"])
-        self.forget = float(state["forget"])
-        self.quadratic = check_quadratic(state.get("quadratic", 0.0), "RuntimeProphet")
+        world = integer(state["world"], "RuntimeProphet state: world", 1)
+        forget = number(state["forget"], "RuntimeProphet state: forget", above=0.0, maximum=1.0)
+        quadratic = check_quadratic(state.get("quadratic", 0.0), "RuntimeProphet")
         stats = np.asarray(state["stats"], np.float64)
-        if stats.shape == (5, self.world):  # a linear prophet's checkpoint: n, sw, sww, st, swt
+        if stats.shape == (5, world):  # a linear prophet's checkpoint: n, sw, sww, st, swt
             old = stats
-            stats = np.zeros((len(self.TERMS), self.world))
+            stats = np.zeros((len(self.TERMS), world))
             stats[[0, 1, 3, 6, 7]] = old
-        self.stats = stats.reshape(len(self.TERMS), self.world)
+        if stats.shape != (len(self.TERMS), world):
+            raise ValueError(f"RuntimeProphet state: stats must be {len(self.TERMS)} x {world}, "
+                             f"got shape {stats.shape}")
+        self.world, self.forget, self.quadratic, self.stats = world, forget, quadratic, stats
 
 
 def check_quadratic(value: Any, who: str) -> Any:
@@ -184,11 +202,16 @@ class Chronica(Policy):
                  quadratic: Any = 0.0) -> None:
         self.forget = number(forget, "Chronica: forget", above=0.0, maximum=1.0)
         self.quadratic = check_quadratic(quadratic, "Chronica")
-        self.pivot = bool(pivot)
+        self.pivot = flag(pivot, "Chronica: pivot")
         if cap is not None:
-            c = np.asarray(cap, np.float64)
-            if c.ndim > 1 or np.any(~np.isfinite(c)) or np.any(c <= 0):
-                raise ValueError(f"Chronica: cap must be a positive number or one per rank, got {cap!r}")
+            try:
+                c = np.asarray(cap, np.float64)
+            except (TypeError, ValueError, OverflowError):
+                c = None
+            if isinstance(cap, (str, bytes, bool)) or c is None or c.ndim > 1 or c.size == 0 \
+                    or np.any(~np.isfinite(c)) or np.any(c <= 0):
+                raise ValueError(f"Chronica: cap must be None, a positive number or one per rank, "
+                                 f"got {cap!r}")
             cap = c.tolist()
             if self.quadratic != 0.0:
                 raise ValueError("Chronica: cap= with a quadratic work term is not supported yet (the "
@@ -208,18 +231,21 @@ class Chronica(Policy):
         return self._rule()
 
     def _rule(self) -> ScheduleRule:
+        """The rule from the prophet's models. A rank whose model is unknown (no feedback yet) or
+        unusable (a slope that is not finite and positive, e.g. from absurd data amounts that
+        under- or overflow) is modelled as the mean of the usable ones, so it gets a fair share
+        to measure; with none usable, every rank is modelled alike (balancing by data amount)."""
         assert self._prophet is not None
         a, b = self._prophet.models()
         c = self._prophet.coefficient()
-        known = np.isfinite(a)
+        with np.errstate(invalid="ignore"):
+            known = np.isfinite(a) & (a > 0) & (a < _MAX_SLOPE)
         if not known.any():
             return ScheduleRule(np.ones(self.world), np.zeros(self.world), cap=self._caps(),
                                 pivot=self.pivot, quadratic=c)
-        # A rank without feedback yet: the mean of the others (it gets a fair share to measure).
+        b = np.where(np.isfinite(b) & (b >= 0), b, 0.0)
         a = np.where(known, a, float(np.mean(a[known])))
         b = np.where(known, b, float(np.mean(b[known])))
-        if not (np.all(a > 0) and math.isfinite(float(a.sum()))):
-            raise ValueError(f"Chronica: slopes must be positive, got {a.tolist()}")
         return ScheduleRule(a, b, cap=self._caps(), pivot=self.pivot, quadratic=c)
 
     def _caps(self) -> Optional[np.ndarray]:
@@ -247,11 +273,26 @@ class Chronica(Policy):
                 "global_batch": self.global_batch, "prophet": self._prophet.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.forget = float(state["forget"])
+        """Restore :meth:`state_dict` output. A policy already started refuses the state of
+        another global batch (``ValueError`` naming ``global_batch``): its decisions are for
+        that batch. (Another world size is the Balancer's to handle: it restarts the policy.)"""
+        state = check_state(state, self.name, ("forget", "world", "global_batch", "prophet"))
+        started = self._prophet is not None and hasattr(self, "global_batch")
+        gb = integer(state["global_batch"], "Chronica state: global_batch", 1)
+        if started and gb != self.global_batch:
+            raise ValueError(f"Chronica.load_state_dict: the state's global_batch={gb} differs from "
+                             f"this policy's global_batch={self.global_batch}; a checkpoint "
+                             f"resumes only with the global batch it was saved with")
+        try:
+            forget = number(state["forget"], "Chronica state: forget", above=0.0, maximum=1.0)
+            world = integer(state["world"], "Chronica state: world", 1)
+            prophet = RuntimeProphet(world, forget, check_quadratic(state.get("quadratic", 0.0),
+                                                                    "Chronica state"))
+            prophet.load_state_dict(state["prophet"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"Chronica.load_state_dict: malformed prophet state ({e!r})") from None
+        self.forget, self.world, self.global_batch = forget, world, gb
         self.pivot = bool(state.get("pivot", True))
         self.cap = state.get("cap")
-        self.quadratic = check_quadratic(state.get("quadratic", 0.0), "Chronica")
-        self.world = int(state["world"])
-        self.global_batch = int(state["global_batch"])
-        self._prophet = RuntimeProphet(self.world, self.forget, self.quadratic)
-        self._prophet.load_state_dict(state["prophet"])
+        self.quadratic = prophet.quadratic
+        self._prophet = prophet

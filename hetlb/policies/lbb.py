@@ -58,8 +58,10 @@ class LBB(SizedPolicy):
     """Load Balance Batching.
 
     Args:
-        fine: fine-tuning threshold FT on SE (paper default 0.05); below it nothing changes.
-        rapid: rapid-tuning threshold RT on SE (paper default 0.3).
+        fine: fine-tuning threshold FT on SE (paper default 0.05, finite, >= 0); below it nothing
+            changes.
+        rapid: rapid-tuning threshold RT on SE (paper default 0.3, >= ``fine``; ``math.inf``
+            turns rapid-tuning off).
         step: samples a fine-tune moves from the slowest rank to the fastest (paper: 1).
         window: records that ran a rapid-tune's sizes (or later ones) during which only
             fine-tuning is allowed. The paper gives no value; 10 covers the few fine-tunes it
@@ -84,7 +86,10 @@ class LBB(SizedPolicy):
     def __init__(self, fine: float = 0.05, rapid: float = 0.3, step: int = 1, window: int = 10,
                  priority: float = math.inf) -> None:
         fine = number(fine, "LBB: fine", minimum=0.0)
-        rapid = number(rapid, "LBB: rapid", minimum=fine, finite=False)  # inf disables rapid-tuning
+        rapid = number(rapid, "LBB: rapid", minimum=0.0, finite=False)  # inf disables rapid-tuning
+        if rapid < fine:
+            raise ValueError(f"LBB: rapid={rapid!r} must be >= fine={fine!r} (rapid-tuning starts "
+                             f"where fine-tuning ends)")
         priority = number(priority, "LBB: priority", above=0.0, finite=False)
         self.fine, self.rapid, self.priority = fine, rapid, priority
         self.step = integer(step, "LBB: step", 1)

@@ -57,9 +57,9 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from ..checks import integer, number
+from ..checks import choice, flag, integer, number
 from ..telemetry import History, StepRecord, straggler_effect
-from .base import Context, SizedPolicy
+from .base import Context, SizedPolicy, check_state
 from .narx import NARX
 from .predictors import EMA, SpeedPredictor, predictor_from_state
 
@@ -105,8 +105,7 @@ class LBBSP(SizedPolicy):
                  step: int = 5, window: int = 5, fine_step: int = 1, fine_window: int = 20,
                  memory_guard: float = 0.95, settle: bool = False,
                  reequilibrate: Optional[float] = None) -> None:
-        if mode not in ("gpu", "cpu"):
-            raise ValueError(f"LBBSP: mode must be 'gpu' or 'cpu', got {mode!r}")
+        choice(mode, "LBBSP: mode", ("gpu", "cpu"))
         if predictor is not None and not isinstance(predictor, (SpeedPredictor, NARX)):
             raise ValueError(f"LBBSP: predictor must be a hetlb predictor (NARX, EMA, Memoryless), "
                              f"got {type(predictor).__name__}")
@@ -120,7 +119,7 @@ class LBBSP(SizedPolicy):
         self.fine_step = integer(fine_step, "LBBSP: fine_step", 1)
         self.fine_window = integer(fine_window, "LBBSP: fine_window", 1)
         self.memory_guard = number(memory_guard, "LBBSP: memory_guard", above=0.0)
-        self.settle = bool(settle)
+        self.settle = flag(settle, "LBBSP: settle")
         self.reequilibrate = None if reequilibrate is None else \
             number(reequilibrate, "LBBSP: reequilibrate", above=0.0)
         self._reset_state()
@@ -176,8 +175,9 @@ class LBBSP(SizedPolicy):
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a fresh instance then decides identically."""
-        state = dict(state)
+        """Restore :meth:`state_dict` output; a fresh instance then decides identically (errors:
+        :meth:`SizedPolicy.load_state_dict`)."""
+        state = check_state(state, self.name)
         pstate = state.pop("predictor", None)
         ema = state.pop("ema", None)
         super().load_state_dict(state)

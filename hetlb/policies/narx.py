@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ..checks import integer, number
+from ..checks import flag, integer, number
 from ..telemetry import History, StepRecord
 
 __all__ = ["NARX"]
@@ -79,7 +79,7 @@ class NARX:
         self.lr = number(lr, "NARX: lr", above=0.0)
         self.val_fraction = number(val_fraction, "NARX: val_fraction", above=0.0, below=1.0)
         self.alpha = number(alpha, "NARX: alpha", above=0.0, maximum=1.0)
-        self.background = bool(background)
+        self.background = flag(background, "NARX: background")
         self._clear()
 
     def config(self) -> Dict[str, Any]:
@@ -229,7 +229,10 @@ class NARX:
             except Exception:  # noqa: BLE001 (a failed fit keeps the previous predictor)
                 log.exception("NARX: background fit failed; keeping the previous predictor")
 
-        self._thread = threading.Thread(target=job, name=f"hetlb-narx-{self.rank}", daemon=True)
+        # Not a daemon: the interpreter waits for a running fit at exit (a daemon thread still
+        # inside torch when the process finalises aborts it: "terminate called without an
+        # active exception", exit code 134, which torchrun takes for a failure).
+        self._thread = threading.Thread(target=job, name=f"hetlb-narx-{self.rank}", daemon=False)
         self._thread.start()
 
     def _fit(self, xs: np.ndarray, ys: np.ndarray, base: np.ndarray, norm: Dict[str, float]) -> None:

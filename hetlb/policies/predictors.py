@@ -29,6 +29,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from ..checks import number
 from ..telemetry import StepRecord
 
 __all__ = ["SpeedPredictor", "Memoryless", "EMA", "predictor_from_state"]
@@ -41,10 +42,7 @@ def _check_count(value: Any, what: str, minimum: int) -> int:
 
 
 def _check_alpha(alpha: Any) -> float:
-    a = float(alpha)
-    if not (0.0 < a <= 1.0):  # also rejects NaN
-        raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
-    return a
+    return number(alpha, "EMA: alpha", above=0.0, maximum=1.0)
 
 
 class SpeedPredictor:
@@ -133,6 +131,9 @@ class SpeedPredictor:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (of the same predictor class)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"{self.name}.load_state_dict: state must be a dict, got "
+                            f"{type(state).__name__}")
         kind = state.get("type", type(self).__name__)
         if kind != type(self).__name__:
             raise ValueError(f"{self.name}: state is of a {kind} predictor, not {type(self).__name__}")
@@ -225,6 +226,8 @@ _PREDICTORS = {"Memoryless": Memoryless, "EMA": EMA}
 
 def predictor_from_state(state: Dict[str, Any]) -> SpeedPredictor:
     """Rebuild a predictor from :meth:`SpeedPredictor.state_dict` output."""
+    if not isinstance(state, dict):
+        raise TypeError(f"predictor state must be a dict, got {type(state).__name__}")
     kind = state.get("type")
     if kind not in _PREDICTORS:
         raise ValueError(f"unknown predictor type {kind!r}; expected one of {sorted(_PREDICTORS)}")

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..checks import number, optional_integer
+from ..checks import flag, number, optional_integer
 from ..telemetry import History, StepRecord, UnusableTelemetry
 from .base import Context, EpochPolicy
 
@@ -53,7 +53,8 @@ DEFAULT_INDICATORS = {"cpus": 1.0, "cores": 1.0, "memory": 1.0}
 
 def indicator(hardware: Sequence[Dict[str, float]], weights: Mapping[str, float]) -> Optional[np.ndarray]:
     """Per-rank performance indicator: the weighted mean of each indicator normalised by its
-    largest value, or None if a weighted indicator is missing or not positive on some rank."""
+    largest value, or None if a weighted indicator is missing, not finite or not positive on some
+    rank (then WLBS starts from the equal split)."""
     total = np.zeros(len(hardware))
     wsum = 0.0
     for key, w in weights.items():
@@ -64,7 +65,10 @@ def indicator(hardware: Sequence[Dict[str, float]], weights: Mapping[str, float]
             return None
         total += w * vals / vals.max()
         wsum += w
-    return total / wsum if wsum > 0 else None
+    if not wsum > 0:
+        return None
+    score = total / wsum
+    return score if np.all(np.isfinite(score)) and np.all(score > 0) else None
 
 
 class WLBS(EpochPolicy):
@@ -100,14 +104,19 @@ class WLBS(EpochPolicy):
                  steps_per_epoch: Optional[int] = None) -> None:
         self.theta_b = number(theta_b, "WLBS: theta_b", minimum=0.0)
         self.theta_e = None if theta_e is None else number(theta_e, "WLBS: theta_e", minimum=0.0)
-        self.relative = bool(relative)
+        self.relative = flag(relative, "WLBS: relative")
         self.stall = number(stall, "WLBS: stall", above=1.0)
-        weights = dict(DEFAULT_INDICATORS if indicators is None else indicators)
-        for k, w in weights.items():
-            number(w, f"WLBS: indicators[{k!r}]", minimum=0.0)
+        if indicators is not None and not isinstance(indicators, Mapping):
+            raise ValueError(f"WLBS: indicators must be a mapping of indicator name to weight "
+                             f"(e.g. {DEFAULT_INDICATORS}), got {indicators!r}")
+        weights = {}
+        for k, w in (DEFAULT_INDICATORS if indicators is None else indicators).items():
+            if not isinstance(k, str):
+                raise ValueError(f"WLBS: indicators keys must be indicator names (str), got {k!r}")
+            weights[k] = number(w, f"WLBS: indicators[{k!r}]", minimum=0.0)
         if not any(w > 0 for w in weights.values()):
             raise ValueError(f"WLBS: indicators needs a positive weight, got {weights}")
-        self.indicators = {str(k): float(w) for k, w in weights.items()}
+        self.indicators = weights
         self.steps_per_epoch = optional_integer(steps_per_epoch, "WLBS: steps_per_epoch", 1)
         self.actions: List[str] = []
 
@@ -203,8 +212,8 @@ class WLBS(EpochPolicy):
         (samples/s); None unless the pair's predicted slower time beats ``now``."""
         last = self.last
         pair = int(last[s] + last[f])
-        if not (vs > 0 and vf > 0):
-            return None
+        if not (0 < vs < np.inf and 0 < vf < np.inf and np.isfinite(vs + vf)):
+            return None  # (records keep times within MIN_COMPUTE..MAX_COMPUTE; defensive)
         bf = int(round(pair * vf / (vs + vf)))
         bf = min(max(bf, int(self.lower[f]), pair - int(self.upper[s])),
                  int(self.upper[f]), pair - int(self.lower[s]))

@@ -1,0 +1,112 @@
+"""A peer that dies or stops: the survivors' errors and the watchdog's diagnosis.
+
+The end-to-end case (a stuck worker named, the job restarted by torchrun and finished exactly
+once) is in tests/test_elastic.py."""
+import os
+import time
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetlb
+from hetlb.watchdog import describe
+
+from distributed import run
+
+
+def beat(step, stage, progress, at, host="h", pid=1):
+    return {"step": step, "stage": stage, "progress": progress, "beat": at, "host": host, "pid": pid}
+
+
+def test_describe_names_the_rank_behind():
+    now = 100.0
+    beats = {0: beat(7, 2, 90, 99.5), 1: beat(7, 1, 80, 99.7, host="b", pid=42), 2: beat(7, 2, 90, 99.6)}
+    text = describe(beats, [0, 1, 2], now, gone_after=3.0)
+    assert text.startswith("behind (alive, not progressing): rank 1 (b, pid 42) at step 7 (compute), "
+                           "stalled for 20.0 s"), text
+    assert "rank 0" not in text and "step 7 (sent)" in text
+    beats[1] = beat(6, 2, 80, 99.7)  # a step behind, though its gradient is sent
+    assert "rank 1 (h, pid 1) at step 6 (sent)" in describe(beats, [0, 1, 2], now, 3.0)
+    beats[1] = beat(8, 0, 95, 99.7)  # ahead, waiting for its batch: the others are behind
+    text = describe(beats, [0, 1, 2], now, 3.0)
+    assert "rank 0 (h, pid 1) at step 7 (sent)" in text and "rank 2 (h, pid 1)" in text
+    assert "rank 1 (" not in text
+
+
+def test_describe_names_a_gone_or_silent_rank():
+    now = 100.0
+    beats = {0: beat(3, 2, 90, 99.5), 1: beat(3, 1, 90, 80.0)}
+    text = describe(beats, [0, 1, 2], now, gone_after=3.0)
+    assert text.startswith("gone (process exited or frozen, or its node lost): rank 1 (h, pid 1): "
+                           "no heartbeat for 20.0 s, last at step 3 (compute)"), text
+    assert "rank 2: never sent a heartbeat" in text and "rank 0" not in text
+    all_equal = {r: beat(3, 2, 90, 99.5) for r in range(3)}
+    assert "none is behind" in describe(all_equal, [0, 1, 2], now, 3.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"stall": 0}, "stall must be"), ({"stall": float("nan")}, "stall must be"),
+    ({"interval": -1}, "interval must be"), ({"stall": 2, "interval": 1.5}, "at most half"),
+    ({"action": "kill"}, "action must be"), ({"stall": True}, "stall must be")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hetlb.Watchdog(**kwargs)
+
+
+def _peer_dies(rank, world, transport, native):
+    torch.manual_seed(0)
+    net = DDP(torch.nn.Linear(4, 1))
+    bal = hetlb.Balancer(net, 12, policy=hetlb.Uniform(), transport=transport, native_hook=native)
+    data = torch.utils.data.TensorDataset(torch.randn(120, 4), torch.randn(120, 1))
+    try:
+        for i, (x, y) in enumerate(bal.loader(data)):
+            if rank == 1 and i == 3:
+                os._exit(3)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+    except Exception as e:  # noqa: BLE001 (what the survivor's user sees)
+        return type(e).__name__, str(e)[:300]
+    return "finished", ""
+
+
+@pytest.mark.parametrize("transport, native", [("carry", True), ("side", True)])
+def test_a_dead_peer_fails_the_collective_not_the_checks(transport, native):
+    # The carry transport's bucket callback once ignored the failed all-reduce and handed DDP the
+    # rank's own unreduced gradient (and a table of zeros, reported as "ranks are at different
+    # steps"); the survivors must see the collective's own error.
+    out = run(_peer_dies, 3, transport, native, may_die=(1,), timeout=120)
+    assert out[1] == ("died", 3)
+    for r in (0, 2):
+        status, (kind, msg) = out[r]
+        assert status == "ok" and kind == "RuntimeError" and "DecisionMismatch" not in kind, out[r]
+        assert "Connection" in msg or "peer" in msg, out[r]
+
+
+def _stuck_peer(rank, world):
+    torch.manual_seed(0)
+    net = DDP(torch.nn.Linear(4, 1))
+    dog = hetlb.Watchdog(stall=2.0, interval=0.25, action="log")
+    bal = hetlb.Balancer(net, 12, policy=hetlb.Uniform(), watchdog=dog)
+    data = torch.utils.data.TensorDataset(torch.randn(120, 4), torch.randn(120, 1))
+    t0 = time.monotonic()
+    try:
+        for i, (x, y) in enumerate(bal.loader(data)):
+            if rank == 2 and i == 3:
+                while dog.diagnosis is None and time.monotonic() - t0 < 60:
+                    time.sleep(0.1)  # stuck until its own watchdog has spoken
+                time.sleep(1.0)
+                os._exit(4)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+    except Exception:  # noqa: BLE001 (the collective fails once rank 2 is gone)
+        pass
+    bal.close()
+    return dog.diagnosis
+
+
+def test_the_watchdog_names_a_stuck_peer_long_before_the_collective_timeout():
+    out = run(_stuck_peer, 3, may_die=(2,), timeout=120)
+    for r in (0, 1):
+        status, text = out[r]
+        assert status == "ok" and text is not None, out[r]
+        assert f"rank {r} made no progress for" in text and "at step 3 (sent)" in text, text
+        assert "behind (alive, not progressing): rank 2 (" in text and "at step 3 (compute)" in text, text
