@@ -46,6 +46,9 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, keep: int = 3, rank: Optional[int] = None, writer: int = 0) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a path (str or os.PathLike), got "
+                            f"{type(directory).__name__} {directory!r}")
         self.directory = os.fspath(directory)
         self.keep = integer(keep, "keep", 1)
         if rank is None:

@@ -432,7 +432,8 @@ def _trimmed_mean(samples: List[float], trim: int) -> float:
 
 def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] = None,
             repeats: int = 9, trim: int = 3, *, warmup: int = 1, device: DeviceLike = None,
-            memory_limit: Optional[float] = None, max_batch: Optional[int] = None) -> Profile:
+            memory_limit: Optional[float] = None, max_batch: Optional[int] = None,
+            cache: Optional[Union[str, os.PathLike]] = None) -> Profile:
     """Profile ``step_fn`` (one forward+backward at batch size ``b``) per LBB Algorithm 1.
 
     Args:
@@ -458,6 +459,11 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
             step keeps across calls (gradients, caches) does.
         max_batch: largest size to try (default :data:`DEFAULT_MAX_BATCH` for the default sizes;
             with explicit ``batch_sizes`` larger ones are dropped).
+        cache: a directory of profiles kept per host: the profile of this host and device (and
+            these settings) is loaded from it when there, else measured and written to it
+            (atomically). A job restarted by torchrun, on the same or another number of
+            workers, then reuses each host's profile instead of profiling again. Use one
+            directory per model; a damaged file is measured again.
 
     Returns:
         a :class:`Profile`. Raises ``ValueError`` on bad arguments or when even the first size
@@ -478,6 +484,19 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
         raise ValueError(f"step_fn must be callable, got {step_fn!r}")
     sizes = _sizes(batch_sizes, max_batch)
     dev = _resolve_device(device)
+    path = None
+    if cache is not None:
+        if not isinstance(cache, (str, os.PathLike)):
+            raise TypeError(f"cache must be a directory path (str or os.PathLike) or None, got "
+                            f"{type(cache).__name__} {cache!r}")
+        path = cache_path(cache, dev, (sizes, repeats, trim, warmup, memory_limit))
+        if os.path.exists(path):
+            try:
+                found = Profile.load(path)
+                logger.info("profile of this host from %s", path)
+                return found
+            except ValueError as e:
+                logger.warning("profile cache %s is unusable (%s); profiling again", path, e)
     timer = _make_timer(dev)
     probe = _memory_probe(dev, needed=memory_limit is not None)
     baseline = probe.current() if probe is not None else 0
@@ -544,5 +563,21 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
     limit = fitted[-1]
     logger.info("profiling done: limit %d%s", limit,
                 "" if oom_at is not None else " (no out-of-memory; largest size tried)")
-    return Profile(batch_sizes=fitted, times=times, limit=limit, device=str(dev), repeats=repeats,
-                   trim=trim, warmup=warmup, oom_at=oom_at, samples=all_samples, memory=memory)
+    result = Profile(batch_sizes=fitted, times=times, limit=limit, device=str(dev), repeats=repeats,
+                     trim=trim, warmup=warmup, oom_at=oom_at, samples=all_samples, memory=memory)
+    if path is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        result.save(tmp)
+        os.replace(tmp, path)  # atomic: ranks of one host profiling at once leave a whole file
+    return result
+
+
+def cache_path(directory: Union[str, os.PathLike], device: Any, settings: Any) -> str:
+    """The file of this host's profile on ``device`` in a :func:`profile` cache ``directory``
+    (the host name, the device and a digest of the profiling ``settings``)."""
+    import hashlib
+    import socket
+    digest = hashlib.sha1(repr(settings).encode()).hexdigest()[:10]
+    dev = str(device).replace(":", "")
+    return os.path.join(os.fspath(directory), f"{socket.gethostname()}-{dev}-{digest}.json")

@@ -269,6 +269,22 @@ def test_delayed_sync_refuses_bad_values(kwargs, field):
     assert names(field, str(e.value)), str(e.value)
 
 
+def test_delayed_sync_refuses_wrong_types():
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    for args, kwargs, field in [((None, opt, 4), {}, "model"), ((model, None, 4), {}, "optimizer"),
+                                ((model, opt, 4), {"emulator": "fast"}, "emulator"),
+                                ((model, opt, 4), {"weighting": 3}, "weighting")]:
+        with pytest.raises((TypeError, ValueError)) as e:
+            hetlb.DelayedSync(*args, **kwargs)
+        assert names(field, str(e.value)), str(e.value)
+
+
+def test_checkpointer_refuses_a_directory_that_is_not_a_path():
+    with pytest.raises(TypeError, match="directory must be a path .* got NoneType None"):
+        hetlb.Checkpointer(None)
+
+
 @pytest.mark.parametrize("args, kwargs, field", [
     ((0,), {}, "keep"),
     ((float("nan"),), {}, "keep"),

@@ -490,3 +490,20 @@ def test_a_script_ending_during_a_background_narx_fit_exits_cleanly(tmp_path):
         "assert p._thread is not None and p._thread.is_alive()  # the script ends mid-fit\n")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_narx_rejects_a_fit_biased_after_a_speed_change():
+    # Speed levels 2, 1, 3, 1.5, 4, 0.8 (x400 samples/s, 3 % noise) for 200 steps each, constant
+    # CPU and memory: the fit after step 1100 holds the 4 -> 0.8 drop among its held-out steps,
+    # where the EMA errs hugely for a few steps. A plain mean squared error let a fit through that
+    # predicted 383 samples/s for a true 320 on every later step; the trimmed gate refuses it.
+    rng = np.random.default_rng(0)
+    p = NARX(background=False).for_rank(0)
+    for k in range(1100):
+        v = 400 * (2, 1, 3, 1.5, 4, 0.8)[k // 200] * (1 + 0.03 * rng.uniform(-1, 1))
+        p.observe(StepRecord(step=k, epoch=0, batch=np.array([100]), compute=np.array([100 / v]),
+                             data=np.array([100.0]), memory=np.array([0.3]),
+                             cpu=np.array([0.5 + 0.05 * rng.random()])), 0)
+    assert p.fits == 7
+    pred = p.predict(0.3)
+    assert not p.use and np.isnan(pred) or abs(pred - 320) < 0.05 * 320, (p.use, pred)

@@ -248,3 +248,28 @@ def test_balancer_caps_the_batch_only_at_a_real_memory_bound():
     with pytest.raises(ValueError, match="exceeds the sum of upper bounds 16"):
         hetlb.Balancer(torch.nn.Linear(1, 1), 64, profile=bound)
     assert hetlb.Balancer(torch.nn.Linear(1, 1), 16, profile=bound).context.upper.tolist() == [16]
+
+
+def test_the_cache_keeps_one_profile_per_host_and_settings(tmp_path, caplog):
+    # A restarted job (another attempt, maybe another number of workers) reuses this host's
+    # profile instead of measuring again; other settings, or a damaged file, measure again.
+    calls = []
+
+    def step(b):
+        calls.append(b)
+
+    first = profile(step, [2, 4], repeats=2, trim=0, warmup=0, cache=tmp_path / "c")
+    assert calls == [2, 2, 4, 4]
+    files = list((tmp_path / "c").iterdir())
+    assert len(files) == 1 and files[0].name.startswith(__import__("socket").gethostname() + "-cpu-")
+    again = profile(step, [2, 4], repeats=2, trim=0, warmup=0, cache=tmp_path / "c")
+    assert calls == [2, 2, 4, 4] and again.times == first.times and again.batch_sizes == [2, 4]
+    profile(step, [2, 4, 8], repeats=2, trim=0, warmup=0, cache=tmp_path / "c")
+    assert calls[4:] == [2, 2, 4, 4, 8, 8] and len(list((tmp_path / "c").iterdir())) == 2
+    files[0].write_text('{"version": ')  # torn
+    with caplog.at_level("WARNING", logger="hetlb"):
+        redo = profile(step, [2, 4], repeats=2, trim=0, warmup=0, cache=tmp_path / "c")
+    assert calls[10:] == [2, 2, 4, 4] and "unusable" in caplog.text and redo.batch_sizes == [2, 4]
+    assert Profile.load(files[0]).batch_sizes == [2, 4]  # rewritten whole
+    with pytest.raises(TypeError, match="cache must be a directory path"):
+        profile(step, [2], cache=3)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..checks import integer, number
+from ..checks import choice, instance, integer, number
 from ..data import BalancedLoader
 from ..emulate import sleep_until
 from ..plan import PlanBoard, StreamPlan
@@ -150,8 +150,12 @@ class DelayedSync:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("DelayedSync takes the plain module, not DDP: it all-reduces the "
                              "gradients itself (pass ddp.module, or do not wrap the model)")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        instance(model, "model", torch.nn.Module, "a torch.nn.Module (not DDP-wrapped)")
+        instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer over the model's parameters")
+        choice(weighting, "weighting", WEIGHTINGS)
+        if emulator is not None:
+            from ..emulate import Emulator
+            instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
         self.model, self.optimizer = model, optimizer
         self.reference_batch = integer(reference_batch, "reference_batch", 1)
         self.lam = number(lam, "lam", minimum=0.0)
