@@ -11,7 +11,24 @@ the same number of updates for every method):
 * ``delayed``: :class:`hetlb.DelayedSync` (ABS-SGD);
 * ``delayed-scaled``: the same with ``scale_lr=True`` (hetlb's opt-in, not the paper's): the
   summed gradient over the nominal batch (``4 * 32``), i.e. the learning rate scaled by the
-  iteration's batch over the nominal one.
+  iteration's batch over the nominal one;
+* ``lsp``, ``ssp``, ``asp``: :mod:`hetlb.sync.ps` on ``torch.distributed.rpc`` (a server process
+  and the same 4 emulated workers; each exchange with the server costs the link's seconds):
+  WLBS's limited synchronous parallel (l = 2 of 4 per limited synchronisation, a global one every
+  m = 3, WLBS sizing the batches from the equal split of 128), SSP with ABS-SGD's bound s = 10
+  and ASP (each worker 32 samples per iteration). An update there is one synchronisation (LSP) or
+  one worker's push (SSP, ASP), so these run for the same number of *samples* as the others
+  (``updates * 128``, rounded up to whole epochs); the server keeps the parameters after every
+  update and the curve is evaluated afterwards (so evaluation is off the clock here too);
+* ``localsgd``: torch's post-local SGD (:func:`hetlb.sync.local.local_sgd`: DDP with the
+  post-localSGD hook and no warm-up, so no gradient all-reduce, and a model average every
+  ``LOCAL_PERIOD`` = 4 steps; per-worker batch 32, the link paid at each average);
+* ``fedavg``, ``fl``: :class:`hetlb.sync.fl.Federated` on the same i.i.d. shards (each rank a
+  quarter of the training set), ``FL_TAU`` = 8 local steps of batch 32 per round, one model
+  average per round (the link paid there): standard FedAvg (``tune=False``) and LB-BSP's FL
+  mode (``tune=True``: each client's batch from an EMA of its speed, the learning rate kept).
+  An "update" of these three is one local step (the table's batch per update is per worker), and
+  rank 0's model is evaluated after each average.
 
 Emulated hardware (an :class:`hetlb.emulate.Emulator` per rank, the same for every method): a
 worker's compute for ``b`` samples takes ``(A0 + A1 * b) / speed`` seconds (15 ms for 32 samples
@@ -43,37 +60,21 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from report import emit, on_gloo_ranks
+from report import digits as _digits, emit, on_gloo_ranks, on_rpc_ranks
 
 SETTINGS = {"static": ((1.0, 1 / 2, 1 / 3, 1 / 4), False), "dynamic": ((1.0, 1.0, 1.0, 1.0), True),
             "both": ((1.0, 1 / 2, 1 / 3, 1 / 4), True)}
 LINKS = {"pcie": 0.015, "10gbe": 0.060}
-METHODS = ("bsp", "dbs", "lbb", "lbbsp", "delayed", "delayed-scaled")
+METHODS = ("bsp", "dbs", "lbb", "lbbsp", "delayed", "delayed-scaled", "lsp", "ssp", "asp",
+           "localsgd", "fedavg", "fl")
+PS_METHODS = ("lsp", "ssp", "asp")
+LOCAL_PERIOD, FL_TAU = 4, 8
 SMOOTH = 10  # evaluations in the moving average the target is read from
 PER_WORKER, REF = 32, 32
 A0, A1 = 0.005, 0.010 / 32  # 15 ms for 32 samples at speed 1
-PAPER = {"static": (450, 636, 577), "dynamic": (105, 123, 120), "both": (535, 798, 795)}
-
-
-def _digits():
-    import torch
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    x = torch.tensor(d.data / 16.0, dtype=torch.float32).view(-1, 8, 8)
-    y = torch.tensor(d.target, dtype=torch.int64)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = x[perm], y[perm]
-    n = int(0.8 * len(x))
-    train = [x[:n]]
-    for dy, dx in ((0, 1), (0, -1), (1, 0), (-1, 0)):
-        s = torch.roll(x[:n], (dy, dx), (1, 2))
-        if dx:
-            s[:, :, 0 if dx > 0 else -1] = 0  # what rolled in from the other edge
-        if dy:
-            s[:, 0 if dy > 0 else -1, :] = 0
-        train.append(s)
-    xs = torch.cat(train).reshape(-1, 64)
-    return torch.utils.data.TensorDataset(xs, y[:n].repeat(len(train))), (x[n:].reshape(-1, 64), y[n:])
+# ABS-SGD, BSP, DBS, ASP, SSP (s = 10) seconds to 80 %
+PAPER = {"static": (450, 636, 577, 900, 890), "dynamic": (105, 123, 120, 265, 254),
+         "both": (535, 798, 795, 916, 966)}
 
 
 def _emulator(rank: int, setting: str, link: float, nbytes: int):
@@ -140,6 +141,47 @@ def _run(rank: int, world: int, setting: str, link: float, method: str, updates:
         link_s = np.array([r.link for r in settled])
         wait = np.array([r.wait for r in settled])
         out["hidden"] = float(np.median(1.0 - wait / np.maximum(link_s, 1e-12))) if settled else float("nan")
+    elif method == "localsgd":
+        from hetlb.sync.local import local_sgd
+        ddp = DDP(net)
+        opt = local_sgd(ddp, torch.optim.SGD(ddp.parameters(), lr=lr), period=LOCAL_PERIOD)
+        sampler = torch.utils.data.DistributedSampler(train, world, rank, seed=1)
+        loader = torch.utils.data.DataLoader(train, batch_size=PER_WORKER, sampler=sampler,
+                                             drop_last=True)
+        step, epoch, start = 0, 0, time.perf_counter()
+        while step < updates:
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                t0 = time.perf_counter()
+                F.cross_entropy(ddp(x), y).backward()
+                emu.stretch(step, len(x), t0)
+                opt.step()  # averages after steps 1, 1 + period, ... (torch's counter)
+                opt.zero_grad()
+                step += 1
+                if (step - 1) % LOCAL_PERIOD == 0:
+                    emu.sleep_comm(nbytes)  # the average's all-reduce on the emulated link
+                    record(start)
+                if step >= updates:
+                    break
+            epoch += 1
+        out["batch"] = [PER_WORKER] * updates
+        del opt, ddp
+    elif method in ("fedavg", "fl"):
+        from hetlb.sync.fl import Federated
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
+        fed = Federated(net, opt, FL_TAU, PER_WORKER, tune=method == "fl", emulator=emu)
+        shard = torch.randperm(len(train), generator=torch.Generator().manual_seed(1))[rank::world]
+        batches = iter(fed.loader(train, shard.tolist(), seed=1))
+        step, start = 0, time.perf_counter()
+        while step < updates:
+            x, y = next(batches)
+            F.cross_entropy(net(x), y).backward()
+            step += 1
+            if fed.step():
+                emu.sleep_comm(nbytes)
+                record(start)
+        out["batch"] = [int(r.batch.mean()) for r in fed.history for _ in range(FL_TAU)]
+        out["sizes"] = [r.batch.tolist() for r in fed.history]
     else:
         ddp = DDP(net)
         policy = make_policy("uniform" if method == "bsp" else method)
@@ -163,6 +205,46 @@ def _run(rank: int, world: int, setting: str, link: float, method: str, updates:
         del bal, loader, ddp
     out["curve"] = curve
     return out
+
+
+def _ps_run(rank: int, world: int, init: str, setting: str, link: float, methods: List[str],
+            updates: int, lr: float) -> Dict[str, Any]:
+    """The parameter-server methods: rank 0 serves, ranks 1..4 are the emulated workers."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from hetlb.sync.ps import run_ps
+    train, (xt, yt) = _digits()
+    workers = world - 1
+    res: Dict[str, Any] = {}
+    for i, method in enumerate(methods):
+        net = _net()
+        nbytes = sum(p.numel() for p in net.parameters()) * 4
+        emu = None if rank == 0 else _emulator(rank - 1, setting, link, nbytes)
+        epochs = math.ceil(updates * workers * PER_WORKER / len(train))
+        opts = {"lsp": {"l": 2, "m": 3}, "ssp": {"staleness": 10}, "asp": {}}[method]
+        # A fresh rendezvous per method (the FileStore of one init cannot be reused).
+        out = run_ps(method, net, train, F.cross_entropy, global_batch=workers * PER_WORKER,
+                     epochs=epochs, rank=rank, world_size=world, init_method=f"{init}.{i}",
+                     emulator=emu, link=link, snapshot_every=1, seed=1,
+                     optimizer=lambda params: torch.optim.SGD(params, lr=lr), **opts)
+        if rank != 0:
+            continue
+        server = out["server"]
+        curve = []
+        probe = _net()
+        params = [p for p in probe.parameters()]
+        for _, t, flat in server.snapshots:
+            torch.nn.utils.vector_to_parameters(flat, params)
+            with torch.no_grad():
+                curve.append([t, float((probe(xt).argmax(1) == yt).float().mean())])
+        syncs = [e for e in server.log if e["kind"] == "sync"]
+        res[method] = {"curve": curve, "batch": [e["batch"] for e in syncs],
+                       "sizes": [e["sizes"] for e in server.log if e["kind"] in ("start", "sizes")],
+                       "stale": float(np.mean([s for e in syncs for s in e["stale"]]))}
+    return res
 
 
 def _worker(rank: int, world: int, setting: str, link: float, methods: List[str], updates: int,
@@ -195,14 +277,19 @@ def table(results: Dict[str, Dict[str, Dict[str, Any]]], target: float) -> List[
         bsp = time_to(runs["bsp"]["curve"], target) if "bsp" in runs else float("nan")
         for m, r in runs.items():
             t = time_to(r["curve"], target)
-            acc = float(np.mean([a for _, a in r["curve"][-20:]]))
-            per = r["curve"][-1][0] / len(r["curve"])
-            hidden = f"{r['hidden']:.2f}" if "hidden" in r else "-"
+            # The last 20 evaluations; the methods evaluated once per average (localsgd,
+            # fedavg, fl) have a few dozen: their last eighth.
+            k = 20 if len(r["curve"]) >= 100 else max(3, len(r["curve"]) // 8)
+            acc = float(np.mean([a for _, a in r["curve"][-k:]]))
+            per = r["curve"][-1][0] / len(r["batch"])
+            hidden = f"{r['hidden']:.2f}" if "hidden" in r else \
+                (f"(staleness {r['stale']:.1f})" if "stale" in r else "-")
             lines.append(f"| {link} | {setting} | {m} | {t:.1f} | {bsp / t:.2f}x | {t / ours:.2f}x | {acc:.3f} | "
                          f"{np.mean(r['batch']):.0f} | {per * 1e3:.0f} ms | {hidden} |")
     lines += ["", "Paper (ABS-SGD Table 1, ResNet18 on CIFAR10 to 80 %, seconds): "
-              + "; ".join(f"{s}: ABS-SGD {a}, BSP {b} ({b / a:.2f}x), DBS {d} ({d / a:.2f}x)"
-                          for s, (a, b, d) in PAPER.items())]
+              + "; ".join(f"{s}: ABS-SGD {a}, BSP {b} ({b / a:.2f}x), DBS {d} ({d / a:.2f}x), "
+                          f"ASP {x} ({x / a:.2f}x), SSP {y} ({y / a:.2f}x)"
+                          for s, (a, b, d, x, y) in PAPER.items())]
     return lines
 
 
@@ -243,8 +330,13 @@ def main() -> None:
     results: Dict[str, Dict[str, Dict[str, Any]]] = {}
     from tqdm import tqdm
     todo = [(lk, s) for lk in args.links for s in args.settings]
+    ddp_methods = [m for m in args.methods if m not in PS_METHODS]
+    ps_methods = [m for m in args.methods if m in PS_METHODS]
     for lk, s in tqdm(todo, desc="clusters", disable=None):
-        results[f"{lk}/{s}"] = on_gloo_ranks(_worker, 4, s, LINKS[lk], args.methods, args.updates, args.lr)
+        res = on_gloo_ranks(_worker, 4, s, LINKS[lk], ddp_methods, args.updates, args.lr) if ddp_methods else {}
+        if ps_methods:
+            res.update(on_rpc_ranks(_ps_run, 5, s, LINKS[lk], ps_methods, args.updates, args.lr))
+        results[f"{lk}/{s}"] = res
     emit(table(results, args.target), args.out)
     if args.plot:
         plot(results, args.target, args.plot)

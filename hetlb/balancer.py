@@ -343,6 +343,8 @@ class Balancer:
                                [e["upper"] for e in everyone],
                                hardware=[e["hardware"] for e in everyone],
                                profiles=[e["profile"] for e in everyone])
+        # Before any hook is registered: a policy refusing the context leaves the model as it was.
+        self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
         if self.transport == "side" and self.distributed and not nccl:
             side = make_side_group(group, own=True)  # not queued behind the gradient's transfers
         self._side = side
@@ -376,7 +378,6 @@ class Balancer:
         self._partials: Dict[int, tuple] = {}
         self._spent = 0.0
         self.last_overhead: float = 0.0
-        self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
         self.board.post(self._decision)
         self.runlog: Optional[RunLog] = None
         log_dir = log_dir if log_dir is not None else os.environ.get(ENV_LOG_DIR) or None

@@ -23,6 +23,14 @@ def _entry(fn: Callable, rank: int, world: int, store: str, out: str, args: tupl
     import torch
     torch.set_num_threads(1)
     result: Any
+    if backend == "rpc":  # the function initialises torch.distributed.rpc itself
+        try:
+            result = ("ok", fn(rank, world, f"file://{store}", *args))
+        except BaseException as e:  # noqa: BLE001 (reported to the parent, which re-raises)
+            result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        return
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -56,6 +64,9 @@ def gloo_threads() -> List[str]:
 def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0, backend: str = "gloo",
         may_die: tuple = ()) -> List[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result.
+
+    With ``backend="rpc"`` no process group is made: ``fn(rank, world, init_method, *args)``
+    gets a fresh ``file://`` rendezvous for ``torch.distributed.rpc.init_rpc``.
 
     Raises ``AssertionError`` with the rank's traceback if any rank failed, and kills every
     process if the group does not finish within ``timeout`` seconds. A rank in ``may_die`` that

@@ -449,3 +449,16 @@ def test_balancer_and_persistent_workers_free_promptly():
         assert time.perf_counter() - t < 3.0
     finally:
         gc.enable()
+
+
+def test_policy_refusing_the_context_leaves_the_model_unhooked():
+    class Refuses(hetlb.policies.Uniform):
+        def start(self, ctx):
+            raise ValueError("this policy refuses the context")
+
+    m = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="refuses"):
+        hetlb.Balancer(m, 8, policy=Refuses())
+    assert not m._forward_pre_hooks  # the failed Balancer left no hook behind
+    hetlb.Balancer(m, 8)  # and the model can be balanced afterwards
+    assert len(m._forward_pre_hooks) == 1

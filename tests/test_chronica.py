@@ -97,6 +97,8 @@ def test_chronica_policy_rules_and_state():
     np.testing.assert_allclose(rule.slope, a, rtol=1e-6)
     np.testing.assert_allclose(rule.intercept, 0.01, rtol=1e-4)
     again = hetlb.Chronica()
+    with pytest.raises(RuntimeError, match="has not started"):
+        again.state_dict()
     again.load_state_dict(pol.state_dict())
     torch.save(pol.state_dict(), "/dev/null")  # plain values
     h.append(StepRecord(12, 0, np.array([10, 10, 10]), a * 200 + 0.01, np.full(3, 200.0), np.zeros(3), np.zeros(3)))

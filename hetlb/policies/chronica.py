@@ -267,7 +267,9 @@ class Chronica(Policy):
         return self._rule()
 
     def state_dict(self) -> Dict[str, Any]:
-        assert self._prophet is not None, "Chronica: start(ctx) first"
+        if self._prophet is None:
+            raise RuntimeError("Chronica.state_dict(): the policy has not started (its state is "
+                               "made by start(ctx), which the Balancer calls at its first step)")
         return {"forget": self.forget, "pivot": self.pivot, "cap": self.cap,
                 "quadratic": self.quadratic, "world": self.world,
                 "global_batch": self.global_batch, "prophet": self._prophet.state_dict()}

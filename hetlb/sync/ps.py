@@ -1,0 +1,710 @@
+"""Parameter-server training on ``torch.distributed.rpc``: WLBS's limited synchronous parallel
+(LSP), stale synchronous parallel (SSP) and asynchronous parallel (ASP).
+
+Rank 0 is the server: it holds the model and the optimizer, hands out batches (sample indices of
+the epoch's order) and applies updates. Ranks ``1..K`` are workers: each asks for a batch, pulls
+the parameters with it, computes the summed gradient of its batch and pushes it back; the reply
+to a push is the next batch (and the parameters, when they changed). Workers never talk to each
+other. Every call is one ``rpc_sync`` to a function marked ``@rpc.functions.async_execution``,
+so a worker that must wait (for a synchronisation, a staleness bound or the end of an epoch)
+holds no server thread.
+
+Modes (WLBS section 3.1; ABS-SGD's and LBB's baselines):
+
+* ``lsp``: the first ``l`` workers to push (of those that still have work this epoch) form a
+  *limited synchronisation*: their gradients are aggregated into one update and those ``l`` get
+  the new parameters; the others keep computing on what they have. After ``m`` limited
+  synchronisations the next one is *global*: every worker with work pushes and waits, and all get
+  the same parameters. Each worker's batch comes from a :class:`hetlb.policies.WLBS` (initial
+  division by hardware indicators, small per-round and major per-epoch adjustments,
+  redistribution of a failed worker's share).
+* ``ssp``: every push is applied at once; a worker that has completed ``c`` iterations gets its
+  next batch only while ``c - min_k c_k <= s`` over the workers that still have work (ABS-SGD's
+  baseline: ``s = 10``).
+* ``asp``: every push applied at once, no bound.
+
+Aggregation (the issue leaves WLBS's section 3.4 expression open; this is the choice): an update
+is the sum of the pushed *summed* gradients divided by the total batch of the pushes it contains,
+``g = sum_k G_k / sum_k B_k``: the mean gradient of one large batch, the weighting hetlb uses
+elsewhere (``weighting="samples"``). Section 3.4's ``u_{k,t}`` sums per-worker updates without a
+batch weight, which with unequal WLBS batches would let a worker's share of the update grow with
+its number of pushes *and* not shrink with its batch; with equal batches the two agree up to the
+learning-rate scale ``1/l``. For ``ssp``/``asp`` an update contains one push: its batch mean.
+
+A worker that does not push within ``timeout`` seconds of getting its batch is dropped: its batch
+goes back to the epoch's pool (handed out again first), WLBS gets a record with ``+inf`` compute
+for it and moves its share to the survivors, and training goes on. A dropped worker that comes
+back later is told it was dropped and stops. Each sample's gradient is applied exactly once per
+epoch; an epoch ends when every sample has been applied (workers without work wait for it).
+
+The server checkpoints (model, optimizer, the epoch's applied samples, clocks, the policy) every
+``checkpoint_every`` updates through a :class:`hetlb.Checkpointer` and resumes from the newest.
+Shutdown: when the last epoch ends every worker is answered ``done``, says goodbye and leaves;
+the server waits for the goodbyes (at most ``timeout``) and everyone shuts RPC down without the
+graceful barrier, so a dead worker cannot hang it.
+
+Model buffers (BatchNorm statistics) stay the server's: workers use the server's parameters with
+their own buffers, and only gradients travel.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed.rpc as rpc
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.utils.data import default_collate
+
+from ..checkpoint import Checkpointer
+from ..checks import choice, flag, instance, integer, number, optional_integer
+from ..emulate import Emulator, sleep_until
+from ..policies.base import Context, SizedPolicy, from_state, to_state
+from ..policies.uniform import Uniform
+from ..policies.wlbs import WLBS
+from ..telemetry import History, StepRecord, UnusableTelemetry, hardware_info
+
+__all__ = ["ParameterServer", "Worker", "MODES", "SERVER", "worker_name", "run_ps"]
+
+log = logging.getLogger("hetlb")
+
+MODES = ("lsp", "ssp", "asp")
+#: RPC name of the server (rank 0); workers are ``worker_name(rank)``.
+SERVER = "hetlb-ps"
+_FORMAT = "hetlb.ParameterServer/1"
+
+# The server a worker's RPC reaches. RPC runs module-level functions on the callee, and an RRef
+# cannot be handed to a worker outside an RPC call, so the live server of this process is found
+# here; it is set only inside ParameterServer.serve() and cleared when it returns.
+_LIVE: Dict[str, "ParameterServer"] = {}
+
+
+def worker_name(rank: int) -> str:
+    """RPC name of worker ``rank`` (``1..K``)."""
+    return f"hetlb-w{int(rank)}"
+
+
+@rpc.functions.async_execution
+def _ps_call(server: str, rank: int, push: Optional[Dict[str, Any]]) -> torch.futures.Future:
+    ps = _LIVE.get(server)
+    if ps is None:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result({"done": True, "dropped": False, "reason": "no server running"})
+        return fut
+    return ps._call(rank, push)
+
+
+def _ps_bye(server: str, rank: int) -> None:
+    ps = _LIVE.get(server)
+    if ps is not None:
+        ps._bye(rank)
+
+
+class ParameterServer:
+    """The server of :mod:`hetlb.sync.ps` (runs on rank 0; see the module docstring).
+
+    Args:
+        model: the model trained (its parameters are the global ones; updated in place).
+        optimizer: optimizer over ``model``'s parameters (stepped once per update).
+        num_samples: dataset length (the workers hold the data; the server hands out indices).
+        global_batch: samples per round over all workers (the policy's total).
+        workers: number of workers ``K`` (ranks ``1..K``).
+        mode: ``"lsp"``, ``"ssp"`` or ``"asp"``.
+        l: LSP's limited threshold (workers per limited synchronisation), ``1 <= l <= K``;
+            default ``ceil(K / 2)``.
+        m: limited synchronisations between two global ones (LSP), >= 1 (WLBS's example: 3).
+        staleness: SSP's bound ``s`` (ABS-SGD's baseline: 10).
+        policy: batch policy (default: :class:`~hetlb.policies.WLBS` for ``lsp``, the equal split
+            for ``ssp``/``asp``); it sees one record per round (every working worker reported).
+        epochs: epochs to train.
+        seed: seed of each epoch's sample order.
+        timeout: seconds a worker may hold a batch (or take to say hello) before it is dropped.
+        lower: smallest batch of a worker (a dropped worker is held there and gets nothing).
+        checkpointer: where to checkpoint (None: never); ``checkpoint_every`` updates apart.
+        resume: load the checkpointer's newest checkpoint, if any, before serving.
+        snapshot_every: keep a copy of the parameters after every ``snapshot_every``-th update
+            in :attr:`snapshots` (0: never), e.g. to evaluate a convergence curve afterwards
+            without stopping the server.
+        name: RPC name the server answers under (the workers' ``server``).
+
+    Attributes:
+        log: the server's events (dicts with ``kind``): ``start`` (first sizes), ``push`` (a
+            worker's gradient arrived: rank, samples, the version it was computed on),
+            ``sync`` (an update: ``type`` limited / flush / global / async, ``members``,
+            ``stale`` updates per member, ``batch``, ``version``, ``epoch``, ``indices``),
+            ``handout`` (rank, its ``clock`` and the working workers' ``min_clock``, samples),
+            ``sizes`` (the policy changed the batches), ``drop``, ``epoch`` (an epoch ended).
+        snapshots: ``(version, seconds since the first batch was handed out, flat parameters)``.
+        sizes: int64 ``[K]`` current batch per worker.
+        clock: int64 ``[K]`` iterations applied per worker.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, num_samples: int,
+                 global_batch: int, workers: int, mode: str = "lsp", *, l: Optional[int] = None,
+                 m: int = 3, staleness: int = 10, policy: Optional[SizedPolicy] = None,
+                 epochs: int = 1, seed: int = 0, timeout: float = 60.0, lower: int = 1,
+                 checkpointer: Optional[Checkpointer] = None, checkpoint_every: int = 0,
+                 resume: bool = True, snapshot_every: int = 0, name: str = SERVER) -> None:
+        instance(model, "ParameterServer: model", torch.nn.Module, "a torch.nn.Module")
+        instance(optimizer, "ParameterServer: optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
+        self.mode = choice(mode, "ParameterServer: mode", MODES)
+        self.workers = integer(workers, "ParameterServer: workers", 1)
+        K = self.workers
+        self.num_samples = integer(num_samples, "ParameterServer: num_samples", 1)
+        self.global_batch = integer(global_batch, "ParameterServer: global_batch", K)
+        self.l = integer((K + 1) // 2 if l is None else l, "ParameterServer: l", 1)
+        if self.l > K:
+            raise ValueError(f"ParameterServer: l must be <= workers ({K}), got {self.l}")
+        self.m = integer(m, "ParameterServer: m", 1)
+        self.staleness = integer(staleness, "ParameterServer: staleness", 0)
+        self.epochs = integer(epochs, "ParameterServer: epochs", 1)
+        self.seed = integer(seed, "ParameterServer: seed", 0)
+        self.timeout = number(timeout, "ParameterServer: timeout", above=0.0)
+        self.lower = integer(lower, "ParameterServer: lower", 0)
+        if checkpointer is not None:
+            instance(checkpointer, "ParameterServer: checkpointer", Checkpointer, "a hetlb.Checkpointer")
+        self.checkpointer = checkpointer
+        self.checkpoint_every = integer(checkpoint_every, "ParameterServer: checkpoint_every", 0)
+        self.resume = flag(resume, "ParameterServer: resume")
+        self.snapshot_every = integer(snapshot_every, "ParameterServer: snapshot_every", 0)
+        self.snapshots: List[Any] = []
+        self._t0: Optional[float] = None
+        self.name = name
+        if policy is None:
+            policy = WLBS() if self.mode == "lsp" else Uniform()
+        if not all(callable(getattr(policy, a, None)) for a in ("start", "decide", "state_dict",
+                                                                  "load_state_dict")):
+            raise ValueError(f"ParameterServer: policy must be a hetlb policy deciding sizes "
+                             f"(e.g. hetlb.policies.WLBS()), got {policy!r}")
+        self.policy = policy
+        self.model, self.optimizer = model, optimizer
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError("ParameterServer: the model has no trainable parameters")
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        #: Events: dicts with ``kind`` ``"handout"``, ``"sync"``, ``"drop"``, ``"epoch"``, ``"wait"``.
+        self.log: List[Dict[str, Any]] = []
+        self._reset_state()
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _reset_state(self) -> None:
+        K = self.workers
+        self.version = 0
+        self.epoch = 0
+        self.limited = 0  # limited synchronisations since the last global one
+        self.clock = np.zeros(K, np.int64)  # iterations applied per worker
+        self.alive = np.ones(K, bool)
+        self.applied = np.zeros(self.num_samples, bool)  # this epoch's samples already applied
+        self.sizes = np.zeros(K, np.int64)
+        self.history = History(K)
+        self.records = 0
+        self._started = False
+        self._hardware: List[Optional[Dict[str, float]]] = [None] * K
+        self._hello_deadline = time.monotonic() + self.timeout
+        self._waiters: Dict[int, torch.futures.Future] = {}
+        self._known: Dict[int, int] = {}  # version each waiting worker holds
+        self._pending: "OrderedDict[int, Dict[str, Any]]" = OrderedDict()
+        self._out: Dict[int, List[int]] = {}  # worker -> indices it holds
+        self._handed_at: Dict[int, float] = {}
+        self._idle = np.zeros(K, bool)  # no work left this epoch
+        self._fresh = np.zeros(K, bool)
+        self._last_batch = np.zeros(K, np.int64)
+        self._last_time = np.full(K, np.nan)
+        self._byes: set = set()
+        self._error: Optional[BaseException] = None
+        self._new_order()
+
+    def _new_order(self) -> None:
+        order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(
+            self.seed * 1_000_003 + self.epoch)).numpy()
+        self._pool: List[int] = [int(i) for i in order if not self.applied[i]]
+        self._pool.reverse()  # popped from the end: the order's front first
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Model, optimizer, version, epoch, the epoch's applied samples, clocks, policy: what a
+        resumed server needs to continue with each sample applied exactly once per epoch."""
+        with self._lock:
+            return self._state()
+
+    def _state(self) -> Dict[str, Any]:
+        return {"format": _FORMAT, "mode": self.mode, "num_samples": self.num_samples,
+                "workers": self.workers, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "version": self.version,
+                "epoch": self.epoch, "limited": self.limited,
+                "clock": torch.from_numpy(self.clock.copy()),
+                "applied": torch.from_numpy(self.applied.copy()),
+                "sizes": torch.from_numpy(self.sizes.copy()), "records": self.records,
+                "started": self._started, "history": self.history.state_dict(),
+                "policy": to_state(self.policy.state_dict()) if self._started else None}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before :meth:`serve`); every worker starts alive."""
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ValueError(f"ParameterServer.load_state_dict: not a ParameterServer checkpoint "
+                             f"(format {state.get('format') if isinstance(state, dict) else state!r})")
+        for key in ("mode", "num_samples", "workers"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"ParameterServer.load_state_dict: the checkpoint has {key}="
+                                 f"{state[key]!r}, this server {getattr(self, key)!r}")
+        self._reset_state()
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.epoch = int(state["version"]), int(state["epoch"])
+        self.limited, self.records = int(state["limited"]), int(state["records"])
+        self.clock = state["clock"].numpy().astype(np.int64).copy()
+        self.applied = state["applied"].numpy().astype(bool).copy()
+        self.sizes = state["sizes"].numpy().astype(np.int64).copy()
+        self.history = History.from_state_dict(state["history"])
+        if state["started"]:
+            self.policy.load_state_dict(from_state(state["policy"]))
+            self._started = True
+        self._new_order()
+
+    # -- serving ----------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Answer the workers until the last epoch ends (call on rank 0 after ``rpc.init_rpc``).
+
+        Raises ``RuntimeError`` if every worker was dropped."""
+        if self.checkpointer is not None and self.resume:
+            state = self.checkpointer.latest()
+            if state is not None:
+                self.load_state_dict(state)
+                log.info("parameter server: resumed at update %d, epoch %d", self.version, self.epoch)
+        if self.epoch >= self.epochs:
+            self._finished.set()
+        if self.name in _LIVE:
+            raise RuntimeError(f"a parameter server named {self.name!r} already runs in this process")
+        _LIVE[self.name] = self
+        self._hello_deadline = time.monotonic() + self.timeout
+        try:
+            tick = min(1.0, self.timeout / 4)
+            while not self._finished.wait(tick):
+                self._check_timeouts()
+            if self._error is not None:
+                raise self._error
+            # Every worker that is alive was answered "done"; wait for their goodbyes.
+            deadline = time.monotonic() + self.timeout
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if all(w in self._byes for w in np.flatnonzero(self.alive).tolist()):
+                        break
+                time.sleep(0.01)
+        finally:
+            _LIVE.pop(self.name, None)
+
+    def _call(self, rank: int, push: Optional[Dict[str, Any]]) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        w = int(rank) - 1
+        failed: list = []
+        try:
+            with self._lock:
+                ready = self._receive(w, push, fut)
+        except BaseException as e:  # noqa: BLE001 (the callers get it as their call's error)
+            log.exception("parameter server: call from worker %d failed; stopping", rank)
+            with self._lock:
+                # The server's state may be half-updated: stop rather than train on it.
+                self._error = e if self._error is None else self._error
+                failed = [f for f in self._waiters.values() if f is not fut]
+                self._waiters.clear()
+                self._finished.set()
+            for f in [fut] + failed:
+                f.set_exception(RuntimeError(f"parameter server failed: {type(e).__name__}: {e}"))
+            return fut
+        for f, reply in ready:
+            f.set_result(reply)
+        return fut
+
+    def _bye(self, rank: int) -> None:
+        with self._lock:
+            self._byes.add(int(rank) - 1)
+
+    def _receive(self, w: int, push: Optional[Dict[str, Any]], fut: torch.futures.Future) -> list:
+        if not 0 <= w < self.workers:
+            raise ValueError(f"parameter server: worker rank {w + 1} outside 1..{self.workers}")
+        if not self.alive[w] or self._finished.is_set():
+            return [(fut, {"done": True, "dropped": not self.alive[w],
+                           "reason": "dropped" if not self.alive[w] else "finished"})]
+        if w in self._waiters:
+            raise RuntimeError(f"worker {w + 1} called twice without waiting for the answer")
+        if push is None or push.get("hello"):
+            if push is not None:
+                self._hardware[w] = dict(push.get("hardware") or {})
+        else:
+            held = self._out.pop(w, None)
+            self._handed_at.pop(w, None)
+            if held is None or list(push["indices"]) != held:
+                raise RuntimeError(f"worker {w + 1} pushed a gradient of samples it does not hold "
+                                   f"(it holds {None if held is None else len(held)} samples); the "
+                                   f"worker and server are out of step")
+            self._pending[w] = push
+            self.log.append({"kind": "push", "rank": w + 1, "n": int(push["n"]),
+                             "version": int(push["version"]), "time": time.time()})
+        self._waiters[w] = fut
+        self._known[w] = int(push.get("version", -1)) if push is not None else -1
+        return self._advance()
+
+    def _advance(self) -> list:
+        """Apply every synchronisation that is due and answer every worker that can go on."""
+        ready: list = []
+        if not self._started:
+            if not all(h is not None or not a for h, a in zip(self._hardware, self.alive)):
+                return ready
+            self._start()
+        changed = True
+        while changed:
+            changed = self._sync()
+            changed |= self._answer(ready)
+            if self._epoch_complete():
+                self._end_epoch()
+                changed = True
+            if self._finished.is_set():
+                for w in list(self._waiters):
+                    ready.append((self._waiters.pop(w), {"done": True, "dropped": False,
+                                                         "reason": "finished"}))
+                return ready
+        return ready
+
+    def _start(self) -> None:
+        hw = [h if h is not None else {} for h in self._hardware]
+        ctx = Context(self.workers, self.global_batch, np.full(self.workers, self.lower),
+                      np.full(self.workers, self.global_batch), hardware=hw)
+        sizes = self.policy.start(ctx)
+        if not self.sizes.any():
+            self.sizes = np.asarray(sizes, np.int64).copy()
+        self._started = True
+        self.log.append({"kind": "start", "sizes": self.sizes.tolist(), "time": time.time()})
+
+    def _busy(self) -> np.ndarray:
+        b = np.zeros(self.workers, bool)
+        for w in self._out:
+            b[w] = True
+        return b
+
+    def _sync(self) -> bool:
+        if not self._pending:
+            return False
+        if self.mode != "lsp":
+            w = next(iter(self._pending))
+            self._apply([w], "async")
+            return True
+        busy = int(self._busy().sum())
+        could = len(self._pending) + busy
+        if self.limited < self.m:
+            need = min(self.l, could)
+            if len(self._pending) < need:
+                return False
+            members = list(self._pending)[:need]
+            self._apply(members, "limited" if need == self.l else "flush")
+            self.limited += 1
+            return True
+        if busy:
+            return False  # global: wait for every worker that still has work
+        self._apply(list(self._pending), "global")
+        self.limited = 0
+        return True
+
+    def _apply(self, members: Sequence[int], kind: str) -> None:
+        pushes = [self._pending.pop(w) for w in members]
+        total = sum(int(p["n"]) for p in pushes)
+        grad = pushes[0]["grad"].to(torch.float32).clone()
+        for p in pushes[1:]:
+            grad += p["grad"]
+        grad /= total
+        off = 0
+        for p in self._params:
+            n = p.numel()
+            p.grad = grad[off:off + n].view_as(p).to(p.dtype).clone()
+            off += n
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        if self.snapshot_every and self.version % self.snapshot_every == 0:
+            self.snapshots.append((self.version, time.perf_counter() - (self._t0 or 0.0),
+                                   parameters_to_vector([p.detach() for p in self._params]).clone()))
+        indices: List[int] = []
+        for w, p in zip(members, pushes):
+            self.clock[w] += 1
+            self._last_batch[w] = int(p["n"])
+            self._last_time[w] = float(p["compute"])
+            self._fresh[w] = True
+            indices.extend(p["indices"])
+        idx = np.asarray(indices, np.int64)
+        if idx.size and self.applied[idx].any():
+            raise RuntimeError(f"parameter server: samples {idx[self.applied[idx]][:8].tolist()} "
+                               f"applied twice in epoch {self.epoch}")
+        self.applied[idx] = True
+        self.log.append({"kind": "sync", "type": kind, "members": [w + 1 for w in members],
+                         "stale": [self.version - 1 - int(p["version"]) for p in pushes],
+                         "batch": total, "version": self.version, "epoch": self.epoch,
+                         "indices": indices, "time": time.time()})
+        self._maybe_record()
+        if self.checkpointer is not None and self.checkpoint_every and \
+                self.version % self.checkpoint_every == 0:
+            self.checkpointer.save(self._state(), self.version)
+
+    def _working(self) -> np.ndarray:
+        return self.alive & ~self._idle
+
+    def _maybe_record(self, epoch_end: bool = False, force: bool = False) -> None:
+        work = self._working() if not epoch_end else self.alive.copy()
+        if not force and not (self._fresh | ~work).all():
+            return
+        if not np.isfinite(self._last_time[self.alive]).all():
+            return  # a worker that never pushed: nothing to compare yet
+        batch = np.where(self.alive, self._last_batch, 0).astype(np.int64)
+        compute = np.where(self.alive, self._last_time, np.inf)
+        compute = np.where((batch == 0) & self.alive, 0.0, compute)
+        zeros = np.zeros(self.workers)
+        rec = StepRecord(step=self.records, epoch=self.epoch, batch=batch, compute=compute,
+                         data=batch.astype(np.float64), memory=zeros, cpu=zeros, epoch_end=epoch_end)
+        self.records += 1
+        self._fresh[:] = False
+        try:
+            self.history.append(rec)
+            sizes = np.asarray(self.policy.decide(self.history), np.int64)
+        except UnusableTelemetry as e:
+            log.warning("parameter server: round %d not used by the policy: %s", rec.step, e)
+            return
+        sizes = self._share_dropped(sizes)
+        if not np.array_equal(sizes, self.sizes):
+            self.log.append({"kind": "sizes", "sizes": sizes.tolist(), "record": rec.step,
+                             "time": time.time()})
+        self.sizes = sizes.copy()
+
+    def _min_clock(self) -> Optional[int]:
+        work = self._working()
+        return int(self.clock[work].min()) if work.any() else None
+
+    def _answer(self, ready: list) -> bool:
+        changed = False
+        for w in list(self._waiters):
+            if w in self._pending:
+                continue  # waits for its synchronisation
+            if self.mode == "ssp":
+                low = self._min_clock()
+                if low is not None and self.clock[w] - low > self.staleness:
+                    continue
+            if not self._pool:
+                if not self._idle[w]:
+                    self._idle[w] = True
+                    changed = True
+                continue
+            n = max(int(self.sizes[w]), 1)
+            take = [self._pool.pop() for _ in range(min(n, len(self._pool)))]
+            self._out[w] = take
+            self._handed_at[w] = time.monotonic()
+            if self._t0 is None:
+                self._t0 = time.perf_counter()
+            fut = self._waiters.pop(w)
+            known = self._known.pop(w, -1)
+            low = self._min_clock()
+            self.log.append({"kind": "handout", "rank": w + 1, "clock": int(self.clock[w]),
+                             "min_clock": low, "n": len(take), "epoch": self.epoch,
+                             "version": self.version, "time": time.time()})
+            params = None
+            if known != self.version:
+                params = parameters_to_vector([p.detach() for p in self._params]).clone()
+            ready.append((fut, {"done": False, "indices": take, "params": params,
+                                "version": self.version, "epoch": self.epoch,
+                                "iteration": int(self.clock[w])}))
+            changed = True
+        return changed
+
+    def _epoch_complete(self) -> bool:
+        return not self._pool and not self._out and not self._pending and bool(self.applied.all())
+
+    def _end_epoch(self) -> None:
+        self._maybe_record(epoch_end=True, force=True)
+        self.log.append({"kind": "epoch", "epoch": self.epoch, "version": self.version,
+                         "time": time.time()})
+        self.epoch += 1
+        self.applied[:] = False
+        self._idle[:] = False
+        if self.epoch >= self.epochs:
+            if self.checkpointer is not None:
+                self.checkpointer.save(self._state(), self.version)
+            self._finished.set()
+            return
+        self._new_order()
+
+    def _check_timeouts(self) -> None:
+        ready: list = []
+        with self._lock:
+            now = time.monotonic()
+            late = [w for w, t in self._handed_at.items() if now - t > self.timeout]
+            if not self._started and now > self._hello_deadline:
+                late += [w for w in range(self.workers)
+                         if self._hardware[w] is None and self.alive[w]]
+            for w in late:
+                self._drop(w)
+            if late:
+                if not self.alive.any():
+                    self._error = RuntimeError(f"parameter server: every worker was dropped (none "
+                                               f"answered within timeout={self.timeout} s)")
+                    self._finished.set()
+                else:
+                    ready = self._advance()
+        for f, reply in ready:
+            f.set_result(reply)
+
+    def _drop(self, w: int) -> None:
+        held = self._out.pop(w, [])
+        self._handed_at.pop(w, None)
+        self._pending.pop(w, None)
+        self._waiters.pop(w, None)
+        self.alive[w] = False
+        self._pool.extend(reversed(held))  # handed out again first
+        log.warning("parameter server: worker %d dropped (no answer within %.1f s); its %d samples "
+                    "go back to the pool and its share to the others", w + 1, self.timeout, len(held))
+        self.log.append({"kind": "drop", "rank": w + 1, "returned": len(held), "time": time.time()})
+        if self._started:
+            self._maybe_record(force=True)
+            self.sizes = self._share_dropped(self.sizes)
+
+    def _share_dropped(self, sizes: np.ndarray) -> np.ndarray:
+        """``sizes`` with every dropped worker held at ``lower`` and the rest of its share spread
+        evenly over the live ones (what WLBS's redistribution does by speed; this covers policies
+        that know nothing of failures, e.g. the equal split)."""
+        sizes = np.asarray(sizes, np.int64).copy()
+        alive = np.flatnonzero(self.alive)
+        if alive.size == 0:
+            return sizes
+        for w in np.flatnonzero(~self.alive).tolist():
+            give = int(sizes[w]) - self.lower
+            if give > 0:
+                sizes[w] = self.lower
+                sizes[alive] += give // alive.size
+                sizes[alive[:give % alive.size]] += 1
+        return sizes
+
+
+class Worker:
+    """A worker of :mod:`hetlb.sync.ps` (ranks ``1..K``; after ``rpc.init_rpc``).
+
+    Args:
+        model: this worker's copy of the model (its parameters are overwritten by the server's).
+        dataset: the full dataset (map-style); the server hands out indices into it.
+        loss_fn: ``loss_fn(output, target)``, mean over the batch (the summed gradient is the
+            mean's gradient times the batch).
+        rank: this worker's rank (``1..K``).
+        emulator: stretches each iteration's compute to an emulated worker's time.
+        link: emulated seconds added to every exchange with the server.
+        collate_fn: builds a batch from ``[dataset[i] for i in indices]``.
+        timeout: seconds one call may wait for the server (synchronisations, staleness bound and
+            epoch ends included).
+    """
+
+    def __init__(self, model: torch.nn.Module, dataset: Any, loss_fn: Callable, rank: int, *,
+                 emulator: Optional[Emulator] = None, link: float = 0.0,
+                 collate_fn: Callable = default_collate, timeout: float = 600.0,
+                 server: str = SERVER) -> None:
+        instance(model, "Worker: model", torch.nn.Module, "a torch.nn.Module")
+        if not callable(loss_fn):
+            raise ValueError(f"Worker: loss_fn must be callable, got {loss_fn!r}")
+        self.rank = integer(rank, "Worker: rank", 1)
+        if emulator is not None:
+            instance(emulator, "Worker: emulator", Emulator, "a hetlb.emulate.Emulator")
+        self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
+        self.emulator, self.collate_fn, self.server = emulator, collate_fn, server
+        self.link = number(link, "Worker: link", minimum=0.0)
+        self.timeout = number(timeout, "Worker: timeout", above=0.0)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        #: Per iteration: samples, compute seconds, seconds waiting for the server.
+        self.iterations: List[Dict[str, float]] = []
+        self.dropped = False
+
+    def _call(self, push: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        t0 = time.perf_counter()
+        reply = rpc.rpc_sync(self.server, _ps_call, args=(self.server, self.rank, push),
+                             timeout=self.timeout)
+        if self.link:
+            sleep_until(time.perf_counter() + self.link)
+        reply["_wait"] = time.perf_counter() - t0
+        return reply
+
+    def run(self) -> int:
+        """Train until the server says done; the number of iterations this worker ran."""
+        hello = {"hello": True, "hardware": hardware_info()}
+        reply = self._call(hello)
+        deadline = time.monotonic() + self.timeout
+        while reply.get("reason") == "no server running" and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 0 has not reached serve() yet
+            reply = self._call(hello)
+        version = -1
+        while not reply["done"]:
+            if reply["params"] is not None:
+                with torch.no_grad():
+                    vector_to_parameters(reply["params"], self._params)
+                version = int(reply["version"])
+            idx = reply["indices"]
+            x, y = self.collate_fn([self.dataset[i] for i in idx])
+            t0 = time.perf_counter()
+            for p in self._params:
+                p.grad = None
+            loss = self.loss_fn(self.model(x), y)
+            loss.backward()
+            grad = parameters_to_vector([p.grad if p.grad is not None else torch.zeros_like(p)
+                                         for p in self._params]) * len(idx)
+            compute = time.perf_counter() - t0
+            if self.emulator is not None:
+                compute = self.emulator.stretch(int(reply["iteration"]), len(idx), t0)
+            self.iterations.append({"n": len(idx), "compute": compute, "wait": reply["_wait"]})
+            reply = self._call({"grad": grad.detach(), "n": len(idx), "compute": compute,
+                                "version": version, "indices": idx})
+        self.dropped = bool(reply.get("dropped"))
+        if self.dropped:
+            log.warning("worker %d: the server dropped this worker (it did not answer within the "
+                        "server's timeout); stopping", self.rank)
+        try:
+            rpc.rpc_sync(self.server, _ps_bye, args=(self.server, self.rank), timeout=10)
+        except RuntimeError:
+            pass  # the server is gone already
+        return len(self.iterations)
+
+
+def run_ps(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
+           optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None,
+           global_batch: int, epochs: int = 1, rank: Optional[int] = None,
+           world_size: Optional[int] = None, init_method: str = "env://",
+           emulator: Optional[Emulator] = None, link: float = 0.0,
+           worker_timeout: float = 600.0, **server_kw: Any) -> Dict[str, Any]:
+    """Run parameter-server training on this process: rank 0 serves, the others work.
+
+    Initialises RPC (``init_method``, ``rank`` and ``world_size`` default to torchrun's
+    environment), runs, and shuts RPC down without the graceful barrier (a dead worker cannot
+    hang it). ``optimizer`` builds the server's optimizer from the model's parameters (default
+    SGD, lr 0.1). Returns on rank 0 ``{"server": ParameterServer}`` (its ``log``, ``model``), on
+    workers ``{"worker": Worker}``.
+    """
+    rank = int(os.environ["RANK"]) if rank is None else integer(rank, "run_ps: rank", 0)
+    world = int(os.environ["WORLD_SIZE"]) if world_size is None else integer(world_size,
+                                                                            "run_ps: world_size", 2)
+    if world < 2:
+        raise ValueError(f"run_ps: a parameter server needs a server and at least one worker "
+                         f"(world_size >= 2), got {world}")
+    choice(mode, "run_ps: mode", MODES)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=worker_timeout,
+                                           num_worker_threads=max(16, 2 * world))
+    rpc.init_rpc(SERVER if rank == 0 else worker_name(rank), rank=rank, world_size=world,
+                 rpc_backend_options=opts)
+    try:
+        if rank == 0:
+            make = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1))
+            server = ParameterServer(model, make(model.parameters()), len(dataset), global_batch,
+                                     world - 1, mode, epochs=epochs, **server_kw)
+            server.serve()
+            return {"server": server}
+        worker = Worker(model, dataset, loss_fn, rank, emulator=emulator, link=link,
+                        timeout=worker_timeout)
+        worker.run()
+        return {"worker": worker}
+    finally:
+        rpc.shutdown(graceful=False)

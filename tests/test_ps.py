@@ -1,0 +1,261 @@
+"""Parameter-server modes (LSP, SSP, ASP) on real torch.distributed.rpc processes."""
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import run, unwrap
+from fixed_policy import Fixed
+
+N, DIM = 96, 5
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, DIM, generator=g)
+    y = x @ torch.arange(1.0, DIM + 1) + 0.1 * torch.randn(N, generator=g)
+    return torch.utils.data.TensorDataset(x, y.unsqueeze(1))
+
+
+def _model():
+    torch.manual_seed(1)
+    return torch.nn.Linear(DIM, 1)
+
+
+def _ps(rank, world, init, mode, speeds, kw, die=None):
+    """One process of a parameter-server run; returns the server's log and model, or the
+    worker's iterations."""
+    import hetlb
+    from hetlb.sync.ps import run_ps
+
+    calls = {"n": 0}
+
+    def loss_fn(out, y):
+        calls["n"] += 1
+        if die is not None and rank == die[0] and calls["n"] == die[1]:
+            if len(die) > 2:
+                time.sleep(die[2])  # alive but far too slow: the server drops it meanwhile
+            else:
+                os._exit(3)  # a worker process killed mid-training
+        return torch.nn.functional.mse_loss(out, y)
+
+    emu = None if rank == 0 else hetlb.emulate.Emulator(
+        hetlb.LinearModel(0.004, 0.0005), speed=speeds[rank - 1])
+    policy = kw.pop("policy", None)
+    if policy is not None and rank == 0:
+        kw["policy"] = policy()
+    out = run_ps(mode, _model(), _data(), loss_fn, global_batch=kw.pop("global_batch", 24),
+                 rank=rank, world_size=world, init_method=init, emulator=emu, **kw)
+    if rank == 0:
+        s = out["server"]
+        return {"log": s.log, "model": {k: v.clone() for k, v in s.model.state_dict().items()},
+                "sizes": s.sizes.tolist(), "version": s.version, "alive": s.alive.tolist()}
+    return {"iterations": len(out["worker"].iterations), "dropped": out["worker"].dropped}
+
+
+def _applied(log, epochs):
+    """Per epoch, how often each sample's gradient was applied."""
+    counts = np.zeros((epochs, N), np.int64)
+    for e in log:
+        if e["kind"] == "sync":
+            np.add.at(counts[e["epoch"]], e["indices"], 1)
+    return counts
+
+
+def test_ssp_never_exceeds_staleness_and_asp_does():
+    s = 2
+    speeds = (1.0, 1.0, 0.2)  # worker 3 five times slower
+    server = unwrap(run(_ps, 4, "ssp", speeds, {"staleness": s, "epochs": 2}, backend="rpc"))[0]
+    hand = [e for e in server["log"] if e["kind"] == "handout"]
+    gaps = [e["clock"] - e["min_clock"] for e in hand]
+    assert max(gaps) <= s, f"a worker ran {max(gaps)} iterations ahead (bound {s})"
+    assert max(gaps) == s  # the bound was reached, so it is what held the fast workers back
+    assert (_applied(server["log"], 2) == 1).all()
+    asp = unwrap(run(_ps, 4, "asp", speeds, {"epochs": 2}, backend="rpc"))[0]
+    gaps = [e["clock"] - e["min_clock"] for e in asp["log"] if e["kind"] == "handout"]
+    assert max(gaps) > s  # without the bound the fast workers run ahead (the check can fail)
+    assert (_applied(asp["log"], 2) == 1).all()
+    syncs = [e for e in asp["log"] if e["kind"] == "sync"]
+    assert all(len(e["members"]) == 1 and e["type"] == "async" for e in syncs)
+
+
+def test_lsp_first_l_and_global_every_m():
+    l, m = 2, 3
+    speeds = (1.0, 0.7, 0.3)
+    server = unwrap(run(_ps, 4, "lsp", speeds, {"l": l, "m": m, "epochs": 2}, backend="rpc"))[0]
+    pending: list = []
+    since_global = 0
+    kinds = []
+    working = {1, 2, 3}
+    for e in server["log"]:
+        if e["kind"] == "push":
+            pending.append(e["rank"])
+        elif e["kind"] == "epoch":
+            working = {1, 2, 3}
+        elif e["kind"] == "sync":
+            kinds.append(e["type"])
+            if e["type"] == "limited":
+                assert since_global < m
+                assert e["members"] == pending[:l], (e["members"], pending)
+                since_global += 1
+            elif e["type"] == "global":
+                assert since_global == m, f"global after {since_global} limited ones (m={m})"
+                assert sorted(e["members"]) == sorted(pending)
+                assert set(e["members"]) <= working
+                since_global = 0
+            else:  # fewer than l workers still had work: the epoch's tail
+                assert e["type"] == "flush" and len(e["members"]) < l
+                since_global += 1
+            for r in e["members"]:
+                pending.remove(r)
+    assert kinds.count("limited") >= 2 * m and kinds.count("global") >= 2
+    assert (_applied(server["log"], 2) == 1).all()
+    # The fast worker synchronised more often than the slow one (limited syncs take the first).
+    members = [r for e in server["log"] if e["kind"] == "sync" for r in e["members"]]
+    assert members.count(1) > members.count(3)
+
+
+def test_lsp_killed_worker_share_moves_and_training_finishes():
+    speeds = (1.0, 1.0, 1.0)
+    res = run(_ps, 4, "lsp", speeds, {"l": 2, "m": 2, "epochs": 2, "timeout": 2.0},
+              (2, 4), backend="rpc", may_die=(2,))
+    assert res[2][0] == "died"
+    server = res[0][1]
+    assert res[0][0] == "ok" and res[1][0] == "ok" and res[3][0] == "ok", res
+    log = server["log"]
+    drops = [e for e in log if e["kind"] == "drop"]
+    assert [d["rank"] for d in drops] == [2]
+    assert server["alive"] == [True, False, True]
+    at = log.index(drops[0])
+    assert all(e["rank"] != 2 for e in log[at:] if e["kind"] == "handout")
+    # Its share went to the survivors: it is held at the lower bound (1), they carry the rest.
+    assert server["sizes"][1] == 1 and sum(server["sizes"]) == 24
+    assert server["sizes"][0] + server["sizes"][2] == 23
+    # The samples it held were handed out again: every sample exactly once per epoch.
+    assert (_applied(log, 2) == 1).all()
+
+
+def test_late_worker_is_dropped_told_and_its_samples_redone(mode="ssp"):
+    # Iterations of 0.4 s (speed 0.02), three epochs (about 5 s): worker 2 stalls 2.5 s in its
+    # third iteration, is dropped after 1 s and calls in while the others still train.
+    res = unwrap(run(_ps, 4, mode, (0.02, 0.02, 0.02), {"epochs": 3, "timeout": 1.0},
+                     (2, 3, 2.5), backend="rpc"))
+    server = res[0]
+    assert res[2]["dropped"] and not res[1]["dropped"] and not res[3]["dropped"]
+    assert [e["rank"] for e in server["log"] if e["kind"] == "drop"] == [2]
+    # Its late gradient was not applied; the samples it held were trained by the others.
+    assert (_applied(server["log"], 3) == 1).all()
+    assert not any(2 in e["members"] for e in server["log"]
+                   if e["kind"] == "sync" and e["time"] > [d for d in server["log"]
+                                                          if d["kind"] == "drop"][0]["time"])
+
+
+def test_lsp_all_workers_is_one_large_batch():
+    """l = K and unequal batches: every update is the mean gradient of the union of the
+    workers' batches (sum of summed gradients over the total), replayed in one process."""
+    server = unwrap(run(_ps, 3, "lsp", (1.0, 0.5),
+                        {"l": 2, "m": 1, "epochs": 1, "policy": partial(Fixed, [7, 3]),
+                         "global_batch": 10},
+                        backend="rpc"))[0]
+    syncs = [e for e in server["log"] if e["kind"] == "sync"]
+    assert {len(e["members"]) for e in syncs[:-1]} == {2}
+    assert all(st == 0 for e in syncs for st in e["stale"])  # all on the same parameters
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data().tensors
+    for e in syncs:
+        idx = torch.tensor(e["indices"])
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(server["model"][k], v, rtol=1e-5, atol=1e-6)
+    sizes = [e["n"] for e in server["log"] if e["kind"] == "handout"][:2]
+    assert sorted(sizes) == [3, 7]
+
+
+def test_server_checkpoint_resume_exactly_once(tmp_path):
+    kw = {"l": 2, "m": 2, "epochs": 2, "checkpoint_every": 3, "timeout": 5.0, "global_batch": 12}
+    res = run(_ps_ckpt, 4, "lsp", (1.0, 0.8, 0.6), kw, str(tmp_path), 6, backend="rpc",
+              may_die=(0, 1, 2, 3))
+    assert res[0] == ("died", 4)  # the server process died right after checkpointing update 6
+    assert all(r[0] == "error" or r[0] == "died" for r in res[1:])  # the workers noticed, no hang
+    import hetlb
+    state = hetlb.Checkpointer(str(tmp_path), rank=0).latest()
+    assert state["version"] == 6 and state["epoch"] == 0
+    before = state["applied"].numpy()
+    assert 0 < before.sum() < N
+    second = unwrap(run(_ps_ckpt, 4, "lsp", (1.0, 0.8, 0.6), kw, str(tmp_path), None,
+                        backend="rpc"))[0]
+    counts = _applied(second["log"], 2)
+    counts[0] += before
+    assert (counts == 1).all()
+    first = [e for e in second["log"] if e["kind"] == "sync"][0]
+    assert first["version"] == 7  # continues from the checkpoint's update count
+
+
+def _ps_ckpt(rank, world, init, mode, speeds, kw, directory, die_at):
+    import hetlb
+
+    class Dying(hetlb.Checkpointer):
+        def save(self, state, step):
+            path = super().save(state, step)
+            if die_at is not None and step >= die_at:
+                os._exit(4)  # the server process dies right after this checkpoint
+            return path
+
+    kw = dict(kw)
+    if rank == 0:
+        kw["checkpointer"] = Dying(directory, keep=2, rank=0)
+    return _ps(rank, world, init, mode, speeds, kw)
+
+
+def test_bad_arguments():
+    from hetlb.sync.ps import ParameterServer
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="mode"):
+        ParameterServer(model, opt, N, 24, 3, "bsp")
+    with pytest.raises(ValueError, match="l must be <= workers"):
+        ParameterServer(model, opt, N, 24, 3, "lsp", l=4)
+    with pytest.raises(ValueError, match="global_batch"):
+        ParameterServer(model, opt, N, 2, 3, "lsp")
+    with pytest.raises(ValueError, match="policy"):
+        ParameterServer(model, opt, N, 24, 3, "lsp", policy=object())
+    with pytest.raises(ValueError, match="timeout"):
+        ParameterServer(model, opt, N, 24, 3, "ssp", timeout=0)
+    ps = ParameterServer(model, opt, N, 24, 3, "ssp")
+    with pytest.raises(ValueError, match="not a ParameterServer checkpoint"):
+        ps.load_state_dict({"model": {}})
+    other = ParameterServer(model, opt, N, 24, 2, "ssp").state_dict()
+    with pytest.raises(ValueError, match="workers=2"):
+        ps.load_state_dict(other)
+
+
+def test_out_of_step_push_stops_the_server_and_answers_everyone():
+    """In-process (no RPC): a push of samples the worker does not hold is an error for every
+    waiting worker, and serve() raises instead of training on."""
+    from hetlb.sync.ps import ParameterServer
+    model = _model()
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 24, 2, "lsp",
+                         l=2, timeout=5.0)
+    a = ps._call(1, {"hello": True, "hardware": {}})
+    b = ps._call(2, {"hello": True, "hardware": {}})
+    ra, rb = a.wait(), b.wait()
+    assert len(ra["indices"]) == len(rb["indices"]) == 12 and ra["params"] is not None
+    g = torch.zeros(DIM + 1)
+    first = ps._call(1, {"grad": g, "n": 12, "compute": 0.01, "version": 0,
+                         "indices": ra["indices"]})
+    assert not first.done()  # waits for the second member of the limited synchronisation
+    bad = ps._call(2, {"grad": g, "n": 12, "compute": 0.01, "version": 0,
+                       "indices": ra["indices"]})
+    for f in (first, bad):
+        with pytest.raises(RuntimeError, match="does not hold"):
+            f.wait()
+    with pytest.raises(RuntimeError, match="does not hold"):
+        ps.serve()
