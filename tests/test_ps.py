@@ -259,3 +259,32 @@ def test_out_of_step_push_stops_the_server_and_answers_everyone():
             f.wait()
     with pytest.raises(RuntimeError, match="does not hold"):
         ps.serve()
+
+
+def test_in_process_checks_model_size_and_keeps_float64():
+    """In-process: a worker with another model is refused at its hello; a float64 model is
+    updated in float64 (sum of summed gradients over the total, then the optimizer)."""
+    from hetlb.sync.ps import ParameterServer
+    model = _model().double()
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
+                         timeout=5.0)
+    with pytest.raises(RuntimeError, match="same model"):
+        ps._call(1, {"hello": True, "hardware": {}, "numel": 3}).wait()
+    model = _model().double()
+    before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
+                         timeout=5.0)
+    r = ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1}).wait()
+    g = torch.full((DIM + 1,), 1e-9, dtype=torch.float64) * torch.arange(1, DIM + 2)
+    with pytest.raises(RuntimeError, match="malformed"):
+        ps._call(1, {"grad": g[:2], "n": 8, "compute": 0.1, "version": 0,
+                     "indices": r["indices"]}).wait()
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
+                         timeout=5.0)
+    r = ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1}).wait()
+    nxt = ps._call(1, {"grad": g * 8, "n": 8, "compute": 0.1, "version": 0,
+                       "indices": r["indices"]}).wait()
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert after.dtype == torch.float64
+    torch.testing.assert_close(after, before - 0.5 * g, rtol=0, atol=1e-18)
+    assert nxt["version"] == 1 and len(nxt["indices"]) == 8

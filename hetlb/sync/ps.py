@@ -49,6 +49,7 @@ their own buffers, and only gradients travel.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -186,6 +187,7 @@ class ParameterServer:
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("ParameterServer: the model has no trainable parameters")
+        self._numel = sum(p.numel() for p in self._params)
         self._lock = threading.Lock()
         self._finished = threading.Event()
         #: Events: dicts with ``kind`` ``"handout"``, ``"sync"``, ``"drop"``, ``"epoch"``, ``"wait"``.
@@ -336,6 +338,11 @@ class ParameterServer:
             raise RuntimeError(f"worker {w + 1} called twice without waiting for the answer")
         if push is None or push.get("hello"):
             if push is not None:
+                numel = push.get("numel")
+                if numel is not None and int(numel) != self._numel:
+                    raise ValueError(f"worker {w + 1}'s model has {int(numel)} trainable parameter "
+                                     f"elements, the server's {self._numel}: every rank must build "
+                                     f"the same model")
                 self._hardware[w] = dict(push.get("hardware") or {})
         else:
             held = self._out.pop(w, None)
@@ -344,6 +351,14 @@ class ParameterServer:
                 raise RuntimeError(f"worker {w + 1} pushed a gradient of samples it does not hold "
                                    f"(it holds {None if held is None else len(held)} samples); the "
                                    f"worker and server are out of step")
+            grad = push.get("grad")
+            if not isinstance(grad, torch.Tensor) or grad.numel() != self._numel or \
+                    int(push["n"]) != len(held) or not math.isfinite(float(push["compute"])):
+                raise ValueError(f"worker {w + 1} pushed a malformed gradient (a tensor of "
+                                 f"{self._numel} elements, n = {len(held)} samples and a finite "
+                                 f"compute time expected; got "
+                                 f"{grad.numel() if isinstance(grad, torch.Tensor) else grad!r} "
+                                 f"elements, n = {push.get('n')!r}, compute = {push.get('compute')!r})")
             self._pending[w] = push
             self.log.append({"kind": "push", "rank": w + 1, "n": int(push["n"]),
                              "version": int(push["version"]), "time": time.time()})
@@ -354,9 +369,11 @@ class ParameterServer:
     def _advance(self) -> list:
         """Apply every synchronisation that is due and answer every worker that can go on."""
         ready: list = []
+        # Every live worker says hello first (also after a resume: a worker that never comes
+        # back must be dropped, not counted as working with its checkpointed clock).
+        if not all(h is not None or not a for h, a in zip(self._hardware, self.alive)):
+            return ready
         if not self._started:
-            if not all(h is not None or not a for h, a in zip(self._hardware, self.alive)):
-                return ready
             self._start()
         changed = True
         while changed:
@@ -414,9 +431,9 @@ class ParameterServer:
     def _apply(self, members: Sequence[int], kind: str) -> None:
         pushes = [self._pending.pop(w) for w in members]
         total = sum(int(p["n"]) for p in pushes)
-        grad = pushes[0]["grad"].to(torch.float32).clone()
+        grad = pushes[0]["grad"].clone()
         for p in pushes[1:]:
-            grad += p["grad"]
+            grad += p["grad"].to(grad.dtype)
         grad /= total
         off = 0
         for p in self._params:
@@ -540,7 +557,7 @@ class ParameterServer:
         with self._lock:
             now = time.monotonic()
             late = [w for w, t in self._handed_at.items() if now - t > self.timeout]
-            if not self._started and now > self._hello_deadline:
+            if now > self._hello_deadline:
                 late += [w for w in range(self.workers)
                          if self._hardware[w] is None and self.alive[w]]
             for w in late:
@@ -632,7 +649,8 @@ class Worker:
 
     def run(self) -> int:
         """Train until the server says done; the number of iterations this worker ran."""
-        hello = {"hello": True, "hardware": hardware_info()}
+        hello = {"hello": True, "hardware": hardware_info(),
+                 "numel": sum(p.numel() for p in self._params)}
         reply = self._call(hello)
         deadline = time.monotonic() + self.timeout
         while reply.get("reason") == "no server running" and time.monotonic() < deadline:
