@@ -22,6 +22,13 @@ figures; that version's API is used as it was).
 
     python bench/bench_overhead.py [--model mlp wide] [--rounds 9] [--steps 120] [--out FILE]
 
+``--interleave step`` builds every variant side by side in one process group and runs one step of
+each in turn (the order rotated every step), so each variant's step is compared with plain DDP's
+step of the same turn: drifts of the machine slower than a step (other tenants, frequency) cancel,
+which round-level interleaving leaves in. A round is then a block of ``--steps`` consecutive turns;
+reported is the median over rounds of each round's median per-turn ratio, with min and max. (The
+variants share the caches: every step starts after another model's, alike for all.)
+
 ``--instructions`` measures the work instead of the time, which a noisy machine cannot disturb:
 every run has both ranks under valgrind's callgrind (every thread counted, Gloo's included), twice
 (``--steps`` and 4 steps), and the difference is the instructions of the extra steps. What a
@@ -63,11 +70,13 @@ def make_model(name: str) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def run_variant(variant: str, model_name: str, args: argparse.Namespace, rank: int, world: int) -> float:
+def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world: int, steps: int):
+    """(DDP model, optimizer, loader, Balancer or None, backward function) of one variant, on a
+    dataset of ``steps`` global batches."""
     import hetlb
     from torch.nn.parallel import DistributedDataParallel as DDP
     inp = MODELS[model_name][0]
-    n = args.global_batch * args.steps
+    n = args.global_batch * steps
     g = torch.Generator().manual_seed(1)
     ds = torch.utils.data.TensorDataset(torch.randn(n, inp, generator=g), torch.randint(0, 10, (n,), generator=g))
     ddp = DDP(make_model(model_name), gradient_as_bucket_view=args.bucket_view)
@@ -86,6 +95,13 @@ def run_variant(variant: str, model_name: str, args: argparse.Namespace, rank: i
         bal = hetlb.Balancer(ddp, args.global_batch, policy=hetlb.Uniform(), **kw)
         loader = bal.loader(ds, seed=1)
     backward = bal.backward if variant.endswith("+backward") else torch.Tensor.backward
+    return ddp, opt, loader, bal, backward
+
+
+def run_variant(variant: str, model_name: str, args: argparse.Namespace, rank: int, world: int) -> float:
+    import hetlb
+    new_api = hasattr(hetlb, "DataLoader")
+    ddp, opt, loader, bal, backward = setup_variant(variant, model_name, args, world, args.steps)
     times, cpu = [], []
     t_prev, c_prev = time.perf_counter(), time.process_time()
     for x, y in loader:
@@ -103,6 +119,44 @@ def run_variant(variant: str, model_name: str, args: argparse.Namespace, rank: i
     return statistics.median(times[args.warmup:]), statistics.median(cpu[args.warmup:])
 
 
+def endless(loader, sampler=None):
+    """Batches of ``loader`` over consecutive epochs (``set_epoch`` as a training script does)."""
+    epoch = 0
+    while True:
+        (sampler or loader).set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Dict[str, List[float]]:
+    """Every variant side by side in one process group, one step each in turn (the order rotated
+    every step): neighbouring steps of two variants see the same machine, so the ratio of their
+    times is not disturbed by drifts slower than a step. Returns each variant's step times."""
+    import hetlb
+    if not hasattr(hetlb, "DataLoader"):
+        raise SystemExit("--interleave step needs a hetlb whose loader ends steps itself")
+    per_epoch = max(args.steps // 4, 8)
+    runs = {}
+    for v in args.variants:
+        ddp, opt, loader, bal, backward = setup_variant(v, model_name, args, world, per_epoch)
+        sampler = loader.sampler if bal is None else None
+        runs[v] = (ddp, opt, endless(loader, sampler), backward)
+    times: Dict[str, List[float]] = {v: [] for v in args.variants}
+    total = args.warmup + args.rounds * args.steps
+    order = list(args.variants)
+    for step in range(total):
+        k = step % len(order)
+        for v in order[k:] + order[:k]:
+            ddp, opt, it, backward = runs[v]
+            t = time.perf_counter()
+            x, y = next(it)
+            backward(torch.nn.functional.cross_entropy(ddp(x), y))
+            opt.step()
+            opt.zero_grad()
+            times[v].append(time.perf_counter() - t)
+    return {v: t[args.warmup:] for v, t in times.items()}
+
+
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: List[tuple], out: str) -> None:
     if args.hetlb_path:
         sys.path.insert(0, args.hetlb_path)
@@ -114,7 +168,11 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: Li
                             timeout=datetime.timedelta(seconds=300))
     results = []
     try:
-        for model_name, rnd, variant in jobs:
+        if args.interleave == "step":
+            for model_name in args.model:
+                dist.barrier()
+                results.append((model_name, run_interleaved(model_name, args, world)))
+        for model_name, rnd, variant in ([] if args.interleave == "step" else jobs):
             dist.barrier()
             results.append((model_name, rnd, variant, run_variant(variant, model_name, args, rank, world)))
     finally:
@@ -201,6 +259,33 @@ def instructions(args: argparse.Namespace) -> List[str]:
     return lines
 
 
+def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
+    """Per round (a block of --steps consecutive steps): the median over its steps of each
+    variant's step time over plain DDP's step next to it; median and spread over rounds."""
+    lines = [f"### Homogeneous overhead with real compute, step-interleaved{' (' + args.label + ')' if args.label else ''}: "
+             f"{args.world} Gloo ranks x 1 thread{', pinned' if args.pin else ''}, global batch {args.global_batch}, "
+             f"{'gradient_as_bucket_view=True, ' if args.bucket_view else ''}"
+             f"every variant one step in turn, {args.rounds} rounds of {args.steps} steps each "
+             f"(first {args.warmup} not counted)", "",
+             "Ratio: per step, the variant's step time over plain DDP's step of the same turn; per "
+             "round the median of those; median, min and max over rounds. Rank 0's loop.", "",
+             "| model | variant | step (ms) | ratio: median | min | max | mean of all steps |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for m, times in res:
+        plain = times["plain"]
+        lines.append(f"| {m} | plain DDP | {1e3 * statistics.median(plain):.2f} | 1 | | | |")
+        for v in args.variants:
+            if v == "plain":
+                continue
+            t = times[v]
+            ratios = [a / b for a, b in zip(t, plain)]
+            rounds = [statistics.median(ratios[i:i + args.steps]) for i in range(0, len(ratios), args.steps)]
+            name = "DDP + torch allreduce_hook" if v == "torchhook" else f"hetlb {v}"
+            lines.append(f"| {m} | {name} | {1e3 * statistics.median(t):.2f} | **{statistics.median(rounds):.4f}** | "
+                         f"{min(rounds):.4f} | {max(rounds):.4f} | {sum(t) / sum(plain):.4f} |")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["mlp", "wide"])
@@ -211,6 +296,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
+    p.add_argument("--interleave", choices=["round", "step"], default="round",
+                   help="round: each variant runs --steps steps in turn per round; step: every variant "
+                        "side by side in one process group, one step each in turn, rounds being "
+                        "consecutive blocks of --steps steps")
     p.add_argument("--pin", action="store_true", help="pin rank r to core r")
     p.add_argument("--hetlb-path", default=None, help="import hetlb from this checkout instead")
     p.add_argument("--label", default="", help="a name for this code version in the table")
@@ -238,6 +327,8 @@ def main() -> None:
         out = os.path.join(tmp, "r.pt")
         mp.spawn(worker, args=(args.world, os.path.join(tmp, "store"), args, jobs, out), nprocs=args.world, join=True)
         res = torch.load(out)
+    if args.interleave == "step":
+        return emit(interleaved_table(args, res), args.out)
     wall: Dict[tuple, float] = {(m, r, v): t[0] for m, r, v, t in res}
     cpu: Dict[tuple, float] = {(m, r, v): t[1] for m, r, v, t in res}
     lines = [f"### Homogeneous overhead with real compute{' (' + args.label + ')' if args.label else ''}: "

@@ -61,6 +61,10 @@ def weights_for(weighting: str, batch: Sequence[int], data: Optional[Sequence[fl
             ``B_r > 0``, 0 for idle ranks, whose gradient is of an empty batch).
         batch: int ``[world]`` samples per rank this step.
         data: ``[world]`` data amount per rank (required for "sizes").
+
+    A step whose samples all have data amount 0 (empty sequences, say) has no amount to weigh
+    by under "sizes" (0/0): it is weighed by samples instead, so a legal dataset never stops
+    training and every sample of the step still counts once.
     """
     if weighting == "samples" and isinstance(batch, np.ndarray) and batch.dtype.kind in "iu" \
             and batch.ndim == 1:
@@ -74,6 +78,8 @@ def weights_for(weighting: str, batch: Sequence[int], data: Optional[Sequence[fl
         if data is None:
             raise ValueError('weighting="sizes" needs the data amount of every rank')
         amount = np.asarray(data, dtype=np.float64)
+        if np.all(amount == 0):  # no data anywhere (0/0): weigh the step's samples instead
+            amount = b
     elif weighting == "none":
         amount = (b > 0).astype(np.float64)
     else:

@@ -612,7 +612,10 @@ class Balancer:
         It falls back to plain ``loss.backward()`` (the hook then weighs, as always) when a
         parameter already holds a gradient (``zero_grad(set_to_none=False)``, or gradients kept
         across steps): the hook must weigh what is already there too. With ``accumulate > 1`` it
-        is plain ``loss.backward()``: the window's weight is applied once, by the hook.
+        is plain ``loss.backward()``: the window's weight is applied once, by the hook. So it is
+        for a float16/bfloat16 loss: ``w`` rounded to 8 or 11 bits would bias this rank's share
+        of the mean (its weights would no longer sum to 1), while the hook weighs each gradient
+        element in float32 arithmetic.
         (Parameters outside the DDP model, which no hook sees, get ``w`` times their gradient.)
 
         Args:
@@ -625,8 +628,10 @@ class Balancer:
                                "batch of the Balancer's loader, or inside `with bal.step():`")
         core = self.telemetry.core
         w = core.weight
-        if w == 1.0 or self.accumulate > 1 or not core.grads_clear():
-            if w != 1.0 and self.accumulate == 1 and not self._fast_backward_noted:
+        low = loss.dtype not in (torch.float32, torch.float64) or \
+            (gradient is not None and gradient.dtype not in (torch.float32, torch.float64))
+        if w == 1.0 or self.accumulate > 1 or low or not core.grads_clear():
+            if w != 1.0 and self.accumulate == 1 and not low and not self._fast_backward_noted:
                 self._fast_backward_noted = True
                 log.warning("bal.backward: parameters already hold gradients, so the hook weighs "
                             "the gradient (as with loss.backward()); zero them with "

@@ -5,8 +5,9 @@ progress (a hung data read, a wedged device, a frozen or vanished process, a los
 block inside the collective until the process group's timeout (30 minutes for Gloo by default) and
 then fail with an error that does not say which worker it was.
 
-:class:`Watchdog`, given to a :class:`hetlb.Balancer` (``watchdog=``), runs one daemon thread per
-worker that publishes a heartbeat to the process group's store every ``interval`` seconds: the
+:class:`Watchdog`, given to a :class:`hetlb.Balancer`, :class:`hetlb.DelayedSync` or
+:class:`hetlb.sync.Federated` (``watchdog=``; for the last two a "step" is an iteration or a
+round), runs one daemon thread per worker that publishes a heartbeat to the process group's store every ``interval`` seconds: the
 worker's step, how far into it (``data``: waiting for its batch; ``compute``: forward/backward;
 ``sent``: its gradient handed to the all-reduce, i.e. waiting for the others), when it last made
 progress, its host and pid. When this worker has waited inside a step for ``stall`` seconds (a
@@ -41,7 +42,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["Watchdog", "EXIT_CODE"]
+__all__ = ["Watchdog", "EXIT_CODE", "Stage", "COMPUTING", "WAITING"]
 
 log = logging.getLogger("hetlb")
 
@@ -50,6 +51,23 @@ EXIT_CODE = 75
 
 _STAGES = ("data", "compute", "sent")
 _PREFIX = "hetlb/watchdog/"
+
+
+class Stage:
+    """Where a worker is inside a step, for :meth:`Watchdog.beat` from loops that have no
+    :class:`hetlb.aggregate.StepTelemetry` (DelayedSync, Federated): ``hooked`` is whether it
+    waits for the others (its part handed to a collective)."""
+
+    __slots__ = ("hooked",)
+
+    def __init__(self, hooked: bool) -> None:
+        self.hooked = hooked
+
+
+#: Computing its part of the step.
+COMPUTING = Stage(False)
+#: Waiting for the others in a collective (an all-reduce, a barrier).
+WAITING = Stage(True)
 
 
 class Watchdog:

@@ -10,7 +10,7 @@ import os
 import pickle
 import tempfile
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -19,7 +19,10 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def _entry(fn: Callable, rank: int, world: int, store: str, out: str, args: tuple,
-           backend: str = "gloo") -> None:
+           backend: str = "gloo", env: Optional[dict] = None) -> None:
+    if env is not None:  # the parent's environment now, not the fork server's at its start
+        os.environ.clear()
+        os.environ.update(env)
     import torch
     torch.set_num_threads(1)
     result: Any
@@ -61,6 +64,22 @@ def gloo_threads() -> List[str]:
     return sorted(n for n in names if "gloo" in n)
 
 
+#: Imported once by the fork server, so a rank starts in milliseconds instead of importing torch
+#: (about 2 s of CPU per rank on the CI machine, for every multi-process test).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.rpc", "numpy", "hetlb"]
+
+
+def _context() -> Any:
+    """Processes forked from a server that imported :data:`PRELOAD` (fresh, like spawn's: the
+    server has no threads, no process group and no CUDA context); ``HETLB_TEST_START=spawn``
+    goes back to spawning every rank."""
+    method = os.environ.get("HETLB_TEST_START", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0, backend: str = "gloo",
         may_die: tuple = ()) -> List[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result.
@@ -72,10 +91,12 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180.0, backend: s
     process if the group does not finish within ``timeout`` seconds. A rank in ``may_die`` that
     exits without a result (a staged crash) gets the result ``("died", exit code)``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, tmp, args, backend), daemon=False)
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, tmp, args, backend, env),
+                             daemon=False)
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -274,6 +274,7 @@ def test_delayed_sync_refuses_wrong_types():
     opt = torch.optim.SGD(model.parameters(), 0.1)
     for args, kwargs, field in [((None, opt, 4), {}, "model"), ((model, None, 4), {}, "optimizer"),
                                 ((model, opt, 4), {"emulator": "fast"}, "emulator"),
+                                ((model, opt, 4), {"watchdog": 120}, "watchdog"),
                                 ((model, opt, 4), {"weighting": 3}, "weighting")]:
         with pytest.raises((TypeError, ValueError)) as e:
             hetlb.DelayedSync(*args, **kwargs)
@@ -806,11 +807,13 @@ def test_fuzz_telemetry_keeps_every_split_valid(name, world, data):
             sizes = np.asarray(hetlb.allocate_proportional(np.ones(world), global_batch), np.int64)
         n = st.lists(TIME, min_size=world, max_size=world)
         frac = st.lists(st.one_of(st.floats(0, 1), AWKWARD), min_size=world, max_size=world)
+        with np.errstate(over="ignore"):  # a huge time times a size may overflow to inf: wanted
+            amounts = sizes * np.asarray(data.draw(st.lists(st.one_of(st.just(1.0), TIME), min_size=world,
+                                                            max_size=world), label="data"))
         rec = StepRecord(
             step=step, epoch=step // 3, epoch_end=step % 3 == 2, batch=sizes.copy(),
             compute=np.asarray(data.draw(n, label="compute")),
-            data=sizes * np.asarray(data.draw(st.lists(st.one_of(st.just(1.0), TIME), min_size=world,
-                                                       max_size=world), label="data")),
+            data=amounts,
             memory=np.asarray(data.draw(frac, label="memory")),
             cpu=np.asarray(data.draw(frac, label="cpu")),
             predicted=np.asarray(data.draw(st.lists(st.one_of(st.just(math.nan), TIME), min_size=world,

@@ -402,6 +402,8 @@ def test_weights_for():
     b = np.array([1, 3, 0, 4])
     np.testing.assert_allclose(weights_for("samples", b), [1 / 8, 3 / 8, 0, 4 / 8])
     np.testing.assert_allclose(weights_for("sizes", b, np.array([2.0, 2.0, 0.0, 4.0])), [.25, .25, 0, .5])
+    # no data anywhere (a step of empty sequences): weighed by samples, not 0/0
+    np.testing.assert_allclose(weights_for("sizes", b, np.zeros(4)), [1 / 8, 3 / 8, 0, 4 / 8])
     # "none": the plain mean over the ranks that had samples (an idle rank's gradient is of nothing)
     np.testing.assert_allclose(weights_for("none", b), [1 / 3, 1 / 3, 0, 1 / 3])
     np.testing.assert_allclose(weights_for("none", np.array([6, 0, 2])), [0.5, 0, 0.5])

@@ -116,6 +116,8 @@ def grad_worker(rank, world, weighting, sizes, options, dtype_name, steps):
         if options.get("find_unused_parameters"):
             out = out.detach().requires_grad_() * 0 + net[2](torch.tanh(net[0](xb)))  # same graph
         loss = _loss(out, yb, use_tokens.to(dtype))  # an idle rank's loss is NaN
+        if "loss_dtype" in options:  # e.g. an autocast loss in bfloat16
+            loss = loss.to(getattr(torch, options["loss_dtype"]))
         if options.get("bal_backward"):
             bal.backward(loss)
         else:
@@ -191,6 +193,16 @@ def test_bal_backward_weights_the_loss_to_the_same_gradient(world, weighting, op
         assert r["transport"] == options["transport"]
         assert max(r["errs"]) < 1e-12, r["errs"]
         assert r["scaled"] == [0] * 4, r["scaled"]
+
+
+def test_bal_backward_with_a_low_precision_loss_lets_the_hook_weigh():
+    # A bfloat16 loss would round the weight 3/10 to 8 bits (0.30078125, a 0.26 % bias of this
+    # rank's share); the hook weighs instead, exactly, and the cast's backward is exact.
+    res = unwrap(run(grad_worker, 2, "samples", [3, 7],
+                     {"bal_backward": True, "set_to_none": True, "loss_dtype": "bfloat16"}, "float64", 2))
+    for r in res:
+        assert max(r["errs"]) < 1e-12, r["errs"]
+        assert all(n > 0 for n in r["scaled"]), r["scaled"]
 
 
 def test_bal_backward_with_gradients_already_there_lets_the_hook_weigh():

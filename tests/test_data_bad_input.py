@@ -100,12 +100,9 @@ def test_sizes_changed_in_place_later_do_not_reach_the_loader():
         loader.sample_sizes[0] = 7.0
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "weighting='sizes' with a step whose samples all have size 0 (legal sizes): "
-    "hetlb.aggregate.weights_for raises 'the step has no samples/data on any rank' when the step "
-    "is handed out, so training stops on a valid dataset (fix belongs in aggregate.py/balancer.py: "
-    "e.g. weigh such a step by samples, or refuse zero sizes with weighting='sizes' at bind time)"))
 def test_a_step_of_only_zero_size_samples_under_size_weighting():
+    """weighting='sizes' with a step whose samples all have size 0 (legal sizes): the step is
+    weighed by samples (0/0 has no answer) and training goes on over every sample."""
     model = torch.nn.Linear(1, 1).double()
     bal = hetlb.Balancer(model, 2, policy=hetlb.Uniform(), weighting="sizes")
     loader = bal.loader(Indices(4), sample_sizes=[0.0, 0.0, 1.0, 1.0], shuffle=False)

@@ -305,6 +305,7 @@ def test_bad_arguments_name_the_argument_and_value():
         (dict(max_batch=3), "max_batch", "3"),
         (dict(data_size=0), "data_size", "0"),
         (dict(emulator="fast"), "emulator", "fast"),
+        (dict(watchdog=120), "watchdog", "120"),
     ]
     for kw, name, shown in cases:
         args = dict(local_steps=2, batch=8)

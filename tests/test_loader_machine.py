@@ -200,10 +200,6 @@ class LoaderMachine(RuleBasedStateMachine):
         self.sizes = np.where(rng.random(n) < 0.1, 0.0, rng.integers(1, 50, n).astype(np.float64)) \
             if sized else None
         self.rules = rules and sized
-        if self.real and self.rules and self.sizes is not None:
-            # weighting="sizes" cannot weigh a step of only zero-size samples (0/0): see
-            # test_data_bad_input.py's xfail; the emulated ranks keep the zeros.
-            self.sizes = np.maximum(self.sizes, 1.0)
         self.committed = {}  # epoch -> samples committed (trained by steps that count)
         self.checkpoints = []  # (state bytes, committed then, world)
         self.build(world)

@@ -110,3 +110,71 @@ def test_the_watchdog_names_a_stuck_peer_long_before_the_collective_timeout():
         assert status == "ok" and text is not None, out[r]
         assert f"rank {r} made no progress for" in text and "at step 3 (sent)" in text, text
         assert "behind (alive, not progressing): rank 2 (" in text and "at step 3 (compute)" in text, text
+
+
+def _stuck_delayed_peer(rank, world):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    dog = hetlb.Watchdog(stall=2.0, interval=0.25, action="log")
+    ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.01), reference_batch=4,
+                           batches_per_iteration=2, watchdog=dog)
+    data = torch.utils.data.TensorDataset(torch.randn(240, 4), torch.randn(240, 1))
+    t0 = time.monotonic()
+    try:
+        for i, (x, y) in enumerate(ds.loader(data, shuffle=False)):
+            if rank == 2 and i == 5:  # 2 iterations sent (i=4: the probe round's empty batch)
+                while dog.diagnosis is None and time.monotonic() - t0 < 60:
+                    time.sleep(0.1)
+                time.sleep(1.0)
+                os._exit(4)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            ds.step()
+    except Exception:  # noqa: BLE001 (the all-reduce fails once rank 2 is gone)
+        pass
+    ds.close()
+    return dog.diagnosis
+
+
+def test_the_watchdog_names_a_stuck_delayed_sync_peer():
+    # DelayedSync's ranks wait on an iteration's all-reduce, not a step's: the diagnosis names
+    # the rank at the lowest iteration (its "step"), still computing.
+    out = run(_stuck_delayed_peer, 3, may_die=(2,), timeout=120)
+    for r in (0, 1):
+        status, text = out[r]
+        assert status == "ok" and text is not None, out[r]
+        assert f"rank {r} made no progress for" in text and "at step 3 (sent)" in text, text
+        assert "behind (alive, not progressing): rank 2 (" in text and "at step 2 (compute)" in text, text
+
+
+def _stuck_federated_client(rank, world):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    dog = hetlb.Watchdog(stall=2.0, interval=0.25, action="log")
+    fl = hetlb.sync.Federated(net, torch.optim.SGD(net.parameters(), lr=0.01), local_steps=3,
+                              batch=4, watchdog=dog)
+    data = torch.utils.data.TensorDataset(torch.randn(240, 4), torch.randn(240, 1))
+    t0 = time.monotonic()
+    try:
+        for i, (x, y) in enumerate(fl.loader(data)):
+            if rank == 2 and i == 4:  # round 1's second local step
+                while dog.diagnosis is None and time.monotonic() - t0 < 60:
+                    time.sleep(0.1)
+                time.sleep(1.0)
+                os._exit(4)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            fl.step()
+            if fl.round == 3:
+                break
+    except Exception:  # noqa: BLE001 (the average fails once rank 2 is gone)
+        pass
+    fl.close()
+    return dog.diagnosis
+
+
+def test_the_watchdog_names_a_stuck_federated_client():
+    out = run(_stuck_federated_client, 3, may_die=(2,), timeout=120)
+    for r in (0, 1):
+        status, text = out[r]
+        assert status == "ok" and text is not None, out[r]
+        assert f"rank {r} made no progress for" in text and "at step 1 (sent)" in text, text
+        assert "behind (alive, not progressing): rank 2 (" in text and "at step 1 (compute)" in text, text

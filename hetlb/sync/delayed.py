@@ -52,6 +52,7 @@ from ..checks import choice, instance, integer, number
 from ..data import BalancedLoader
 from ..emulate import sleep_until
 from ..plan import PlanBoard, StreamPlan
+from ..watchdog import COMPUTING, WAITING, Watchdog
 
 __all__ = ["DelayedSync", "IterationRecord"]
 
@@ -138,6 +139,12 @@ class DelayedSync:
             a ``bandwidth`` it also emulates the link: an all-reduce's result is there
             ``nbytes / bandwidth`` seconds after the collective completed (``history[i].link``
             and ``wait`` then show how much of it was hidden behind computation).
+        watchdog: a :class:`hetlb.Watchdog` (one per DelayedSync): heartbeats to the group's
+            store, so a rank blocked on an iteration's all-reduce (or the epoch's start) for
+            ``stall`` seconds while no rank makes progress names the rank behind (the lowest
+            iteration: its "step" in the diagnosis) instead of waiting for the collective's
+            timeout, and by default exits for torchrun to restart the job. Every reference
+            batch counts as progress. Call :meth:`close` when training ends.
 
     Gradients accumulate and travel in float32 buffers (float64 when a parameter is float64), so
     bf16 parameters are fine and the integer batch counts ride exactly.
@@ -146,7 +153,8 @@ class DelayedSync:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reference_batch: int,
                  lam: float = 0.5, weighting: str = "samples", group: Any = None, *,
                  batches_per_iteration: Optional[int] = None, emulator: Any = None,
-                 probe_batches: int = 4, scale_lr: bool = False) -> None:
+                 probe_batches: int = 4, scale_lr: bool = False,
+                 watchdog: Optional[Watchdog] = None) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("DelayedSync takes the plain module, not DDP: it all-reduces the "
                              "gradients itself (pass ddp.module, or do not wrap the model)")
@@ -156,6 +164,8 @@ class DelayedSync:
         if emulator is not None:
             from ..emulate import Emulator
             instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
+        if watchdog is not None:
+            instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
         self.model, self.optimizer = model, optimizer
         self.reference_batch = integer(reference_batch, "reference_batch", 1)
         self.lam = number(lam, "lam", minimum=0.0)
@@ -196,6 +206,10 @@ class DelayedSync:
         self.board: Optional[PlanBoard] = None
         self._loader: Optional[BalancedLoader] = None
         self._used = 0  # samples of this rank's shard trained this epoch
+        self.watchdog = watchdog
+        if watchdog is not None and on:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+            watchdog.attach(dist.get_rank(), ranks, dist.distributed_c10d._get_default_store())
 
     # ------------------------------------------------------------------ the loop
 
@@ -216,6 +230,7 @@ class DelayedSync:
             self.board.current = None
             applied = self._advance(wait=True, force=True)
             self._mark = time.perf_counter()
+            self._beat(None)
             return applied
         m = integer(batch_size if batch_size is not None else (plan.count if plan else self.reference_batch),
                     "batch_size", 1)
@@ -238,7 +253,16 @@ class DelayedSync:
             self.board.current = None
         applied = self._advance(wait=self.fixed is not None and self._count >= self.fixed)
         self._mark = time.perf_counter()
+        self._beat(None)
         return applied
+
+    def _beat(self, stage: Any) -> None:
+        """Tell the watchdog where this rank is: ``None`` between reference batches, else
+        :data:`hetlb.watchdog.COMPUTING` or :data:`hetlb.watchdog.WAITING` (at an all-reduce or barrier)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(self.iteration, stage)
+            if stage is None:
+                self.watchdog.touch()  # a reference batch trained: progress within the iteration
 
     def _advance(self, wait: bool, force: bool = False) -> bool:
         """End the iteration if its all-reduce has completed (or ``wait``): update, then send
@@ -259,6 +283,8 @@ class DelayedSync:
         (an iteration in which no rank had samples applies none)."""
         flight = self._flight
         buf, it = flight.buf, flight.iteration
+        if self.watchdog is not None and not flight.ready():
+            self._beat(WAITING)
         t = time.perf_counter()
         self._link += flight.wait()
         self._waited += time.perf_counter() - t
@@ -395,7 +421,9 @@ class DelayedSync:
     # the loader's hooks (see hetlb.data._Iteration)
     def _iteration_starts(self) -> None:
         if self.world > 1 and self._flight is None:
+            self._beat(WAITING)
             dist.barrier(group=self.group)  # start the epoch together: no rank's shard runs ahead
+            self._beat(None)
         b = self.board
         if b.stream_finished():  # iterated again without set_epoch: the next epoch
             b._new_epoch(b.epoch + 1)
@@ -419,6 +447,7 @@ class DelayedSync:
 
     def _handed(self, plan: StreamPlan) -> None:
         self._mark = time.perf_counter()
+        self._beat(COMPUTING)
 
     def _drain(self) -> Optional[str]:
         """This rank's shard is used up. ``"empty"``: hand out an empty batch, whose :meth:`step`
@@ -436,7 +465,15 @@ class DelayedSync:
             self._post_round()
             return "round"
         b.current = StreamPlan(b.epoch, int(b.shards[self.rank]), 0, 0.0)
+        self._mark = time.perf_counter()
+        self._beat(COMPUTING)  # an empty reference batch is one too: its step joins an iteration
         return "empty"
+
+    def close(self) -> None:
+        """Stop the watchdog's heartbeat (training ended); nothing else to do without one.
+        Call :meth:`flush` first to apply what is accumulated."""
+        if self.watchdog is not None:
+            self.watchdog.close()
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -66,6 +66,7 @@ from ..checks import choice, flag, instance, integer, number, optional_integer
 from ..policies.predictors import EMA
 from ..solve import allocate_proportional
 from ..telemetry import StepRecord
+from ..watchdog import COMPUTING, WAITING, Watchdog
 
 __all__ = ["Federated", "RoundRecord", "ClientLoader", "classes_split", "dirichlet_split"]
 
@@ -140,6 +141,11 @@ class Federated:
             come through :meth:`loader`.
         emulator: an :class:`hetlb.emulate.Emulator` stretching each local step to an emulated
             client's time (benchmarks, tests).
+        watchdog: a :class:`hetlb.Watchdog`: a client blocked in the round's average while no
+            client makes progress for ``stall`` seconds names the client behind (an earlier
+            round, or still training the same one) instead of waiting for the collective's
+            timeout, and by default exits for torchrun to restart the job. Every local step
+            counts as progress. Call :meth:`close` when training ends.
 
     Attributes:
         round: rounds completed (averages done).
@@ -149,7 +155,8 @@ class Federated:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, local_steps: int,
                  batch: int, *, tune: bool = True, average: str = "equal", alpha: float = 0.2,
                  min_batch: int = 1, max_batch: Optional[int] = None, group: Any = None,
-                 data_size: Optional[int] = None, emulator: Any = None) -> None:
+                 data_size: Optional[int] = None, emulator: Any = None,
+                 watchdog: Optional[Watchdog] = None) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("Federated takes the plain module, not DDP: clients train locally and "
                              "average the model once per round (pass ddp.module)")
@@ -172,6 +179,8 @@ class Federated:
             from ..emulate import Emulator
             instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
         self.emulator = emulator
+        if watchdog is not None:
+            instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
         self.model, self.optimizer, self.group = model, optimizer, group
         on = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if on else 1
@@ -195,6 +204,10 @@ class Federated:
         self._loader: Optional[ClientLoader] = None
         self._pending_loader: Optional[Dict[str, Any]] = None
         self.restart_clock()
+        self.watchdog = watchdog
+        if watchdog is not None and on:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+            watchdog.attach(dist.get_rank(), ranks, dist.distributed_c10d._get_default_store())
 
     # ------------------------------------------------------------------ the loop
 
@@ -225,6 +238,9 @@ class Federated:
         self._in_round += 1
         now = time.perf_counter()
         self._step_start = now
+        if self.watchdog is not None:
+            self.watchdog.beat(self.round, None)  # between local steps
+            self.watchdog.touch()  # a local step done: progress within the round
         if self._in_round < self.local_steps:
             return False
         compute = self._compute + (now - self._round_start)
@@ -257,6 +273,8 @@ class Federated:
                                    dtype=self.dtype))
         t0 = time.perf_counter()
         if self._distributed:
+            if self.watchdog is not None:
+                self.watchdog.beat(self.round, WAITING)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
         sync = time.perf_counter() - t0
         table = buf[n:].double().cpu().numpy().reshape(self.world, k)
@@ -290,6 +308,13 @@ class Federated:
         self._in_round = 0
         self._compute = 0.0
         self.restart_clock()
+        if self.watchdog is not None:
+            self.watchdog.beat(self.round, None)
+
+    def close(self) -> None:
+        """Stop the watchdog's heartbeat (training ended); nothing to do without one."""
+        if self.watchdog is not None:
+            self.watchdog.close()
 
     # ------------------------------------------------------------------ data
 
@@ -419,6 +444,8 @@ class ClientLoader:
     def __next__(self) -> Any:
         if self.fl._in_round == 0:
             self.fl.restart_clock()
+        if self.fl.watchdog is not None:
+            self.fl.watchdog.beat(self.fl.round, COMPUTING)
         idx = self.take(self.fl.batch_size)
         if self._tensors is not None:
             t = torch.from_numpy(idx)

@@ -399,12 +399,6 @@ class ParameterServer:
         self._started = True
         self.log.append({"kind": "start", "sizes": self.sizes.tolist(), "time": time.time()})
 
-    def _busy(self) -> np.ndarray:
-        b = np.zeros(self.workers, bool)
-        for w in self._out:
-            b[w] = True
-        return b
-
     def _sync(self) -> bool:
         if not self._pending:
             return False
@@ -412,7 +406,7 @@ class ParameterServer:
             w = next(iter(self._pending))
             self._apply([w], "async")
             return True
-        busy = int(self._busy().sum())
+        busy = len(self._out)  # workers holding a batch
         could = len(self._pending) + busy
         if self.limited < self.m:
             need = min(self.l, could)
