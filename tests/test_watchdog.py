@@ -7,12 +7,13 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetlb
 from hetlb.watchdog import describe
 
-from distributed import run
+from distributed import run, unwrap
 
 
 def beat(step, stage, progress, at, host="h", pid=1):
@@ -178,3 +179,37 @@ def test_the_watchdog_names_a_stuck_federated_client():
         assert status == "ok" and text is not None, out[r]
         assert f"rank {r} made no progress for" in text and "at step 1 (sent)" in text, text
         assert "behind (alive, not progressing): rank 2 (" in text and "at step 1 (compute)" in text, text
+
+
+def _idle_after_training(rank, world):
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    out = []
+    net = torch.nn.Linear(4, 1)
+    dog = hetlb.Watchdog(stall=1.0, interval=0.25, action="log")
+    ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.01), reference_batch=4,
+                           batches_per_iteration=2, watchdog=dog)
+    for x, y in ds.loader(data):
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        ds.step()
+    ds.flush()
+    time.sleep(2.5)  # the script's own work after training (evaluating, saving): not a stall
+    out.append(dog.diagnosis)
+    ds.close()
+    dist.barrier()
+    dog = hetlb.Watchdog(stall=1.0, interval=0.25, action="log")
+    fl = hetlb.sync.Federated(net, torch.optim.SGD(net.parameters(), lr=0.01), local_steps=2,
+                              batch=4, watchdog=dog)
+    for x, y in fl.loader(data):
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        if fl.step() and fl.round == 3:
+            break
+    time.sleep(2.5)
+    out.append(dog.diagnosis)
+    fl.close()
+    return out
+
+
+def test_no_stall_is_reported_after_delayed_sync_or_federated_training_ends():
+    for r in unwrap(run(_idle_after_training, 2, timeout=120)):
+        assert r == [None, None], r

@@ -283,10 +283,13 @@ class DelayedSync:
         (an iteration in which no rank had samples applies none)."""
         flight = self._flight
         buf, it = flight.buf, flight.iteration
-        if self.watchdog is not None and not flight.ready():
+        waiting = self.watchdog is not None and not flight.ready()
+        if waiting:
             self._beat(WAITING)
         t = time.perf_counter()
         self._link += flight.wait()
+        if waiting:  # back outside: flush() and state_dict() return to the script's own work
+            self._beat(None)
         self._waited += time.perf_counter() - t
         self._flight = None
         n = buf.numel() - self.world * len(ROW)
