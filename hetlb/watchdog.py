@@ -7,12 +7,13 @@ then fail with an error that does not say which worker it was.
 
 :class:`Watchdog`, given to a :class:`hetlb.Balancer`, :class:`hetlb.DelayedSync` or
 :class:`hetlb.sync.Federated` (``watchdog=``; for the last two a "step" is an iteration or a
-round), runs one daemon thread per worker that publishes a heartbeat to the process group's store every ``interval`` seconds: the
-worker's step, how far into it (``data``: waiting for its batch; ``compute``: forward/backward;
-``sent``: its gradient handed to the all-reduce, i.e. waiting for the others), when it last made
-progress, its host and pid. When this worker has waited inside a step for ``stall`` seconds (a
-collective timeout much shorter than torch's) and no other worker has made progress in that time
-either, the thread reads every heartbeat and names the worker(s) holding the job up:
+round), runs one daemon thread per worker that publishes a heartbeat to the process group's store
+every ``interval`` seconds: the worker's step, how far into it (``data``: waiting for its batch;
+``compute``: forward/backward; ``sent``: its gradient handed to the all-reduce, i.e. waiting for
+the others), when it last made progress, its host and pid. When this worker has waited inside a
+step for ``stall`` seconds (a collective timeout much shorter than torch's) and no other worker has
+made progress in that time either, the thread reads every heartbeat and names the worker(s) holding
+the job up:
 
 - a worker whose heartbeat stopped (its process is gone or frozen, or its node is lost);
 - else the workers furthest behind (a lower step, or the same step at an earlier stage: a worker
