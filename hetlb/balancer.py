@@ -394,8 +394,7 @@ class Balancer:
         if loader is not None:
             self._bind(loader)
         if watchdog is not None and self.distributed:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
-            watchdog.attach(dist.get_rank(), ranks, dist.distributed_c10d._get_default_store())
+            watchdog.attach_to(group)
 
     # ------------------------------------------------------------------ setup
 

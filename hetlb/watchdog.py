@@ -122,6 +122,14 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="hetlb-watchdog", daemon=True)
         self._thread.start()
 
+    def attach_to(self, group: Any = None) -> None:
+        """:meth:`attach` to this process among the ranks of ``group`` (None: the default group)
+        of the initialised torch.distributed job, through the job's default store. Called by the
+        Balancer, DelayedSync and Federated."""
+        import torch.distributed as dist
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.attach(dist.get_rank(), ranks, dist.distributed_c10d._get_default_store())
+
     def beat(self, step: int, telemetry: Any = None) -> None:
         """Progress: step ``step`` is open with ``telemetry`` (its compute is running), or with
         None, waiting for its batch."""

@@ -83,23 +83,32 @@ def test_a_dead_peer_fails_the_collective_not_the_checks(transport, native):
         assert "Connection" in msg or "peer" in msg, out[r]
 
 
+def _until_stuck(rank, batches, stuck_at, train, dog):
+    """Train on ``batches`` with ``train(x, y)`` (True: stop); rank 2 stops at batch ``stuck_at``
+    and stays stuck until its own watchdog has spoken, then dies. The other ranks' collective
+    fails once it is gone, which ends their loop."""
+    t0 = time.monotonic()
+    try:
+        for i, (x, y) in enumerate(batches):
+            if rank == 2 and i == stuck_at:
+                while dog.diagnosis is None and time.monotonic() - t0 < 60:
+                    time.sleep(0.1)
+                time.sleep(1.0)
+                os._exit(4)
+            if train(x, y):
+                break
+    except Exception:  # noqa: BLE001 (the collective fails once rank 2 is gone)
+        pass
+
+
 def _stuck_peer(rank, world):
     torch.manual_seed(0)
     net = DDP(torch.nn.Linear(4, 1))
     dog = hetlb.Watchdog(stall=2.0, interval=0.25, action="log")
     bal = hetlb.Balancer(net, 12, policy=hetlb.Uniform(), watchdog=dog)
     data = torch.utils.data.TensorDataset(torch.randn(120, 4), torch.randn(120, 1))
-    t0 = time.monotonic()
-    try:
-        for i, (x, y) in enumerate(bal.loader(data)):
-            if rank == 2 and i == 3:
-                while dog.diagnosis is None and time.monotonic() - t0 < 60:
-                    time.sleep(0.1)  # stuck until its own watchdog has spoken
-                time.sleep(1.0)
-                os._exit(4)
-            torch.nn.functional.mse_loss(net(x), y).backward()
-    except Exception:  # noqa: BLE001 (the collective fails once rank 2 is gone)
-        pass
+    _until_stuck(rank, bal.loader(data), 3,
+                 lambda x, y: torch.nn.functional.mse_loss(net(x), y).backward(), dog)
     bal.close()
     return dog.diagnosis
 
@@ -120,18 +129,12 @@ def _stuck_delayed_peer(rank, world):
     ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.01), reference_batch=4,
                            batches_per_iteration=2, watchdog=dog)
     data = torch.utils.data.TensorDataset(torch.randn(240, 4), torch.randn(240, 1))
-    t0 = time.monotonic()
-    try:
-        for i, (x, y) in enumerate(ds.loader(data, shuffle=False)):
-            if rank == 2 and i == 5:  # 2 iterations sent (i=4: the probe round's empty batch)
-                while dog.diagnosis is None and time.monotonic() - t0 < 60:
-                    time.sleep(0.1)
-                time.sleep(1.0)
-                os._exit(4)
-            torch.nn.functional.mse_loss(net(x), y).backward()
-            ds.step()
-    except Exception:  # noqa: BLE001 (the all-reduce fails once rank 2 is gone)
-        pass
+
+    def train(x, y):
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        ds.step()
+    # Batch 5: 2 iterations sent (batch 4 is the probe round's empty batch).
+    _until_stuck(rank, ds.loader(data, shuffle=False), 5, train, dog)
     ds.close()
     return dog.diagnosis
 
@@ -154,20 +157,12 @@ def _stuck_federated_client(rank, world):
     fl = hetlb.sync.Federated(net, torch.optim.SGD(net.parameters(), lr=0.01), local_steps=3,
                               batch=4, watchdog=dog)
     data = torch.utils.data.TensorDataset(torch.randn(240, 4), torch.randn(240, 1))
-    t0 = time.monotonic()
-    try:
-        for i, (x, y) in enumerate(fl.loader(data)):
-            if rank == 2 and i == 4:  # round 1's second local step
-                while dog.diagnosis is None and time.monotonic() - t0 < 60:
-                    time.sleep(0.1)
-                time.sleep(1.0)
-                os._exit(4)
-            torch.nn.functional.mse_loss(net(x), y).backward()
-            fl.step()
-            if fl.round == 3:
-                break
-    except Exception:  # noqa: BLE001 (the average fails once rank 2 is gone)
-        pass
+
+    def train(x, y):
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        fl.step()
+        return fl.round == 3
+    _until_stuck(rank, fl.loader(data), 4, train, dog)  # batch 4: round 1's second local step
     fl.close()
     return dog.diagnosis
 

@@ -208,8 +208,7 @@ class DelayedSync:
         self._used = 0  # samples of this rank's shard trained this epoch
         self.watchdog = watchdog
         if watchdog is not None and on:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
-            watchdog.attach(dist.get_rank(), ranks, dist.distributed_c10d._get_default_store())
+            watchdog.attach_to(group)
 
     # ------------------------------------------------------------------ the loop
 
