@@ -29,6 +29,18 @@ which round-level interleaving leaves in. A round is then a block of ``--steps``
 reported is the median over rounds of each round's median per-turn ratio, with min and max. (The
 variants share the caches: every step starts after another model's, alike for all.)
 
+``side@first`` and ``side+backward@first`` issue the side transport's table before the last
+bucket's all-reduce, as hetlb did before session 12 (now: once that all-reduce is done).
+
+A variant named ``NAME#2`` (any suffix after ``#``) is a second copy of ``NAME``: ``plain#2``
+beside ``plain`` is an A/A comparison, the resolution of the run. In step-interleaved mode a
+second table splits every variant's step into its phases (the loader's next batch, forward,
+backward, the optimizer's step), as medians and as what each adds to plain DDP's.
+
+``--latency`` times one small all-reduce (the telemetry row: 9 float64) between the ranks, back
+to back and right after a burst of compute, on the default group and on a second Gloo group: what
+any collective beyond DDP's own buckets costs on the machine.
+
 ``--instructions`` measures the work instead of the time, which a noisy machine cannot disturb:
 every run has both ranks under valgrind's callgrind (every thread counted, Gloo's included), twice
 (``--steps`` and 4 steps), and the difference is the instructions of the extra steps. What a
@@ -75,6 +87,8 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
     dataset of ``steps`` global batches."""
     import hetlb
     from torch.nn.parallel import DistributedDataParallel as DDP
+    variant = variant.partition("#")[0]  # "plain#2": a second copy (an A/A comparison)
+    variant, _, flag = variant.partition("@")
     inp = MODELS[model_name][0]
     n = args.global_batch * steps
     g = torch.Generator().manual_seed(1)
@@ -94,6 +108,8 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
         kw = {"transport": transport} if new_api else {}
         bal = hetlb.Balancer(ddp, args.global_batch, policy=hetlb.Uniform(), **kw)
         loader = bal.loader(ds, seed=1)
+        if flag == "first":  # the side table issued before the last bucket's all-reduce (as before session 12)
+            bal.telemetry.core.side_first = True
     backward = bal.backward if variant.endswith("+backward") else torch.Tensor.backward
     return ddp, opt, loader, bal, backward
 
@@ -128,10 +144,11 @@ def endless(loader, sampler=None):
         epoch += 1
 
 
-def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Dict[str, List[float]]:
+def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Dict[str, List[tuple]]:
     """Every variant side by side in one process group, one step each in turn (the order rotated
     every step): neighbouring steps of two variants see the same machine, so the ratio of their
-    times is not disturbed by drifts slower than a step. Returns each variant's step times."""
+    times is not disturbed by drifts slower than a step. Returns each variant's steps as (step,
+    next batch, forward, backward, optimizer) times."""
     import hetlb
     if not hasattr(hetlb, "DataLoader"):
         raise SystemExit("--interleave step needs a hetlb whose loader ends steps itself")
@@ -141,7 +158,7 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
         ddp, opt, loader, bal, backward = setup_variant(v, model_name, args, world, per_epoch)
         sampler = loader.sampler if bal is None else None
         runs[v] = (ddp, opt, endless(loader, sampler), backward)
-    times: Dict[str, List[float]] = {v: [] for v in args.variants}
+    times: Dict[str, List[tuple]] = {v: [] for v in args.variants}
     total = args.warmup + args.rounds * args.steps
     order = list(args.variants)
     for step in range(total):
@@ -150,11 +167,38 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
             ddp, opt, it, backward = runs[v]
             t = time.perf_counter()
             x, y = next(it)
-            backward(torch.nn.functional.cross_entropy(ddp(x), y))
+            t1 = time.perf_counter()
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            t2 = time.perf_counter()
+            backward(loss)
+            t3 = time.perf_counter()
             opt.step()
             opt.zero_grad()
-            times[v].append(time.perf_counter() - t)
+            t4 = time.perf_counter()
+            times[v].append((t4 - t, t1 - t, t2 - t1, t3 - t2, t4 - t3))
     return {v: t[args.warmup:] for v, t in times.items()}
+
+
+def latency(rank: int, world: int, args: argparse.Namespace) -> Dict[str, float]:
+    """Median seconds of one all-reduce of a 9-float64 row: back to back and after ~10 ms of
+    compute (the threads that carry it have slept), on the default group and a second group."""
+    side = dist.new_group(backend="gloo")
+    row = torch.zeros(9, dtype=torch.float64)
+    x0 = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, group in (("default group", None), ("a second group", side)):
+        for after in (False, True):
+            ts = []
+            for _ in range(args.steps):
+                if after:
+                    x = x0
+                    for _ in range(30):
+                        x = torch.tanh(x @ x0)
+                t = time.perf_counter()
+                dist.all_reduce(row, group=group)
+                ts.append(time.perf_counter() - t)
+            out[f"{name}, {'after compute (skew included)' if after else 'back to back'}"] = statistics.median(ts[args.warmup:])
+    return out
 
 
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: List[tuple], out: str) -> None:
@@ -168,11 +212,14 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: Li
                             timeout=datetime.timedelta(seconds=300))
     results = []
     try:
-        if args.interleave == "step":
+        if args.latency:
+            dist.barrier()
+            results.append(latency(rank, world, args))
+        elif args.interleave == "step":
             for model_name in args.model:
                 dist.barrier()
                 results.append((model_name, run_interleaved(model_name, args, world)))
-        for model_name, rnd, variant in ([] if args.interleave == "step" else jobs):
+        for model_name, rnd, variant in ([] if args.interleave == "step" or args.latency else jobs):
             dist.barrier()
             results.append((model_name, rnd, variant, run_variant(variant, model_name, args, rank, world)))
     finally:
@@ -271,19 +318,34 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
              "round the median of those; median, min and max over rounds. Rank 0's loop.", "",
              "| model | variant | step (ms) | ratio: median | min | max | mean of all steps |",
              "|---|---|---:|---:|---:|---:|---:|"]
+    phases = ["| model | variant | next batch | forward | backward | optimizer | step |",
+              "|---|---|---:|---:|---:|---:|---:|"]
     for m, times in res:
-        plain = times["plain"]
+        plain = [s[0] for s in times["plain"]]
+        base = [statistics.median(s[i] for s in times["plain"]) for i in range(5)]
         lines.append(f"| {m} | plain DDP | {1e3 * statistics.median(plain):.2f} | 1 | | | |")
         for v in args.variants:
+            med = [statistics.median(s[i] for s in times[v]) for i in range(5)]
+            cells = [f"{1e3 * med[i]:.2f}" if v == "plain" else f"{1e3 * med[i]:.2f} ({1e3 * (med[i] - base[i]):+.2f})"
+                     for i in (1, 2, 3, 4, 0)]
+            phases.append(f"| {m} | {variant_name(v)} | " + " | ".join(cells) + " |")
             if v == "plain":
                 continue
-            t = times[v]
+            t = [s[0] for s in times[v]]
             ratios = [a / b for a, b in zip(t, plain)]
             rounds = [statistics.median(ratios[i:i + args.steps]) for i in range(0, len(ratios), args.steps)]
-            name = "DDP + torch allreduce_hook" if v == "torchhook" else f"hetlb {v}"
-            lines.append(f"| {m} | {name} | {1e3 * statistics.median(t):.2f} | **{statistics.median(rounds):.4f}** | "
+            lines.append(f"| {m} | {variant_name(v)} | {1e3 * statistics.median(t):.2f} | **{statistics.median(rounds):.4f}** | "
                          f"{min(rounds):.4f} | {max(rounds):.4f} | {sum(t) / sum(plain):.4f} |")
-    return lines
+    return lines + ["", "Phases: median milliseconds of each phase of a step (rank 0), and in brackets what it "
+                    "adds to plain DDP's median of the same phase. The medians of the phases need not sum "
+                    "to the median step.", ""] + phases
+
+
+def variant_name(v: str) -> str:
+    """The table's name of a variant."""
+    name, _, copy = v.partition("#")
+    name = {"plain": "plain DDP", "torchhook": "DDP + torch allreduce_hook"}.get(name, f"hetlb {name}")
+    return f"{name} (copy {copy})" if copy else name
 
 
 def main() -> None:
@@ -308,6 +370,8 @@ def main() -> None:
     p.add_argument("--main-thread", action="store_true",
                    help="with --instructions: count the main thread only (communication threads "
                         "poll, so their counts vary from run to run)")
+    p.add_argument("--latency", action="store_true",
+                   help="time one small all-reduce (the telemetry row) between the ranks instead")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--store", default=None, help=argparse.SUPPRESS)
@@ -327,6 +391,11 @@ def main() -> None:
         out = os.path.join(tmp, "r.pt")
         mp.spawn(worker, args=(args.world, os.path.join(tmp, "store"), args, jobs, out), nprocs=args.world, join=True)
         res = torch.load(out)
+    if args.latency:
+        return emit([f"### One all-reduce of 9 float64 between {args.world} Gloo ranks{', pinned' if args.pin else ''} "
+                     f"(median of {args.steps - args.warmup})", "",
+                     "| group | when | microseconds |", "|---|---|---:|"] +
+                    [f"| {k.split(', ')[0]} | {k.split(', ')[1]} | {1e6 * v:.0f} |" for k, v in res[0].items()], args.out)
     if args.interleave == "step":
         return emit(interleaved_table(args, res), args.out)
     wall: Dict[tuple, float] = {(m, r, v): t[0] for m, r, v, t in res}

@@ -18,9 +18,14 @@
 //          persistent buffer (the scaled gradient is written into it in the pass that would
 //          otherwise scale the bucket; DDP copies the result out of it), so the gradient's own
 //          all-reduce delivers the table;
-//   side:  a separate small float64 all-reduce issued just before the last bucket's (so it
-//          does not queue behind that transfer), on the gradient group (Gloo) or a Gloo side
-//          group (NCCL); the step's end waits for it, normally long done.
+//   side:  a separate small float64 all-reduce on a Gloo side group. Under Gloo it is issued
+//          when the last bucket's all-reduce has finished (from that bucket's continuation):
+//          issued beside the gradient's transfer, its thread competed with that transfer for
+//          the core and cost a few per cent of the step on CPU (bench/RESULTS.md, session 12).
+//          Under NCCL (the gradient on the device, nothing to compete with), when the side
+//          group is the gradient group, or with `side_first` (the earlier behaviour, kept for
+//          bench/bench_overhead.py's side-by-side comparison) it is issued just before the last
+//          bucket's. The step's end waits for it, normally long done.
 //
 // Nothing here holds a Python object, and every collective is issued with the thread's Python
 // objects (torch stashes a contextvars context in thread-local state during backward) cleared:
@@ -28,7 +33,8 @@
 // thread, and a captured Python object would make that thread take the GIL. At teardown the
 // main thread holds the GIL while the process group's destructor joins the Gloo threads, so such
 // a work could deadlock the exit. Continuations capture only a small table slot (never the
-// core), so a Gloo thread never drops the last reference to anything that owns a process group.
+// core) and a weak reference to the side group, so a Gloo thread never keeps alive anything
+// that owns a process group.
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -150,12 +156,28 @@ class DeviceClock {
   std::optional<c10::Event> start_, prev_start_, prev_end_;
 };
 
-// The delivered table of the carry transport, written by the all-reduce's continuation (on a
-// Gloo thread) and taken by Python after backward. Separate from StepCore so the continuation
+// What a step delivers the table with, written by an all-reduce's continuation (on a Gloo
+// thread) and taken by Python after backward: the carry transport's table, or the side
+// transport's pending all-reduce and its buffer. Separate from StepCore so the continuation
 // holds nothing else.
 struct TableSlot {
   std::mutex mu;
   at::Tensor table;
+  c10::intrusive_ptr<c10d::Work> side_work;
+  at::Tensor side_buffer;
+
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu);
+    table = at::Tensor();
+    side_work.reset();
+    side_buffer = at::Tensor();
+  }
+
+  void adopt_side(c10::intrusive_ptr<c10d::Work> work, at::Tensor buffer) {
+    std::lock_guard<std::mutex> lock(mu);
+    side_work = std::move(work);
+    side_buffer = std::move(buffer);
+  }
 };
 
 // Clears the thread's Python objects while a collective is created (see the file comment).
@@ -252,14 +274,14 @@ struct StepCore {
   // The gradient already carries the weight (Balancer.backward scaled the loss; set by Python
   // around that backward only): the hook sums without its own pass over the bucket.
   bool prescaled = false;
+  // Issue the side table before the last bucket's all-reduce even under Gloo (see the file comment).
+  bool side_first = false;
   int64_t scaled_buckets = 0;  // buckets this step the hook applied the weight to
   std::vector<at::Tensor> params;  // the model's parameters, for grads_clear()
 
   CpuLoad cpu;
   std::optional<DeviceClock> clock;
   std::shared_ptr<TableSlot> slot;
-  c10::intrusive_ptr<c10d::Work> side_work;
-  at::Tensor side_buffer;
   std::vector<std::pair<c10::ScalarType, at::Tensor>> factors;  // NCCL PREMUL_SUM, per dtype
   at::Tensor flat_;  // carry transport: the last bucket and the slots, reused every step
 
@@ -269,12 +291,7 @@ struct StepCore {
     weight = w;
     std::memcpy(row.data(), r, sizeof(double) * fields);
     offset = off;
-    {
-      std::lock_guard<std::mutex> lock(slot->mu);
-      slot->table = at::Tensor();
-    }
-    side_work.reset();
-    side_buffer = at::Tensor();
+    slot->clear();
     factors.clear();
     hold = no_progress = restarted = false;
     hold_factor = 1.0;
@@ -337,9 +354,29 @@ struct StepCore {
   }
 
   void launch_side(const c10::intrusive_ptr<c10d::ProcessGroup>& side) {
-    side_buffer = slots();
-    std::vector<at::Tensor> tensors{side_buffer};
-    side_work = side->allreduce(tensors);
+    at::Tensor buffer = slots();
+    std::vector<at::Tensor> tensors{buffer};
+    slot->adopt_side(side->allreduce(tensors), std::move(buffer));
+  }
+
+  // The side all-reduce issued once `fut` (the last bucket's all-reduce) has finished, from its
+  // continuation on the Gloo thread; the row is taken now. A failed bucket issues nothing (DDP
+  // raises, the step is dropped). The group is held weakly: whoever owns it decides its life.
+  c10::intrusive_ptr<c10::ivalue::Future> side_after(
+      c10::intrusive_ptr<c10::ivalue::Future> fut, const c10::intrusive_ptr<c10d::ProcessGroup>& side) {
+    at::Tensor buffer = slots();
+    std::shared_ptr<TableSlot> s = slot;
+    c10::weak_intrusive_ptr<c10d::ProcessGroup> weak(side);
+    return fut->then(
+        [s, buffer, weak](c10::ivalue::Future& done) -> c10::IValue {
+          c10::IValue value = done.value();
+          if (auto group = weak.lock()) {
+            std::vector<at::Tensor> tensors{buffer};
+            s->adopt_side(group->allreduce(tensors), buffer);
+          }
+          return value;
+        },
+        fut->elementType());
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> delayed(c10::intrusive_ptr<c10::ivalue::Future> fut,
@@ -375,9 +412,11 @@ struct StepCore {
     if (w == 0.0) buf.zero_();
     if (last) last_ready();
     std::vector<at::Tensor> tensors{buf};
-    // The side table goes first: a small all-reduce issued after the last bucket's would wait
-    // behind that transfer, and the end of the step waits for the table.
-    if (last && !carry) launch_side(side);
+    // Issued from a continuation, a collective on the gradient group itself could be ordered
+    // differently on two ranks against DDP's own (find_unused_parameters' all-reduce): there
+    // (and under NCCL, or when asked) the table goes first.
+    const bool table_first = side_first || nccl || side.get() == pg.get();
+    if (last && !carry && table_first) launch_side(side);
     if (nccl) {
       c10d::AllreduceOptions opts;
       if (weigh) {
@@ -432,27 +471,33 @@ struct StepCore {
       ++scaled_buckets;
     }
     auto fut = pg->allreduce(tensors)->getFuture();
+    if (last && !carry && !table_first) fut = side_after(fut, side);
     return delayed(fut, nbytes);
   }
 
   // The delivered table (waiting for the side all-reduce if one is pending), or None if nothing
   // delivered one this step. Taken once.
   std::optional<at::Tensor> take_table() {
-    if (side_work) {
-      {
-        py::gil_scoped_release nogil;
-        side_work->wait();
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor buffer;
+    {
+      std::lock_guard<std::mutex> lock(slot->mu);
+      if (!slot->side_work) {
+        if (!slot->table.defined()) return std::nullopt;
+        at::Tensor t = std::move(slot->table);
+        slot->table = at::Tensor();
+        return t;
       }
-      side_work.reset();
-      at::Tensor t = side_buffer.view({world, fields}).clone();
-      side_buffer = at::Tensor();
-      return t;
+      work = std::move(slot->side_work);
+      buffer = std::move(slot->side_buffer);
+      slot->side_work.reset();
+      slot->side_buffer = at::Tensor();
     }
-    std::lock_guard<std::mutex> lock(slot->mu);
-    if (!slot->table.defined()) return std::nullopt;
-    at::Tensor t = std::move(slot->table);
-    slot->table = at::Tensor();
-    return t;
+    {
+      py::gil_scoped_release nogil;
+      work->wait();
+    }
+    return buffer.view({world, fields}).clone();
   }
 
   // Whether no parameter holds a gradient (so a backward's result is that backward's alone).
@@ -610,8 +655,7 @@ void bind_comm_hook(py::module& m) {
             TORCH_CHECK(work != nullptr && buffer.numel() == c.world * c.fields &&
                             buffer.scalar_type() == at::kDouble,
                         "hetlb StepCore.adopt_side: need a work and its float64 [world * fields] buffer");
-            c.side_work = c10::intrusive_ptr<c10d::Work>::reclaim_copy(work);
-            c.side_buffer = buffer;
+            c.slot->adopt_side(c10::intrusive_ptr<c10d::Work>::reclaim_copy(work), buffer);
           },
           py::arg("work"), py::arg("buffer"),
           "Reference hook: a pending side all-reduce whose buffer holds the table.")
@@ -628,6 +672,10 @@ void bind_comm_hook(py::module& m) {
           py::arg("params"), "The model's parameters, whose gradients grads_clear() inspects.")
       .def("grads_clear", &StepCore::grads_clear,
            "Whether no watched parameter holds a gradient (all are None).")
+      .def_readwrite("side_first", &StepCore::side_first,
+                     "Side transport under Gloo: issue the table's all-reduce before the last "
+                     "bucket's instead of after it (the behaviour before session 12; for "
+                     "benchmarks). Kept across steps.")
       .def_readwrite("prescaled", &StepCore::prescaled,
                      "The gradient of the backward in progress already carries this rank's weight "
                      "(the loss was scaled): the hook only sums. Reset by start().")

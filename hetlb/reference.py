@@ -371,12 +371,23 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
             core.store_table(out[n:].to(torch.float64).view(core.world, core.fields).numpy())
             return out[:n]  # DDP copies the result out of the view, as for the native hook
         return fut.then(unpack)
-    if last:  # the table first, as the native hook does (same collectives, same order)
+    # The table goes with the collectives of the native hook, in the same order: before the
+    # last bucket's all-reduce on the gradient group itself (or with `side_first`), else from
+    # that all-reduce's continuation once it is done (this step's row taken now).
+    side = state.side_group if state.side_group is not None else state.group
+    first = core.side_first or side is state.group
+    if last and first:
         slots = core.slots
-        work = dist.all_reduce(slots, group=state.side_group if state.side_group is not None
-                               else state.group, async_op=True)
-        core.adopt_side(work, slots)
+        core.adopt_side(dist.all_reduce(slots, group=side, async_op=True), slots)
     if w != 0.0 and applied != 1.0:
         ref_scale_([buf], applied)
     fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    if not last or first:
+        return fut.then(lambda f: f.value()[0])
+    slots = core.slots
+
+    def then_table(f: torch.futures.Future) -> Tensor:
+        out = f.value()[0]
+        core.adopt_side(dist.all_reduce(slots, group=side, async_op=True), slots)
+        return out
+    return fut.then(then_table)

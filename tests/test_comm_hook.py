@@ -41,6 +41,8 @@ def compare_worker(rank, world, native, sizes, weighting, options, dtype_name, s
     mine = native if isinstance(native, bool) else native[rank]
     bal = hetlb.Balancer(ddp, sum(sizes), policy=Fixed(sizes), weighting=weighting, lower=0,
                          native_hook=mine, transport=transport)
+    # The side table issued before the last bucket's all-reduce instead of after it.
+    bal.telemetry.core.side_first = bool(options.get("side_first"))
     g = torch.Generator().manual_seed(7)
     n = 40
     x = torch.randn(n, 6, generator=g, dtype=torch.float64).to(dtype)
@@ -79,6 +81,7 @@ CASES = {
     "one-bucket": (2, [2, 5], "samples", {"bucket_cap_mb": 25}, "float64"),
     "bal-backward": (2, [3, 7], "samples", {"bal_backward": True}, "float64"),
     "bal-backward-idle": (3, [4, 0, 6], "sizes", {"bal_backward": True}, "float32"),
+    "side-first": (3, [4, 0, 6], "sizes", {"side_first": True}, "float64"),
 }
 
 
@@ -332,18 +335,27 @@ def test_native_hook_holds_an_emulated_step_without_python(model_based):
                 assert got[0] >= 0.02 and got[1] >= 0.04 and got[1] > 1.5 * got[0], got
 
 
+# name: (carry transport, side table on a group of its own, side_first)
+TRANSPORTS = {"side-same-group": (False, False, False), "side-own-group": (False, True, False),
+              "side-own-group-first": (False, True, True), "carry": (True, False, False)}
+
+
 def reduce_worker(rank, world):
     from hetlb.aggregate import make_side_group
     pg = dist.distributed_c10d._get_default_group()
-    side = make_side_group(None) or pg  # Gloo: the gradient group carries the side table too
+    own = make_side_group(None, own=True)
     out = {}
     try:
         _C.StepCore(rank, world, NUM_FIELDS, False, False, COL["compute"], COL["cpu"]).reduce(
             torch.zeros(2), False, pg, None)
     except RuntimeError as e:
         out["none"] = str(e)
-    for carry in (False, True):
-        core = _C.StepCore(rank, world, NUM_FIELDS, carry, False, COL["compute"], COL["cpu"])
+    # The side table on the gradient group (issued before the last bucket), on a group of its own
+    # (issued once the last bucket is reduced) and on its own group issued first; the carry.
+    for carry, (carries, on_own, first) in TRANSPORTS.items():
+        side = own if on_own else pg
+        core = _C.StepCore(rank, world, NUM_FIELDS, carries, False, COL["compute"], COL["cpu"])
+        core.side_first = first
         row = np.full(NUM_FIELDS, float(rank + 1))
         core.start(0.25, row)
         buf = torch.arange(6, dtype=torch.float32) + rank
@@ -366,7 +378,7 @@ def reduce_worker(rank, world):
 
 def test_the_hook_body_scales_zeroes_and_delivers_the_table():
     res = unwrap(run(reduce_worker, 2, timeout=120))
-    for carry in (False, True):
+    for carry in TRANSPORTS:
         want = (0.25 * (torch.arange(6.0) + torch.arange(6.0) + 1)).tolist()
         assert res[0][f"scaled-{carry}"] == res[1][f"scaled-{carry}"] == want
         assert res[0][f"zeroed-{carry}"] == res[1][f"zeroed-{carry}"] == [1.0] * 6
