@@ -793,6 +793,12 @@ class Balancer:
                                f"goes through `with bal.step():`; step {self.board.current.step} "
                                f"of epoch {self.board.current.epoch} did not")
 
+    def _loop_left(self) -> None:
+        """The loop over the loader was left with a step open (a ``break``): to the watchdog
+        this worker is between steps until its next step opens (see :class:`hetlb.Watchdog`)."""
+        if self.watchdog is not None and self._open is not None and not self._in_with:
+            self.watchdog.beat(self._step)
+
     def _handed(self, plan: StepPlan) -> None:
         """The loop received ``plan``'s batch: without accumulation its step opens now."""
         if self.accumulate == 1:

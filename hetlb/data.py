@@ -526,6 +526,18 @@ class _Iteration:
         self._last = batch
         return batch
 
+    def __del__(self) -> None:
+        # The loop was left before the loader ran out (a `break`, an exception): the step of the
+        # batch handed last stays open (a next iteration finishes or forgets it), but the script
+        # no longer works in it, so its own work after the loop must not look like a stall.
+        if not getattr(self, "_done", True):
+            left = getattr(self._bal, "_loop_left", None)
+            if left is not None:
+                try:
+                    left()
+                except Exception:  # noqa: BLE001 (never raise from a finaliser)
+                    pass
+
     def _empty(self) -> Any:
         last = getattr(self, "_last", None)
         return _empty_like(last) if last is not None else self._collate([])

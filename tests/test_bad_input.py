@@ -807,7 +807,8 @@ def test_fuzz_telemetry_keeps_every_split_valid(name, world, data):
             sizes = np.asarray(hetlb.allocate_proportional(np.ones(world), global_batch), np.int64)
         n = st.lists(TIME, min_size=world, max_size=world)
         frac = st.lists(st.one_of(st.floats(0, 1), AWKWARD), min_size=world, max_size=world)
-        with np.errstate(over="ignore"):  # a huge time times a size may overflow to inf: wanted
+        # A huge time times a size may overflow to inf, and inf times a size of 0 is NaN: wanted
+        with np.errstate(over="ignore", invalid="ignore"):
             amounts = sizes * np.asarray(data.draw(st.lists(st.one_of(st.just(1.0), TIME), min_size=world,
                                                             max_size=world), label="data"))
         rec = StepRecord(

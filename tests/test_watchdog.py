@@ -208,3 +208,43 @@ def _idle_after_training(rank, world):
 def test_no_stall_is_reported_after_delayed_sync_or_federated_training_ends():
     for r in unwrap(run(_idle_after_training, 2, timeout=120)):
         assert r == [None, None], r
+
+
+def _idle_after_a_break(rank, world):
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    out = {}
+    # A Balancer's loop left right after a batch was handed out, and after one was trained
+    # (a max_steps loop): the open step is not where the script works any more.
+    for trained in (False, True):
+        net = DDP(torch.nn.Linear(4, 1))
+        dog = hetlb.Watchdog(stall=1.0, interval=0.25, action="log")
+        bal = hetlb.Balancer(net, 8, policy=hetlb.Uniform(), watchdog=dog)
+        for i, (x, y) in enumerate(bal.loader(data)):
+            if i == 3 and not trained:
+                break
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            if i == 3:
+                break
+        time.sleep(2.5)  # the script's own work after the loop: not a stall
+        out[f"balancer-{trained}"] = dog.diagnosis
+        bal.close()
+        dist.barrier()
+    net = torch.nn.Linear(4, 1)
+    dog = hetlb.Watchdog(stall=1.0, interval=0.25, action="log")
+    ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.01), reference_batch=4,
+                           batches_per_iteration=2, watchdog=dog)
+    for i, (x, y) in enumerate(ds.loader(data)):
+        if i == 3:
+            break
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        ds.step()
+    time.sleep(2.5)
+    out["delayed"] = dog.diagnosis
+    ds.close()
+    return out
+
+
+def test_no_stall_is_reported_after_a_loop_is_left_with_a_break():
+    for r in unwrap(run(_idle_after_a_break, 2, timeout=120)):
+        assert r == {"balancer-False": None, "balancer-True": None, "delayed": None}, r
