@@ -179,7 +179,7 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
     return {v: t[args.warmup:] for v, t in times.items()}
 
 
-def latency(rank: int, world: int, args: argparse.Namespace) -> Dict[str, float]:
+def latency(args: argparse.Namespace) -> Dict[tuple, float]:
     """Median seconds of one all-reduce of a 9-float64 row: back to back and after ~10 ms of
     compute (the threads that carry it have slept), on the default group and a second group."""
     side = dist.new_group(backend="gloo")
@@ -197,7 +197,8 @@ def latency(rank: int, world: int, args: argparse.Namespace) -> Dict[str, float]
                 t = time.perf_counter()
                 dist.all_reduce(row, group=group)
                 ts.append(time.perf_counter() - t)
-            out[f"{name}, {'after compute (skew included)' if after else 'back to back'}"] = statistics.median(ts[args.warmup:])
+            when = "after compute (skew included)" if after else "back to back"
+            out[(name, when)] = statistics.median(ts[args.warmup:])
     return out
 
 
@@ -214,7 +215,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: Li
     try:
         if args.latency:
             dist.barrier()
-            results.append(latency(rank, world, args))
+            results.append(latency(args))
         elif args.interleave == "step":
             for model_name in args.model:
                 dist.barrier()
@@ -395,7 +396,7 @@ def main() -> None:
         return emit([f"### One all-reduce of 9 float64 between {args.world} Gloo ranks{', pinned' if args.pin else ''} "
                      f"(median of {args.steps - args.warmup})", "",
                      "| group | when | microseconds |", "|---|---|---:|"] +
-                    [f"| {k.split(', ')[0]} | {k.split(', ')[1]} | {1e6 * v:.0f} |" for k, v in res[0].items()], args.out)
+                    [f"| {group} | {when} | {1e6 * v:.0f} |" for (group, when), v in res[0].items()], args.out)
     if args.interleave == "step":
         return emit(interleaved_table(args, res), args.out)
     wall: Dict[tuple, float] = {(m, r, v): t[0] for m, r, v, t in res}
