@@ -353,6 +353,7 @@ class Balancer:
                                        nccl=nccl, device=self.device, emulator=emulator)
         self.telemetry.core.watch(list(model.parameters()))
         self._fast_backward_noted = False
+        self._comm_hook = is_ddp  # whose hook delivers every step's table with the gradient
         if is_ddp:
             self.telemetry.register(model, native=native_hook)
         else:
@@ -376,6 +377,7 @@ class Balancer:
         self._micro = 0  # micro-steps without a loader (window position)
         self._window_data = 0.0
         self._partials: Dict[int, tuple] = {}
+        self._weight_of: tuple = (None, None, 0, 0.0)  # (sizes, data, window_len, weight) of _weight
         self._spent = 0.0
         self.last_overhead: float = 0.0
         self.board.post(self._decision)
@@ -521,9 +523,15 @@ class Balancer:
         """This rank's aggregation weight; for a window shorter than ``accumulate`` (the end of an
         epoch) scaled by ``accumulate / length``, since each micro-step's loss is divided by
         ``accumulate``."""
+        key = self._weight_of
+        # Plans are values and whole steps share the posted decision's arrays: the same arrays
+        # give the same weight (the common case costs no NumPy call).
+        if key[0] is plan.sizes and key[1] is plan.data and key[2] == plan.window_len:
+            return key[3]
         w = float(weights_for(self.weighting, plan.sizes, plan.data)[self.rank])
         if self.accumulate > 1 and plan.window_len < self.accumulate:
             w *= self.accumulate / plan.window_len
+        self._weight_of = (plan.sizes, plan.data, plan.window_len, w)
         return w
 
     def _begin(self, plan: StepPlan, explicit: bool) -> None:
@@ -547,9 +555,10 @@ class Balancer:
         if not isinstance(d, np.ndarray):
             raise RuntimeError("a size-aware decision (ScheduleRule) needs the Balancer's loader")
         k = self.accumulate
-        return StepPlan(epoch=0, step=self._step * k + self._micro, sizes=d.copy(),
-                        data=d.astype(np.float64), checksum=decision_checksum(d),
-                        window_pos=self._micro, window_len=k)
+        sizes, data = d.copy(), d.astype(np.float64)
+        sizes.flags.writeable = data.flags.writeable = False  # a plan is a value (records share it)
+        return StepPlan(epoch=0, step=self._step * k + self._micro, sizes=sizes, data=data,
+                        checksum=decision_checksum(d), window_pos=self._micro, window_len=k)
 
     @contextlib.contextmanager
     def step(self) -> Iterator["Balancer"]:
@@ -662,9 +671,17 @@ class Balancer:
         tele = self.telemetry
         table = tele.table() if tele.hooked else None
         if table is None:
+            if tele.hooked and self._comm_hook:
+                # The communication hook ran to its last bucket but delivered nothing: a bug in
+                # hetlb. An exchange here would be a collective the other ranks (whose tables
+                # arrived) never join, so it would hang until the timeout instead.
+                raise RuntimeError(f"hetlb: step {self._step}: the gradient's communication hook "
+                                   f"ran but delivered no telemetry table (transport "
+                                   f"{self.transport!r}); please report this with the script")
             if not tele.hooked:
                 tele.stamp()
-            # No hook carried the row (a step without gradients): all-reduce it on its own.
+            # No hook carried the row (a step without gradients, or one process without DDP):
+            # all-reduce it on its own.
             table = tele.exchange()
         tele.close()
         self._open = None
@@ -736,7 +753,7 @@ class Balancer:
             cols[COL["compute"]] /= plan.window_len
         spe = self.board.steps_per_epoch if self._loader_config is not None else None
         record = StepRecord(step=done, epoch=plan.epoch, epoch_end=spe is not None and plan.step + 1 >= spe,
-                            batch=plan.sizes.copy(), compute=cols[COL["compute"]],
+                            batch=plan.sizes, compute=cols[COL["compute"]],
                             data=cols[COL["data"]], memory=cols[COL["memory"]],
                             cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]], sq=plan.sq)
         try:

@@ -177,10 +177,12 @@ class History:
             raise TypeError(f"History.append: record must be a StepRecord, got {type(record).__name__}")
         if record.world != self.world:
             raise ValueError(f"record has {record.world} ranks, history has {self.world}")
-        validate_record(record)
+        sound, in_range = _quick_check(record)
+        if not sound:
+            validate_record(record)  # raises, unless only the cheap check was too strict
         if self._records and record.step <= self._records[-1].step:
             raise ValueError(f"steps must increase: got {record.step} after {self._records[-1].step}")
-        if not _readings_in_range(record):
+        if not (sound and in_range) and not _readings_in_range(record):
             record = self._clamp(record)
         self._records.append(record)
 
@@ -284,6 +286,20 @@ def _looks_sound(record: StepRecord) -> bool:
     b, t, d, m, c = arrays
     return bool(b.min() >= 0 and t.min() >= MIN_COMPUTE and t.max() <= MAX_COMPUTE and d.min() >= 0
                 and math.isfinite(float(t.sum()) + float(d.sum()) + float(m.sum()) + float(c.sum())))
+
+
+def _quick_check(record: StepRecord) -> tuple:
+    """``(_looks_sound(record), _readings_in_range(record))`` in one pass over the record (it runs
+    every step); the second is only meaningful when the first is True."""
+    arrays = (record.batch, record.compute, record.data, record.memory, record.cpu)
+    n = record.batch.shape
+    if len(n) != 1 or n[0] == 0 or n[0] > 64 or any(np.shape(a) != n for a in arrays):
+        sound = _looks_sound(record)
+        return sound, sound and _readings_in_range(record)
+    b, t, d, m, c = (a.tolist() for a in arrays)
+    sound = (min(b) >= 0 and min(t) >= MIN_COMPUTE and max(t) <= MAX_COMPUTE and min(d) >= 0
+             and math.isfinite(sum(t) + sum(d) + sum(m) + sum(c)))
+    return sound, sound and min(m) >= 0 and max(m) <= 1 and min(c) >= 0 and max(c) <= 1
 
 
 def _readings_in_range(record: StepRecord) -> bool:

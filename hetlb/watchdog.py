@@ -27,7 +27,7 @@ whose agent is gone is dropped by the rendezvous (``--nnodes MIN:MAX``). ``actio
 reports.
 
 Between steps a worker never counts as stalled (evaluation, saving and the end of training are
-the script's own business; a loop over the Balancer's or DelayedSync's loader left with ``break``
+the script's own business; a loop over the Balancer's, DelayedSync's or Federated's loader left with ``break``
 counts as between steps too); a worker doing long work between steps while the others wait in the
 next one calls :meth:`Watchdog.touch` now and then. The heartbeat keys live under ``hetlb/watchdog/`` in the default group's store. The thread never
 touches a process group, so it cannot itself hang in a collective.

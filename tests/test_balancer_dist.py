@@ -604,3 +604,50 @@ def test_process_group_is_torn_down_by_destroy_process_group(native, transport):
     for alive, after in unwrap(run(teardown_worker, 2, native, transport)):
         assert alive, "no Gloo threads seen while the group was up: the check sees nothing"
         assert after == [], f"Gloo threads still running after destroy_process_group: {after}"
+
+
+# ---------------------------------------------------------------- records and their steps
+
+
+def record_worker(rank, world, transport, naps):
+    import time
+    x, y, _ = _data(96)
+    ds = torch.utils.data.TensorDataset(x, y)
+
+    def run_steps(state, steps):
+        ddp = DDP(_net(), bucket_cap_mb=1e-4)  # several buckets
+        bal = hetlb.Balancer(ddp, 8, policy=Fixed([4, 4]), transport=transport)
+        loader = bal.loader(ds, seed=1)
+        if state is not None:
+            loader.load_state_dict(state)
+        for xb, yb in loader:
+            if bal.steps == steps:
+                break
+            out = ddp(xb)
+            time.sleep(naps[bal.steps])  # between the first forward and backward: compute
+            out.pow(2).mean().backward()
+            ddp.zero_grad()
+        return bal, loader.state_dict()
+
+    bal, state = run_steps(None, 5)
+    first = [(r.step, r.compute.tolist()) for r in bal.history]
+    bal, _ = run_steps(state, 10)  # resumed by a new Balancer from the loader's checkpoint
+    return {"transport": bal.transport, "first": first,
+            "resumed": [(r.step, r.compute.tolist()) for r in bal.history]}
+
+
+@pytest.mark.parametrize("transport", ["carry", "side"])
+def test_each_record_holds_the_compute_time_of_its_own_step(transport):
+    # Every third step naps: each record must hold its own step's time (not a neighbour's, which
+    # a table taken a step early or late would give), before and after a resume.
+    naps = [0.12 if s % 3 == 1 else 0.0 for s in range(10)]
+    for r in unwrap(run(record_worker, 2, transport, naps, timeout=180)):
+        assert r["transport"] == transport
+        assert [s for s, _ in r["first"]] == list(range(5))
+        assert [s for s, _ in r["resumed"]] == list(range(10))  # the history was checkpointed
+        assert r["resumed"][:5] == r["first"]
+        for step, compute in r["resumed"]:
+            if naps[step]:
+                assert min(compute) >= naps[step], (step, compute)
+            else:
+                assert max(compute) < 0.1, (step, compute)

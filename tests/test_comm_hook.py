@@ -387,3 +387,27 @@ def test_the_hook_body_scales_zeroes_and_delivers_the_table():
         assert table.shape == (2, NUM_FIELDS) and (table[0] == 1).sum() >= NUM_FIELDS - 2
         assert table[1, COL["batch"]] == 2.0 and res[1][f"table-{carry}"] == res[0][f"table-{carry}"]
     assert "need a process group and a side group" in res[0]["none"]
+
+
+def lost_table_worker(rank, world, transport):
+    ddp = DDP(torch.nn.Linear(3, 2))
+    bal = hetlb.Balancer(ddp, 4, policy=Fixed([2, 2]), transport=transport)
+    ds = torch.utils.data.TensorDataset(torch.randn(40, 3))
+    it = iter(bal.loader(ds, seed=0))
+    (x,) = next(it)
+    ddp(x).sum().backward()
+    next(it)  # a step whose table arrived ends normally
+    ddp(x[:2]).sum().backward()
+    bal.telemetry.core.take_table()  # as if the hook had lost this step's table
+    try:
+        next(it)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("transport", ["carry", "side"])
+def test_a_table_the_hook_did_not_deliver_is_an_error_not_a_lone_exchange(transport):
+    # A lone blocking exchange on one rank would wait for peers that never join it.
+    for msg in unwrap(run(lost_table_worker, 2, transport, timeout=120)):
+        assert "step 1: the gradient's communication hook ran but delivered no telemetry table" in msg, msg

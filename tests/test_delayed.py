@@ -269,3 +269,22 @@ def test_bad_input():
     ds = hetlb.DelayedSync(net, opt, 4)
     with pytest.raises(ValueError, match="batch_size= is not accepted"):
         ds.loader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=4)
+
+
+def test_measured_speeds_leave_out_times_that_cannot_describe_work():
+    from hetlb.sync.delayed import IterationRecord, measured_speeds
+
+    def rec(i, batch, compute):
+        z = np.zeros(len(batch))
+        return IterationRecord(i, np.asarray(batch, np.int64), np.asarray(batch, np.float64),
+                               np.asarray(compute, np.float64), z, z)
+
+    good = [rec(0, [8, 8, 0], [0.1, 0.4, 0.0]), rec(1, [8, 16, 8], [0.2, 0.4, 0.1])]
+    # brute force: samples over seconds of the iterations each rank computed in
+    np.testing.assert_allclose(measured_speeds(good, 3), [16 / 0.3, 24 / 0.8, 8 / 0.1])
+    assert measured_speeds(good[:1], 3) is None  # rank 2 has not computed yet
+    for bad in (float("nan"), float("inf"), -1.0, 0.0, 1e-300, 1e9):
+        broken = good + [rec(2, [8, 8, 8], [0.1, bad, 0.1])]
+        got = measured_speeds(broken, 3)
+        # rank 1's broken time is left out with its samples; the others count that iteration
+        np.testing.assert_allclose(got, [24 / 0.4, 24 / 0.8, 16 / 0.2], err_msg=repr(bad))

@@ -171,6 +171,12 @@ def test_validate_fast_path_agrees_with_the_full_check(batch, values):
                | ~np.isfinite(r.memory) | ~np.isfinite(r.cpu)).any()
     if _looks_sound(r):
         assert not bad
+    # History.append's one-pass check says what the two separate ones say.
+    from hetlb.telemetry import _quick_check, _readings_in_range
+    sound, in_range = _quick_check(r)
+    assert sound == _looks_sound(r)
+    if sound:
+        assert in_range == _readings_in_range(r)
     if bad:
         with pytest.raises(UnusableTelemetry):
             validate_record(r)

@@ -242,9 +242,23 @@ def _idle_after_a_break(rank, world):
     time.sleep(2.5)
     out["delayed"] = dog.diagnosis
     ds.close()
+    dist.barrier()
+    # A federated loop left in the middle of a round, right after a batch was handed out.
+    dog = hetlb.Watchdog(stall=1.0, interval=0.25, action="log")
+    fl = hetlb.sync.Federated(net, torch.optim.SGD(net.parameters(), lr=0.01), local_steps=3,
+                              batch=4, watchdog=dog)
+    for i, (x, y) in enumerate(fl.loader(data)):
+        if i == 4:
+            break
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        fl.step()
+    time.sleep(2.5)
+    out["federated"] = dog.diagnosis
+    fl.close()
     return out
 
 
 def test_no_stall_is_reported_after_a_loop_is_left_with_a_break():
     for r in unwrap(run(_idle_after_a_break, 2, timeout=120)):
-        assert r == {"balancer-False": None, "balancer-True": None, "delayed": None}, r
+        assert r == {"balancer-False": None, "balancer-True": None, "delayed": None,
+                     "federated": None}, r

@@ -41,7 +41,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -52,9 +52,10 @@ from ..checks import choice, instance, integer, number
 from ..data import BalancedLoader
 from ..emulate import sleep_until
 from ..plan import PlanBoard, StreamPlan
+from ..telemetry import MAX_COMPUTE, MIN_COMPUTE
 from ..watchdog import COMPUTING, WAITING, Watchdog
 
-__all__ = ["DelayedSync", "IterationRecord"]
+__all__ = ["DelayedSync", "IterationRecord", "measured_speeds"]
 
 log = logging.getLogger("hetlb")
 
@@ -63,6 +64,24 @@ ROW = ("batch", "data", "compute", "wait", "link", "left")
 _R = {name: i for i, name in enumerate(ROW)}
 _FORMAT = "hetlb.DelayedSync/1"
 WEIGHTINGS = ("samples", "sizes", "none")
+
+
+def measured_speeds(records: Sequence["IterationRecord"], world: int) -> Optional[np.ndarray]:
+    """Samples per second of compute of every rank over ``records`` (the iterations in which it
+    computed), or None while some rank has none. A compute time that cannot describe work (NaN,
+    infinite, or outside ``[MIN_COMPUTE, MAX_COMPUTE]``: a broken clock) is left out with its
+    samples, as the Balancer's History refuses such records, instead of skewing every shard."""
+    samples = np.zeros(world)
+    seconds = np.zeros(world)
+    for r in records:
+        t = r.compute
+        with np.errstate(invalid="ignore"):
+            busy = (r.batch > 0) & np.isfinite(t) & (t >= MIN_COMPUTE) & (t <= MAX_COMPUTE)
+        samples[busy] += r.batch[busy]
+        seconds[busy] += t[busy]
+    if not np.all(seconds > 0):
+        return None
+    return samples / seconds
 
 
 @dataclass(frozen=True)
@@ -406,18 +425,11 @@ class DelayedSync:
         from ..solve import allocate_proportional
         b = self.board
         n = self._loader.sampler.epoch_length - b.base
-        recent = list(self.history)[-256:]
-        samples = np.zeros(self.world)
-        seconds = np.zeros(self.world)
-        for r in recent:
-            busy = (r.batch > 0) & (r.compute > 0)
-            samples[busy] += r.batch[busy]
-            seconds[busy] += r.compute[busy]
-        speed = np.ones(self.world)
-        if np.all(seconds > 0):
-            speed = samples / seconds
-        elif self.probe_batches:
-            n = min(n, self.world * self.reference_batch * self.probe_batches)
+        speed = measured_speeds(list(self.history)[-256:], self.world)
+        if speed is None:
+            speed = np.ones(self.world)
+            if self.probe_batches:
+                n = min(n, self.world * self.reference_batch * self.probe_batches)
         return allocate_proportional(speed, n)
 
     # the loader's hooks (see hetlb.data._Iteration)

@@ -438,7 +438,7 @@ class ClientLoader:
         return np.concatenate(out)
 
     def __iter__(self) -> Iterator[Any]:
-        return self
+        return _ClientPass(self)
 
     def __next__(self) -> Any:
         if self.fl._in_round == 0:
@@ -469,6 +469,29 @@ class ClientLoader:
         self.offset = integer(state["offset"], "offset", 0)
         if self.offset >= len(self._order):
             raise ValueError(f"loader state offset {self.offset} is beyond the {len(self._order)} local samples")
+
+
+class _ClientPass:
+    """One ``for`` loop over a :class:`ClientLoader` (the stream itself is the loader's): when
+    the loop is left (a ``break``, an exception) the client is between steps to the watchdog,
+    so the script's own work after the loop is not taken for a stalled local step."""
+
+    def __init__(self, loader: ClientLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> "_ClientPass":
+        return self
+
+    def __next__(self) -> Any:
+        return self.loader.__next__()
+
+    def __del__(self) -> None:
+        fl = getattr(getattr(self, "loader", None), "fl", None)
+        if fl is not None and fl.watchdog is not None:
+            try:
+                fl.watchdog.beat(fl.round, None)
+            except Exception:  # noqa: BLE001 (never raise from a finaliser)
+                pass
 
 
 # ---------------------------------------------------------------------- non-i.i.d. splits
