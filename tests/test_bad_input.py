@@ -590,6 +590,54 @@ def test_sized_policy_state_with_bad_bounds_is_refused():
         hetlb.LBB().load_state_dict({k: v for k, v in state.items() if k != "last"})
 
 
+def test_state_kind_error_on_each_kind():
+    from hetlb.policies.base import state_kind_error as kind
+    fits = [(3, 4.5), (0.5, 7), (np.int64(2), 3.0), (True, False), (np.bool_(True), True),
+            ("gpu", "cpu"), (np.zeros(3), [1, 2, 3]), (np.zeros(2), torch.tensor([1.0, 2.0])),
+            (np.zeros(2), np.array([True, False])), ([1], ("a",)), ({"a": 1}, {}), (None, "x"), (5, None)]
+    for current, value in fits:
+        assert kind(current, value) is None, (current, value)
+    wrong = [(3, "3"), (3, True), (0.5, [0.5]), (True, 1), ("gpu", 1), (np.zeros(3), "abc"),
+             (np.zeros(2), [1, "x"]), (np.zeros(2), {"a": 1}), (np.zeros(2), 5), ([1], "ab"),
+             ({"a": 1}, [("a", 1)])]
+    for current, value in wrong:
+        assert kind(current, value) is not None, (current, value)
+
+
+@pytest.mark.parametrize("make", [hetlb.Uniform, hetlb.LBB, hetlb.LBBSP, hetlb.WLBS,
+                                  lambda: hetlb.DBS(steps_per_epoch=4),
+                                  lambda: hetlb.LBBSP("cpu", predictor=hetlb.EMA())])
+def test_policy_state_values_of_the_wrong_kind_name_the_field(make):
+    # Caught at load, naming the field, instead of as an obscure error at some later decide; a
+    # policy not started yet is checked against one started with the state's context.
+    p = make()
+    p.start(Context.simple(3, 30))
+    state = p.state_dict()
+    checked = 0
+    for key, value in state.items():
+        if value is None or key in ("predictor", "ema", "meter") or isinstance(value, str):
+            continue  # optional values, and the nested states their owners check
+        garbage = "garbage" if not isinstance(value, str) else 3
+        for target in (make(), p):
+            with pytest.raises(ValueError) as e:
+                target.load_state_dict({**state, key: garbage})
+            assert key in str(e.value), (key, str(e.value))
+        checked += 1
+    assert checked >= 5, checked
+    assert p.state_dict().keys() == state.keys()
+    make().load_state_dict(state)  # the sound state still loads into a fresh policy
+
+
+def test_lbbsp_state_with_an_unknown_mode_or_predictor_is_refused():
+    p = hetlb.LBBSP("cpu", predictor=hetlb.EMA())
+    p.start(Context.simple(2, 8))
+    state = p.state_dict()
+    with pytest.raises(ValueError, match="mode must be 'gpu' or 'cpu', got 'tpu'"):
+        hetlb.LBBSP().load_state_dict({**state, "mode": "tpu"})
+    with pytest.raises(ValueError, match="predictor must be a predictor's state dict"):
+        hetlb.LBBSP().load_state_dict({**state, "predictor": "garbage"})
+
+
 # =============================================================================================
 # fuzz: random garbage for every argument of the public entry points
 # =============================================================================================

@@ -15,6 +15,7 @@ state conversions the Balancer applies to every policy.
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -141,6 +142,36 @@ def check_state(state: Any, who: str, required: Any = ()) -> Dict[str, Any]:
     return dict(state)
 
 
+def state_kind_error(current: Any, value: Any) -> Optional[str]:
+    """What a state value must be to replace ``current`` (the attribute it restores), or None when
+    ``value`` fits: numbers for numbers, a bool for a bool, a string for a string, numbers in an
+    array for an array, a list for a list, a dict for a dict. ``None`` on either side fits (an
+    optional value, or one not set yet); other kinds are the policy's own to check."""
+    if current is None or value is None:
+        return None
+    boolean = (bool, np.bool_)
+    if isinstance(current, boolean):
+        return None if isinstance(value, boolean) else "True or False"
+    if isinstance(current, numbers.Real):  # an int attribute may hold a float later, and back
+        return None if isinstance(value, numbers.Real) and not isinstance(value, boolean) else "a number"
+    if isinstance(current, str):
+        return None if isinstance(value, str) else "a string"
+    if isinstance(current, np.ndarray):
+        if isinstance(value, (np.ndarray, list, tuple, torch.Tensor)):
+            try:
+                kind = np.asarray(value).dtype.kind
+            except (ValueError, TypeError, RuntimeError):
+                kind = "O"
+            if kind in "biuf":
+                return None
+        return "an array of numbers"
+    if isinstance(current, (list, tuple)):
+        return None if isinstance(value, (list, tuple)) else "a list"
+    if isinstance(current, Mapping):
+        return None if isinstance(value, Mapping) else "a dict"
+    return None
+
+
 class Policy:
     """Base class. Subclasses implement :meth:`start` and :meth:`decide`.
 
@@ -171,8 +202,23 @@ class Policy:
         return {k: copy.deepcopy(v) for k, v in vars(self).items() if not k.startswith("_")}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for k, v in check_state(state, self.name).items():
+        """Restore :meth:`state_dict`'s output. Raises ``ValueError`` naming the field when a value
+        is not of the kind the policy holds there (:func:`state_kind_error`), before anything is
+        changed: a corrupt or foreign state must not surface later as an obscure error mid-step."""
+        state = check_state(state, self.name)
+        reference = self._kinds_of(state)
+        for k, v in state.items():
+            want = state_kind_error(getattr(reference, k, None), v)
+            if want is not None:
+                raise ValueError(f"{self.name}.load_state_dict: {k} must be {want} (as this "
+                                 f"policy holds it), got {type(v).__name__} {v!r:.80}")
+        for k, v in state.items():
             setattr(self, k, copy.deepcopy(v))
+
+    def _kinds_of(self, state: Dict[str, Any]) -> Any:
+        """The object whose attributes show the kind of each state value (see
+        :meth:`load_state_dict`): this policy itself."""
+        return self
 
 
 class SizedPolicy(Policy):
@@ -232,6 +278,18 @@ class SizedPolicy(Policy):
                 raise ValueError(f"{self.name}.load_state_dict: {e}") from None
         super().load_state_dict(state)
         self._ctx = None
+
+    def _kinds_of(self, state: Dict[str, Any]) -> Any:
+        """A policy not started yet holds few of the state's values: a copy of it started with the
+        state's context shows their kinds (start is pure: it only reads the context)."""
+        if hasattr(self, "world") or "world" not in state:
+            return self
+        scratch = copy.deepcopy(self)
+        try:
+            scratch.start(Context(state["world"], state["global_batch"], state["lower"], state["upper"]))
+        except Exception:  # noqa: BLE001 (a start that needs more context: check what is known)
+            return self
+        return scratch
 
     def latest(self, history: History) -> StepRecord:
         """The latest record, of the right world size and (unless :attr:`accepts_no_progress`)

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import numpy as np
 
@@ -180,6 +180,12 @@ class LBBSP(SizedPolicy):
         state = check_state(state, self.name)
         pstate = state.pop("predictor", None)
         ema = state.pop("ema", None)
+        if state.get("mode", self.mode) not in ("gpu", "cpu"):
+            raise ValueError(f"lbbsp.load_state_dict: mode must be 'gpu' or 'cpu', got {state['mode']!r}")
+        for name, value in (("predictor", pstate), ("ema", ema)):
+            if value is not None and not isinstance(value, Mapping):
+                raise ValueError(f"lbbsp.load_state_dict: {name} must be a predictor's state dict "
+                                 f"(from state_dict()), got {type(value).__name__} {value!r:.80}")
         super().load_state_dict(state)
         if pstate is None:
             self.predictor = None
