@@ -388,7 +388,11 @@ class Federated:
 
 class ClientLoader:
     """Endless batches of one client's local data, of the :class:`Federated`'s current ``B_i``
-    (made by :meth:`Federated.loader`)."""
+    (made by :meth:`Federated.loader`).
+
+    Iterate it with ``for``, or take one batch at a time with ``next(loader)``: a ``for`` loop
+    left with ``break`` puts the client between steps for the watchdog, and so would every
+    ``next(iter(loader))`` (a loop of one batch, left at once), hiding that step from it."""
 
     def __init__(self, fl: Federated, dataset: Any, indices: Optional[Sequence[int]], *, seed: int,
                  collate_fn: Any) -> None:
