@@ -373,7 +373,9 @@ class BalancedLoader:
         A partly trained epoch keeps its position when selected again. Epochs run in order and
         each once: selecting an epoch that is already complete, or an earlier one, raises, and
         so does skipping the rest of the epoch a loaded checkpoint stopped in; that is how a
-        script whose epoch counter disagrees with the checkpoint finds out.
+        script whose epoch counter disagrees with the checkpoint finds out. Like
+        ``DistributedSampler.set_epoch``, it is for the next loop: a ``for`` loop still running over
+        an epoch with steps left raises at its next batch.
         """
         self.board.set_epoch(epoch)
 
@@ -489,6 +491,7 @@ class _Iteration:
         self._bal._iteration_starts()
         self._board.restart()
         self._generation = self._board.generation
+        self._epoch = self._board.epoch
         self._dl = loader._dl
         self._it = iter(self._dl)
         self._collate = loader._dl.collate_fn
@@ -503,6 +506,8 @@ class _Iteration:
         if self._board.generation != self._generation:
             raise RuntimeError("the loader's state was loaded while this iteration was running; "
                                "start a new `for` loop over the loader")
+        if self._board.epoch != self._epoch:
+            return self._epoch_left()
         self._bal._before_next()
         try:
             if self._it is None:
@@ -537,6 +542,21 @@ class _Iteration:
                     left()
                 except Exception:  # noqa: BLE001 (never raise from a finaliser)
                     pass
+
+    def _epoch_left(self) -> Any:
+        """``set_epoch`` moved the loader off this iteration's epoch while it ran: the loop ends
+        if that epoch had nothing left to hand out, and otherwise refuses to go on (its batches
+        would train outside any epoch the position counts)."""
+        board = self._board
+        if board.left == (self._epoch, True):
+            self._bal._before_next()  # the last step counts, as at the end of any loop
+            self._done, self._it = True, None
+            raise StopIteration
+        raise RuntimeError(
+            f"set_epoch({board.epoch}) was called inside a `for` loop over epoch {self._epoch}, "
+            f"which had steps left: that loop cannot go on. Call set_epoch before the loop "
+            f"(`for epoch in range(loader.epoch, E): loader.set_epoch(epoch); for batch in "
+            f"loader: ...`), or leave the loop (`break`) before moving to the next epoch")
 
     def _empty(self) -> Any:
         last = getattr(self, "_last", None)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Optional, Union
+from typing import Any, Deque, Dict, Optional, Tuple, Union
 
 import numpy as np
 
@@ -243,6 +243,9 @@ class PlanBoard:
         self.restored = False
         #: Bumped by a restore; an iterator started before it refuses to go on.
         self.generation = 0
+        #: ``(epoch, whole)`` of the epoch the last :meth:`set_epoch` moved off: ``whole`` when
+        #: every step of it had been handed out (an iteration over it then has nothing left).
+        self.left: Optional[Tuple[int, bool]] = None
         self.drawn: Deque[StepPlan] = deque()
         self.current: Optional[StepPlan] = None
         self._window: Optional[tuple] = None  # (epoch, window key, sizes) of the open window
@@ -373,6 +376,15 @@ class PlanBoard:
         part = self.partition
         return part is not None and part.trained is not None and bool(part.trained.all())
 
+    def _all_handed(self) -> bool:
+        """Whether every step of the current epoch has been handed out (the last may be open)."""
+        if self.mode == "stream":
+            return self.stream_finished()
+        if self.epoch_finished():
+            return True
+        spe, cur = self.steps_per_epoch, self.current
+        return spe is not None and cur is not None and cur.epoch == self.epoch and cur.step + 1 >= spe
+
     def attach(self, steps_per_epoch: int) -> None:
         """A loader's sampler draws from this board from now on (``steps_per_epoch``: of its
         epochs). A sharded position restored before the loader existed must find a partition."""
@@ -467,6 +479,7 @@ class PlanBoard:
         if self.restored and e > self.epoch + 1:
             raise ValueError(f"set_epoch({e}): the loaded checkpoint completed epoch {self.epoch}; "
                              f"the next epoch is {self.epoch + 1}")
+        self.left = (self.epoch, self._all_handed())
         self._new_epoch(e)
         self.drawn.clear()
         self.current = None

@@ -323,6 +323,7 @@ class LoaderMachine(RuleBasedStateMachine):
     def new_loop(self):
         """A new ``for batch in loader`` (after a break, a peek, a restart, or the next epoch)."""
         self.iters = [iter(loader) for loader in self.loaders]
+        self.iter_epoch = self.boards[0].epoch
         self.handed = None  # a step handed out and not trained is handed out again
 
     @precondition(lambda self: self.iters is not None)
@@ -345,10 +346,13 @@ class LoaderMachine(RuleBasedStateMachine):
             if stopped[0]:
                 self.iters = None
                 self.handed = None
+                # set_epoch of the next epoch (loader.epoch once this one is complete) may have
+                # moved the ranks on while the loop was still open: it ends then too.
+                e = self.iter_epoch
                 for b in self.boards:
-                    assert b.epoch_finished() or b.steps_per_epoch == 0, \
-                        "the iteration ended before the epoch did"
-                assert sorted(self.committed.get(b.epoch, [])) == self.epoch_samples(b.epoch)
+                    assert b.epoch == e and (b.epoch_finished() or b.steps_per_epoch == 0) or \
+                        b.epoch > e, "the iteration ended before the epoch did"
+                assert sorted(self.committed.get(e, [])) == self.epoch_samples(e)
                 event("an epoch ran to its end")
                 return
             plans = [b.current for b in self.boards]
@@ -631,3 +635,51 @@ def test_sharded_layout_has_no_step_without_a_sample(n, world, batch, seed, tail
         assert np.array_equal(np.concatenate([part.step_indices(0, k, r) for k in range(part.steps)]),
                               orders[r])  # each rank's samples in their order, each in one step
     assert sorted(seen) == list(range(n))
+
+
+def _balanced(n, batch, workers=0):
+    model = torch.nn.Linear(1, 1).double()
+    bal = hetlb.Balancer(model, batch, policy=hetlb.Uniform())
+    return model, bal, bal.loader(Indices(n), shuffle=False, num_workers=workers)
+
+
+def test_next_epoch_selected_after_the_last_step_ends_the_loop():
+    """Found by LoaderMachine: one step per epoch; inside the loop the step trained, a checkpoint,
+    then ``set_epoch(loader.epoch)`` (the next epoch, the current one being complete). The loop
+    then ends (nothing was left of its epoch) and the next one trains the new epoch whole. The
+    same without the checkpoint, with ``set_epoch(epoch + 1)`` in the last step's body."""
+    for checkpoint in (True, False):
+        model, bal, loader = _balanced(3, 1)
+        seen = []
+        for x in loader:
+            model(x.double()[:, None]).sum().backward()
+            seen += x.tolist()
+            if len(seen) == 3:
+                if checkpoint:
+                    bal.state_dict()
+                loader.set_epoch(1)
+        assert seen == [0, 1, 2] and bal.steps == 3
+        assert [x.tolist() for x in loader] == [[0], [1], [2]]
+        assert loader.epoch == 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_next_epoch_selected_mid_loop_stops_the_loop_with_an_error(workers):
+    """``set_epoch`` of the next epoch inside a loop with steps left: before, the loop went on
+    handing out the old epoch's batches outside any epoch the position counted (no workers), or
+    failed with "a batch the sampler never drew" (workers). Now its next batch says what to do;
+    a new loop then runs the new epoch whole."""
+    model, bal, loader = _balanced(6, 1, workers)
+    seen = []
+    with pytest.raises(RuntimeError, match=r"set_epoch\(1\) was called inside a `for` loop over epoch 0"):
+        for x in loader:
+            model(x.double()[:, None]).sum().backward()
+            seen += x.tolist()
+            if len(seen) == 2:
+                loader.set_epoch(1)
+    assert seen == [0, 1]
+    again = []
+    for x in loader:
+        model(x.double()[:, None]).sum().backward()
+        again += x.tolist()
+    assert again == list(range(6)) and loader.epoch == 2 and bal.steps == 8
