@@ -275,17 +275,7 @@ def _looks_sound(record: StepRecord) -> bool:
     finite entries; a NaN minimum compares False, and the sums catch it. Compute below
     :data:`MIN_COMPUTE` (also zero with zero samples, allowed there) or above :data:`MAX_COMPUTE`
     (also ``+inf``) fails here, and then the exact check decides."""
-    arrays = (record.batch, record.compute, record.data, record.memory, record.cpu)
-    n = record.batch.shape
-    if len(n) != 1 or n[0] == 0 or any(np.shape(a) != n for a in arrays):
-        return False
-    if n[0] <= 64:  # tiny rows: Python lists beat NumPy's per-call cost
-        b, t, d, m, c = (a.tolist() for a in arrays)
-        return (min(b) >= 0 and min(t) >= MIN_COMPUTE and max(t) <= MAX_COMPUTE and min(d) >= 0
-                and math.isfinite(sum(t) + sum(d) + sum(m) + sum(c)))
-    b, t, d, m, c = arrays
-    return bool(b.min() >= 0 and t.min() >= MIN_COMPUTE and t.max() <= MAX_COMPUTE and d.min() >= 0
-                and math.isfinite(float(t.sum()) + float(d.sum()) + float(m.sum()) + float(c.sum())))
+    return _quick_check(record)[0]
 
 
 def _quick_check(record: StepRecord) -> tuple:
@@ -293,13 +283,17 @@ def _quick_check(record: StepRecord) -> tuple:
     every step); the second is only meaningful when the first is True."""
     arrays = (record.batch, record.compute, record.data, record.memory, record.cpu)
     n = record.batch.shape
-    if len(n) != 1 or n[0] == 0 or n[0] > 64 or any(np.shape(a) != n for a in arrays):
-        sound = _looks_sound(record)
-        return sound, sound and _readings_in_range(record)
-    b, t, d, m, c = (a.tolist() for a in arrays)
-    sound = (min(b) >= 0 and min(t) >= MIN_COMPUTE and max(t) <= MAX_COMPUTE and min(d) >= 0
-             and math.isfinite(sum(t) + sum(d) + sum(m) + sum(c)))
-    return sound, sound and min(m) >= 0 and max(m) <= 1 and min(c) >= 0 and max(c) <= 1
+    if len(n) != 1 or n[0] == 0 or any(np.shape(a) != n for a in arrays):
+        return False, False
+    if n[0] <= 64:  # tiny rows: Python lists beat NumPy's per-call cost
+        b, t, d, m, c = (a.tolist() for a in arrays)
+        sound = (min(b) >= 0 and min(t) >= MIN_COMPUTE and max(t) <= MAX_COMPUTE and min(d) >= 0
+                 and math.isfinite(sum(t) + sum(d) + sum(m) + sum(c)))
+        return sound, sound and min(m) >= 0 and max(m) <= 1 and min(c) >= 0 and max(c) <= 1
+    b, t, d, m, c = arrays
+    sound = bool(b.min() >= 0 and t.min() >= MIN_COMPUTE and t.max() <= MAX_COMPUTE and d.min() >= 0
+                 and math.isfinite(float(t.sum()) + float(d.sum()) + float(m.sum()) + float(c.sum())))
+    return sound, sound and _readings_in_range(record)
 
 
 def _readings_in_range(record: StepRecord) -> bool:

@@ -171,12 +171,13 @@ def test_validate_fast_path_agrees_with_the_full_check(batch, values):
                | ~np.isfinite(r.memory) | ~np.isfinite(r.cpu)).any()
     if _looks_sound(r):
         assert not bad
-    # History.append's one-pass check says what the two separate ones say.
+    # History.append's one-pass check: the same verdict, and the readings' range when sound.
     from hetlb.telemetry import _quick_check, _readings_in_range
     sound, in_range = _quick_check(r)
-    assert sound == _looks_sound(r)
     if sound:
-        assert in_range == _readings_in_range(r)
+        assert not bad
+        inside = bool(((r.memory >= 0) & (r.memory <= 1) & (r.cpu >= 0) & (r.cpu <= 1)).all())
+        assert in_range == inside == _readings_in_range(r)
     if bad:
         with pytest.raises(UnusableTelemetry):
             validate_record(r)
