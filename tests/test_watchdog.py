@@ -210,6 +210,19 @@ def test_no_stall_is_reported_after_delayed_sync_or_federated_training_ends():
         assert r == [None, None], r
 
 
+def _leave_then_idle(net, loop, stop, step, dog):
+    """Train ``stop`` batches of ``loop`` (``step()`` after each), leave it with ``break`` right
+    after the next batch is handed out, then do the script's own work (2.5 s, not a stall); the
+    watchdog's diagnosis."""
+    for i, (x, y) in enumerate(loop):
+        if i == stop:
+            break
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        step()
+    time.sleep(2.5)
+    return dog.diagnosis
+
+
 def _idle_after_a_break(rank, world):
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
@@ -234,26 +247,14 @@ def _idle_after_a_break(rank, world):
     dog = hetlb.Watchdog(stall=1.0, interval=0.25, action="log")
     ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.01), reference_batch=4,
                            batches_per_iteration=2, watchdog=dog)
-    for i, (x, y) in enumerate(ds.loader(data)):
-        if i == 3:
-            break
-        torch.nn.functional.mse_loss(net(x), y).backward()
-        ds.step()
-    time.sleep(2.5)
-    out["delayed"] = dog.diagnosis
+    out["delayed"] = _leave_then_idle(net, ds.loader(data), 3, ds.step, dog)
     ds.close()
     dist.barrier()
     # A federated loop left in the middle of a round, right after a batch was handed out.
     dog = hetlb.Watchdog(stall=1.0, interval=0.25, action="log")
     fl = hetlb.sync.Federated(net, torch.optim.SGD(net.parameters(), lr=0.01), local_steps=3,
                               batch=4, watchdog=dog)
-    for i, (x, y) in enumerate(fl.loader(data)):
-        if i == 4:
-            break
-        torch.nn.functional.mse_loss(net(x), y).backward()
-        fl.step()
-    time.sleep(2.5)
-    out["federated"] = dog.diagnosis
+    out["federated"] = _leave_then_idle(net, fl.loader(data), 4, fl.step, dog)
     fl.close()
     return out
 
