@@ -525,6 +525,7 @@ class BalancerMachine(LoaderMachine):
 
     real = True
     worlds = st.just(1)
+    workers = 0  # DataLoader worker processes (they draw steps ahead of the loop)
 
     def build(self, world, state=None, order="after"):
         assert world == 1
@@ -533,7 +534,8 @@ class BalancerMachine(LoaderMachine):
         pol = hetlb.Chronica() if self.rules else hetlb.Uniform()
         weighting = "sizes" if self.rules else "samples"
         kw = dict(shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
-                  sample_sizes=self.sizes, partition="even" if self.sharded else None)
+                  sample_sizes=self.sizes, partition="even" if self.sharded else None,
+                  num_workers=self.workers)
         if order == "board" and state is not None:
             bal = hetlb.Balancer(model, self.batch, policy=pol, weighting=weighting, lower=0)
             bal.load_state_dict(state)  # before the loader exists
@@ -573,6 +575,20 @@ TestLoaderMachine = LoaderMachine.TestCase
 # mid-epoch restart on fewer ranks, then the epoch run to its end) come up in every run.
 TestLoaderMachine.settings = settings(max_examples=4 * settings().max_examples, stateful_step_count=50)
 TestBalancerMachine = BalancerMachine.TestCase
+
+
+class WorkerMachine(BalancerMachine):
+    """The real Balancer with two DataLoader workers: the sampler draws steps ahead of the loop
+    (prefetching), which peeks, breaks, checkpoints, set_epoch and restarts must not turn into
+    lost, repeated or mismatched batches."""
+
+    workers = 2
+
+
+TestWorkerMachine = WorkerMachine.TestCase
+# Each new loop starts two worker processes (about 0.1 s): fewer, shorter examples.
+TestWorkerMachine.settings = settings(max_examples=max(10, settings().max_examples // 3),
+                                      stateful_step_count=25)
 
 
 # ---------------------------------------------------------------- cases the machines found
