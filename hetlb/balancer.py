@@ -68,11 +68,17 @@ class BatchSizeError(ValueError):
     """The model was given a batch whose size is not the one the Balancer planned for this rank."""
 
 
+def _num(v: float) -> str:
+    """A table entry as an error message shows it: an integer, or the float itself."""
+    return str(int(v)) if math.isfinite(v) and v == int(v) else repr(v)
+
+
 def _groups(values: np.ndarray) -> str:
+    """Which ranks hold which value (a corrupt table's NaN and infinities too)."""
+    labels = [_num(v) for v in values.tolist()]
     out = []
-    for v in sorted(set(values.tolist())):
-        ranks = np.nonzero(values == v)[0].tolist()
-        out.append(f"ranks {ranks}: {int(v)}")
+    for lab in sorted(set(labels), key=lambda x: (len(x), x)):
+        out.append(f"ranks {[r for r, x in enumerate(labels) if x == lab]}: {lab}")
         if len(out) > 8:
             out.append("...")
             break
@@ -735,10 +741,11 @@ class Balancer:
                         f"The policy must be a deterministic function of the shared telemetry and "
                         f"all ranks must draw their batches at the same point of the loop")
         if table[:, COL["batch"]].tolist() != plan.sizes.tolist():  # exact: sizes < 2^24 ride in floats
-            batch = np.rint(table[:, COL["batch"]]).astype(np.int64)
-            bad = np.nonzero(batch != plan.sizes)[0].tolist()
+            batch = table[:, COL["batch"]]
+            bad = np.flatnonzero(~(batch == plan.sizes)).tolist()
             raise DecisionMismatchError(f"step {g}: ranks {bad} ran batch sizes "
-                                        f"{batch[bad].tolist()}, the plan says {plan.sizes[bad].tolist()}")
+                                        f"[{', '.join(_num(v) for v in batch[bad].tolist())}], "
+                                        f"the plan says {plan.sizes[bad].tolist()}")
 
     def _record(self, g: int, table: np.ndarray) -> None:
         done = g - self.telemetry.lag

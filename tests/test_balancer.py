@@ -464,3 +464,31 @@ def test_policy_refusing_the_context_leaves_the_model_unhooked():
     assert not m._forward_pre_hooks  # the failed Balancer left no hook behind
     hetlb.Balancer(m, 8)  # and the model can be balanced afterwards
     assert len(m._forward_pre_hooks) == 1
+
+
+@given(world=st.integers(2, 6), step=st.integers(0, 2 ** 24 - 1), data=st.data())
+def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds(world, step, data):
+    """The step end's table check (Balancer._verify) accepts the table of this step and raises
+    DecisionMismatchError, naming what differs, for one that differs in a rank's batch, decision
+    or plan checksum, or step, including the NaN and infinities of a corrupt table (before, their
+    message failed with ValueError/OverflowError from int())."""
+    from types import SimpleNamespace
+    from hetlb.balancer import Balancer
+    from hetlb.telemetry import COL, NUM_FIELDS
+    sizes = np.asarray(data.draw(st.lists(st.integers(0, 2 ** 20), min_size=world, max_size=world)),
+                       dtype=np.int64)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    table = rng.normal(size=(world, NUM_FIELDS))
+    table[:, COL["batch"]] = sizes
+    table[:, COL["checksum"]], table[:, COL["plan"]] = rng.integers(0, 2 ** 24, 2)
+    table[:, COL["step"]] = step
+    me, plan = SimpleNamespace(_step=step), SimpleNamespace(sizes=sizes)
+    Balancer._verify(me, table, plan)
+    col = data.draw(st.sampled_from(["batch", "checksum", "plan", "step"]))
+    r = data.draw(st.integers(0, world - 1))
+    table[r, COL[col]] = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf"),
+                                                    table[r, COL[col]] + 1, 0.5]))
+    words = {"batch": "ran batch sizes", "checksum": "batch-size decision",
+             "plan": "step plan", "step": "different steps"}[col]
+    with pytest.raises(hetlb.DecisionMismatchError, match=words):
+        Balancer._verify(me, table, plan)
