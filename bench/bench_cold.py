@@ -9,9 +9,12 @@ a micro-benchmark in a loop of its own runs warm. This one runs a one-rank Balan
 DDP model so the step itself costs next to nothing) and, before every step, either nothing
 (warm) or a pass over a buffer larger than the last-level cache (cold); it reports the median of
 ``Balancer.last_overhead`` (hetlb's own time in the step) and of one ``weights_for`` call,
-side by side with one plain-Python scalar division as the floor of any Python line.
+side by side with one plain-Python scalar division as the floor of any Python line, and the
+loop's whole ``next(it)`` (the step boundary) for hetlb's loader against a DataLoader with a
+``DistributedSampler`` on the same model and data. ``--parts`` also times each part of the
+bookkeeping (wrappers around the Balancer's, the telemetry's and the plan board's methods).
 
-    python bench/bench_cold.py [--steps 400] [--evict-mb 64] [--out FILE]
+    python bench/bench_cold.py [--steps 400] [--evict-mb 64] [--parts] [--out FILE]
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import numpy as np
 import torch
@@ -65,10 +68,89 @@ def balancer_overhead(evict: Callable[[], object], steps: int) -> float:
     return statistics.median(spent[1:])
 
 
+def next_batch(evict: Callable[[], object], steps: int, balanced: bool) -> float:
+    """Median seconds of the loop's ``next(it)`` (the step boundary: for hetlb the previous step's
+    bookkeeping, the plan's draw and the batch; for plain DDP the DataLoader's batch from a
+    ``DistributedSampler``) on the same tiny model and data, ``evict()`` before each."""
+    import hetlb
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    n = 16 * (steps + 10)
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 8), torch.randint(0, 2, (n,)))
+    if balanced:
+        bal = hetlb.Balancer(ddp, 16, policy=hetlb.Uniform())
+        it = iter(bal.loader(ds, seed=0))
+    else:
+        it = iter(DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, seed=0)))
+    out: List[float] = []
+    for i in range(steps + 10):
+        evict()
+        t = time.perf_counter()
+        x, y = next(it)
+        if i >= 10:
+            out.append(time.perf_counter() - t)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return statistics.median(out)
+
+
+#: (owner, method, label) of the step's bookkeeping timed by --parts, in the order a step runs them.
+def _part_targets():
+    import hetlb
+    from hetlb import aggregate, balancer, plan, telemetry
+    return [
+        (balancer.Balancer, "_finish", "Balancer._finish (the step's end)"),
+        (aggregate.StepTelemetry, "table", "  StepTelemetry.table (take the table)"),
+        (aggregate.StepTelemetry, "close", "  StepTelemetry.close"),
+        (balancer.Balancer, "_verify", "  Balancer._verify"),
+        (plan.PlanBoard, "complete", "  PlanBoard.complete"),
+        (balancer.Balancer, "_record", "  Balancer._record"),
+        (telemetry.StepRecord, "__init__", "    StepRecord(...)"),
+        (telemetry.History, "append", "    History.append"),
+        (hetlb.Uniform, "decide", "    Uniform.decide"),
+        (plan.PlanBoard, "post", "    PlanBoard.post"),
+        (plan.PlanBoard, "draw", "PlanBoard.draw (the loader draws the next step)"),
+        (plan.PlanBoard, "hand", "PlanBoard.hand"),
+        (balancer.Balancer, "_begin", "Balancer._begin (the next step's start)"),
+        (balancer.Balancer, "_row", "  Balancer._row"),
+        (aggregate.StepTelemetry, "start", "  StepTelemetry.start"),
+    ]
+
+
+def parts(evict: Callable[[], object], steps: int) -> Dict[str, float]:
+    """Median seconds of each part of the step's bookkeeping (``_part_targets``), timed by
+    wrappers around the methods (each wrapper adds a few hundred nanoseconds)."""
+    times: Dict[str, List[float]] = {}
+    saved = []
+    for owner, name, label in _part_targets():
+        fn = owner.__dict__[name]
+        saved.append((owner, name, fn))
+
+        def timed_call(*a, _fn=fn, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                times.setdefault(_label, []).append(time.perf_counter() - t)
+        setattr(owner, name, timed_call)
+    try:
+        balancer_overhead(evict, steps)
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return {label: statistics.median(v[10:]) for label, v in times.items() if len(v) > 10}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--evict-mb", type=float, default=64.0, help="buffer passed over to evict the caches")
+    p.add_argument("--parts", action="store_true",
+                   help="also time each part of the step's bookkeeping (wrappers around its methods)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -81,20 +163,35 @@ def main() -> None:
             cold, warm = (lambda: big.sum()), (lambda: None)
             b, d = np.array([64, 64], dtype=np.int64), np.array([64.0, 64.0])
             rows = []
-            for name, fn in (("Balancer.last_overhead (one step's bookkeeping)", None),
+            for name, fn in (("next(it): DataLoader + DistributedSampler (plain DDP)", "plain"),
+                             ("next(it): hetlb loader (previous step's end, this step's start)", "hetlb"),
+                             ("Balancer.last_overhead (one step's bookkeeping)", None),
                              ("weights_for('samples', ...)", lambda: weights_for("samples", b, d)),
                              ("float(b[0]) / float(b.sum()) (a line of Python)", lambda: float(b[0]) / float(b.sum()))):
                 if fn is None:
                     w, c = balancer_overhead(warm, args.steps), balancer_overhead(cold, args.steps)
+                elif isinstance(fn, str):
+                    w, c = (next_batch(e, args.steps, fn == "hetlb") for e in (warm, cold))
                 else:
                     w, c = timed(fn, warm, args.steps), timed(fn, cold, args.steps)
                 rows.append(f"| {name} | {w * 1e6:.1f} | {c * 1e6:.1f} | {c / w:.1f} |")
+            if args.parts:
+                w, c = parts(warm, args.steps), parts(cold, args.steps)
+                labels = [label for _, _, label in _part_targets() if label in w and label in c]
+                part_rows = [f"| {lab.replace('  ', '&nbsp;&nbsp;')} | {w[lab] * 1e6:.1f} | "
+                             f"{c[lab] * 1e6:.1f} | {c[lab] / w[lab]:.1f} |" for lab in labels]
         finally:
             dist.destroy_process_group()
-    emit([f"### Per-step bookkeeping, warm and cold (one rank, {args.steps} steps, caches evicted with a "
-          f"{args.evict_mb:g} MB pass)", "",
-          "Median microseconds.", "",
-          "| what | warm | cold | cold / warm |", "|---|---:|---:|---:|"] + rows, args.out)
+    lines = [f"### Per-step bookkeeping, warm and cold (one rank, {args.steps} steps, caches evicted "
+             f"with a {args.evict_mb:g} MB pass)", "",
+             "Median microseconds.", "",
+             "| what | warm | cold | cold / warm |", "|---|---:|---:|---:|"] + rows
+    if args.parts:
+        lines += ["", f"### The step's bookkeeping by part, warm and cold (one rank, {args.steps} steps)", "",
+                  "Median microseconds of each call, timed by wrappers around the methods; indented "
+                  "parts run inside the one above.", "",
+                  "| part | warm | cold | cold / warm |", "|---|---:|---:|---:|"] + part_rows
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
