@@ -615,8 +615,9 @@ def test_policy_state_values_of_the_wrong_kind_name_the_field(make):
     state = p.state_dict()
     checked = 0
     for key, value in state.items():
-        if value is None or key in ("predictor", "ema", "meter") or isinstance(value, str):
-            continue  # optional values, and the nested states their owners check
+        if (value is None and key not in p._optional_kinds) or key in ("predictor", "ema", "meter") \
+                or isinstance(value, str):
+            continue  # untyped optional values, and the nested states their owners check
         garbage = "garbage" if not isinstance(value, str) else 3
         for target in (make(), p):
             with pytest.raises(ValueError) as e:
@@ -626,6 +627,48 @@ def test_policy_state_values_of_the_wrong_kind_name_the_field(make):
     assert checked >= 5, checked
     assert p.state_dict().keys() == state.keys()
     make().load_state_dict(state)  # the sound state still loads into a fresh policy
+
+
+@pytest.mark.parametrize("make, key, good", [
+    (hetlb.LBB, "waiting", [10, 20]), (hetlb.LBBSP, "last_step", 3),
+    (hetlb.LBBSP, "remove_warning", 2), (hetlb.LBBSP, "reequilibrate", 0.2),
+    (hetlb.WLBS, "theta_e", 0.5), (hetlb.WLBS, "steps_per_epoch", 10)])
+def test_policy_fields_that_hold_none_until_used_are_checked_too(make, key, good):
+    """A field the policy holds as None (optional, or not set yet) takes a value of its kind from
+    a state, and refuses one of another kind naming the field (before, anything went in)."""
+    p = make()
+    p.start(Context.simple(2, 30))
+    state = p.state_dict()
+    assert state[key] is None
+    for target in (make(), p):
+        with pytest.raises(ValueError, match=f"{key} must be"):
+            target.load_state_dict({**state, key: "garbage"})
+    q = make()
+    q.load_state_dict({**state, key: good})
+    assert q.state_dict()[key] == good
+
+
+def test_chronica_and_epoch_meter_states_of_the_wrong_kind_are_refused():
+    c = hetlb.Chronica()
+    c.start(Context.simple(2, 8))
+    state = c.state_dict()
+    with pytest.raises(ValueError, match="pivot must be True or False"):
+        hetlb.Chronica().load_state_dict({**state, "pivot": "garbage"})
+    for cap in ("garbage", -1.0, [1.0, float("nan")], [[1.0]]):
+        with pytest.raises(ValueError, match="cap must be None, a positive number or one per rank"):
+            hetlb.Chronica().load_state_dict({**state, "cap": cap})
+    ok = hetlb.Chronica()
+    ok.load_state_dict({**state, "cap": [4.0, 5.0], "pivot": False})
+    assert ok.cap == [4.0, 5.0] and ok.pivot is False
+    w = hetlb.WLBS()
+    w.start(Context.simple(2, 8))
+    state = w.state_dict()
+    for key, bad in (("epoch", "x"), ("steps", -1), ("samples", [1.0]), ("time", [1.0, float("nan")]),
+                     ("steps_per_epoch", 0)):
+        with pytest.raises(ValueError, match=f"EpochMeter state: {key}"):
+            hetlb.WLBS().load_state_dict({**state, "meter": {**state["meter"], key: bad}})
+    inf = {**state["meter"], "time": [1.0, float("inf")]}  # a rank without progress: kept
+    hetlb.WLBS().load_state_dict({**state, "meter": inf})
 
 
 def test_lbbsp_state_with_an_unknown_mode_or_predictor_is_refused():

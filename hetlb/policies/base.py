@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 import torch
 
-from ..checks import integer
+from ..checks import integer, optional_integer
 from ..models import TimeModel
 from ..plan import ScheduleRule
 from ..solve import allocate_proportional
@@ -182,6 +182,11 @@ class Policy:
     #: Short name for logs and benchmark tables.
     name: str = "policy"
 
+    #: Fields that may hold None (optional, or not set until used), each with a value of the kind
+    #: it holds otherwise: :meth:`load_state_dict` checks a state's value against it when the
+    #: policy itself holds None there.
+    _optional_kinds: Dict[str, Any] = {}
+
     def start(self, ctx: Context) -> np.ndarray:
         """Remember ``ctx`` and return the int64 sizes of the first step."""
         raise NotImplementedError
@@ -208,7 +213,8 @@ class Policy:
         state = check_state(state, self.name)
         reference = self._kinds_of(state)
         for k, v in state.items():
-            want = state_kind_error(getattr(reference, k, None), v)
+            current = getattr(reference, k, None)
+            want = state_kind_error(self._optional_kinds.get(k) if current is None else current, v)
             if want is not None:
                 raise ValueError(f"{self.name}.load_state_dict: {k} must be {want} (as this "
                                  f"policy holds it), got {type(v).__name__} {v!r:.80}")
@@ -375,10 +381,24 @@ class EpochMeter:
                 "time": self.time.tolist(), "steps_per_epoch": self.steps_per_epoch}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.epoch, self.steps = int(state["epoch"]), int(state["steps"])
-        self.samples = np.asarray(state["samples"], np.float64)
-        self.time = np.asarray(state["time"], np.float64)
-        self.steps_per_epoch = state.get("steps_per_epoch")
+        """Restore :meth:`state_dict`'s output; ``ValueError`` naming the field for a value that
+        cannot be this meter's (nothing is changed then)."""
+        epoch = integer(state["epoch"], "EpochMeter state: epoch", -1)
+        steps = integer(state["steps"], "EpochMeter state: steps", 0)
+        spe = optional_integer(state.get("steps_per_epoch"), "EpochMeter state: steps_per_epoch", 1)
+        totals = []
+        for k in ("samples", "time"):
+            try:
+                a = np.asarray(state[k], np.float64)
+            except (TypeError, ValueError):
+                a = None
+            # (+inf is a sum over a rank that made no progress, which WLBS acts on)
+            if a is None or a.shape != (self.world,) or np.any(np.isnan(a)):
+                raise ValueError(f"EpochMeter state: {k} must be {self.world} numbers (one per rank), "
+                                 f"got {state[k]!r:.80}")
+            totals.append(a)
+        self.epoch, self.steps, self.steps_per_epoch = epoch, steps, spe
+        self.samples, self.time = totals
 
 
 class EpochPolicy(SizedPolicy):
@@ -387,6 +407,7 @@ class EpochPolicy(SizedPolicy):
     own state. Subclasses set ``steps_per_epoch`` (None: epoch ends come from the records)."""
 
     steps_per_epoch: Optional[int] = None
+    _optional_kinds = {"steps_per_epoch": 0}
 
     def _start_meter(self) -> None:
         self._meter = EpochMeter(self.world, self.steps_per_epoch)

@@ -177,6 +177,24 @@ def check_quadratic(value: Any, who: str) -> Any:
     return number(value, f"{who}: quadratic", minimum=0.0)
 
 
+def _check_cap(cap: Any, quadratic: float, who: str) -> Any:
+    """Chronica's ``cap``: None, or positive finite numbers (one, or one per rank) as a float or a
+    list; ``ValueError`` naming ``who`` otherwise, and with a quadratic work term."""
+    if cap is None:
+        return None
+    try:
+        c = np.asarray(cap, np.float64)
+    except (TypeError, ValueError, OverflowError):
+        c = None
+    if isinstance(cap, (str, bytes, bool)) or c is None or c.ndim > 1 or c.size == 0 \
+            or np.any(~np.isfinite(c)) or np.any(c <= 0):
+        raise ValueError(f"{who}: cap must be None, a positive number or one per rank, got {cap!r:.80}")
+    if quadratic != 0.0:
+        raise ValueError(f"{who}: cap= with a quadratic work term is not supported yet (the cap "
+                         f"bounds summed size; the scheduler then places by work)")
+    return c.tolist()
+
+
 class Chronica(Policy):
     """Size-aware scheduling (CHRONICA): each step's samples go to ranks by estimated time.
 
@@ -206,20 +224,7 @@ class Chronica(Policy):
         self.forget = number(forget, "Chronica: forget", above=0.0, maximum=1.0)
         self.quadratic = check_quadratic(quadratic, "Chronica")
         self.pivot = flag(pivot, "Chronica: pivot")
-        if cap is not None:
-            try:
-                c = np.asarray(cap, np.float64)
-            except (TypeError, ValueError, OverflowError):
-                c = None
-            if isinstance(cap, (str, bytes, bool)) or c is None or c.ndim > 1 or c.size == 0 \
-                    or np.any(~np.isfinite(c)) or np.any(c <= 0):
-                raise ValueError(f"Chronica: cap must be None, a positive number or one per rank, "
-                                 f"got {cap!r}")
-            cap = c.tolist()
-            if self.quadratic != 0.0:
-                raise ValueError("Chronica: cap= with a quadratic work term is not supported yet (the "
-                                 "cap bounds summed size; the scheduler then places by work)")
-        self.cap = cap
+        self.cap = _check_cap(cap, self.quadratic, "Chronica")
         self.world = 0
         self._prophet: Optional[RuntimeProphet] = None
 
@@ -296,8 +301,10 @@ class Chronica(Policy):
             prophet.load_state_dict(state["prophet"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"Chronica.load_state_dict: malformed prophet state ({e!r})") from None
+        pivot = flag(state.get("pivot", True), "Chronica state: pivot")
+        cap = _check_cap(state.get("cap"), prophet.quadratic, "Chronica state")
         self.forget, self.world, self.global_batch = forget, world, gb
-        self.pivot = bool(state.get("pivot", True))
-        self.cap = state.get("cap")
+        self.pivot = pivot
+        self.cap = cap
         self.quadratic = prophet.quadratic
         self._prophet = prophet

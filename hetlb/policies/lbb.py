@@ -80,6 +80,7 @@ class LBB(SizedPolicy):
     """
 
     name = "lbb"
+    _optional_kinds = {"waiting": []}
     #: Length of the :attr:`actions` log.
     ACTIONS_KEPT = 1024
 
