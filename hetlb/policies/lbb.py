@@ -80,7 +80,7 @@ class LBB(SizedPolicy):
     """
 
     name = "lbb"
-    _optional_kinds = {"waiting": []}
+    _optional_kinds = {"waiting": ()}  # (a list of sizes)
     #: Length of the :attr:`actions` log.
     ACTIONS_KEPT = 1024
 
