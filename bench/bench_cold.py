@@ -24,7 +24,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -44,34 +44,12 @@ def timed(fn: Callable[[], object], evict: Callable[[], object], steps: int) -> 
     return statistics.median(out)
 
 
-def balancer_overhead(evict: Callable[[], object], steps: int) -> float:
-    """Median ``Balancer.last_overhead`` over ``steps`` steps of a one-rank Balancer on a tiny
-    model, ``evict()`` before every step's bookkeeping."""
-    import hetlb
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    torch.manual_seed(0)
-    ddp = DDP(torch.nn.Linear(8, 2))
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    bal = hetlb.Balancer(ddp, 16, policy=hetlb.Uniform())
-    n = 16 * (steps + 10)
-    ds = torch.utils.data.TensorDataset(torch.randn(n, 8), torch.randint(0, 2, (n,)))
-    it = iter(bal.loader(ds, seed=0))
-    spent: List[float] = []
-    for i in range(steps + 10):
-        x, y = next(it)
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        evict()  # what a real step's compute leaves behind; the next next() does the bookkeeping
-        if i >= 10:
-            spent.append(bal.last_overhead)
-    return statistics.median(spent[1:])
-
-
-def next_batch(evict: Callable[[], object], steps: int, balanced: bool) -> float:
-    """Median seconds of the loop's ``next(it)`` (the step boundary: for hetlb the previous step's
-    bookkeeping, the plan's draw and the batch; for plain DDP the DataLoader's batch from a
-    ``DistributedSampler``) on the same tiny model and data, ``evict()`` before each."""
+def _loop(evict: Callable[[], object], steps: int, balanced: bool) -> Tuple[List[float], List[float]]:
+    """``steps`` training steps (after 10 not counted) of a tiny DDP model on one rank, with
+    ``evict()`` before each step's ``next(it)`` (where hetlb's bookkeeping of the step before runs,
+    as after a real step's compute): the seconds of each ``next(it)`` and, with ``balanced``
+    (hetlb's loader instead of a DataLoader with a ``DistributedSampler``), each
+    ``Balancer.last_overhead``."""
     import hetlb
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
@@ -80,26 +58,40 @@ def next_batch(evict: Callable[[], object], steps: int, balanced: bool) -> float
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     n = 16 * (steps + 10)
     ds = torch.utils.data.TensorDataset(torch.randn(n, 8), torch.randint(0, 2, (n,)))
-    if balanced:
-        bal = hetlb.Balancer(ddp, 16, policy=hetlb.Uniform())
-        it = iter(bal.loader(ds, seed=0))
-    else:
-        it = iter(DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, seed=0)))
-    out: List[float] = []
+    bal = hetlb.Balancer(ddp, 16, policy=hetlb.Uniform()) if balanced else None
+    it = iter(bal.loader(ds, seed=0) if balanced else
+              DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, seed=0)))
+    took: List[float] = []
+    spent: List[float] = []
     for i in range(steps + 10):
         evict()
         t = time.perf_counter()
         x, y = next(it)
         if i >= 10:
-            out.append(time.perf_counter() - t)
+            took.append(time.perf_counter() - t)
+            if bal is not None:
+                spent.append(bal.last_overhead)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return statistics.median(out)
+    return took, spent
 
 
-#: (owner, method, label) of the step's bookkeeping timed by --parts, in the order a step runs them.
-def _part_targets():
+def balancer_overhead(evict: Callable[[], object], steps: int) -> float:
+    """Median ``Balancer.last_overhead`` (see :func:`_loop`)."""
+    return statistics.median(_loop(evict, steps, True)[1])
+
+
+def next_batch(evict: Callable[[], object], steps: int, balanced: bool) -> float:
+    """Median seconds of the loop's ``next(it)`` (the step boundary: for hetlb the previous step's
+    bookkeeping, the plan's draw and the batch; for plain DDP the DataLoader's batch from a
+    ``DistributedSampler``; see :func:`_loop`)."""
+    return statistics.median(_loop(evict, steps, balanced)[0])
+
+
+def _part_targets() -> List[tuple]:
+    """(owner, method, label) of the step's bookkeeping timed by ``--parts``, in the order a step
+    runs them (labels indented under the part they run in)."""
     import hetlb
     from hetlb import aggregate, balancer, plan, telemetry
     return [
