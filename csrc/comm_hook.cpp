@@ -26,6 +26,10 @@
 //          group is the gradient group, or with `side_first` (the earlier behaviour, kept for
 //          bench/bench_overhead.py's side-by-side comparison) it is issued just before the last
 //          bucket's. The step's end waits for it, normally long done.
+// With a block of k steps (Balancer(exchange_every=k)) each step's stamped row is kept in the
+// core and only the block's last step ships: its table holds the rows of every step of the block
+// (carry's slot region or the side buffer grows to k tables); the other steps send nothing but
+// the gradient.
 //
 // Nothing here holds a Python object, and every collective is issued with the thread's Python
 // objects (torch stashes a contextvars context in thread-local state during backward) cleared:
@@ -227,10 +231,11 @@ void scale_(const at::Tensor& buf, double w) {
   op.call(at::TensorList(buf), w);
 }
 
-py::array_t<double> table_to_numpy(const at::Tensor& t, int64_t world, int64_t fields) {
+py::array_t<double> table_to_numpy(const at::Tensor& t, int64_t fields) {
   at::Tensor c = t.to(at::kDouble).contiguous();
-  py::array_t<double> out({world, fields});
-  std::memcpy(out.mutable_data(), c.data_ptr<double>(), sizeof(double) * world * fields);
+  const int64_t rows = c.numel() / fields;
+  py::array_t<double> out({rows, fields});
+  std::memcpy(out.mutable_data(), c.data_ptr<double>(), sizeof(double) * rows * fields);
   return out;
 }
 
@@ -243,7 +248,7 @@ struct StepCore {
   StepCore(int64_t rank, int64_t world, int64_t fields, bool carry, bool nccl, int64_t compute_col,
            int64_t cpu_col, std::optional<c10::Device> device)
       : rank(rank), world(world), fields(fields), carry(carry), nccl(nccl),
-        compute_col(compute_col), cpu_col(cpu_col), row(fields, 0.0),
+        compute_col(compute_col), cpu_col(cpu_col), rows(fields, 0.0), row(fields, 0.0),
         slot(std::make_shared<TableSlot>()) {
     TORCH_CHECK(world >= 1 && rank >= 0 && rank < world && fields >= 1,
                 "hetlb StepCore: need 0 <= rank < world and fields >= 1, got rank=", rank,
@@ -258,6 +263,14 @@ struct StepCore {
   const int64_t rank, world, fields;
   const bool carry, nccl;
   const int64_t compute_col, cpu_col;
+
+  // Exchange every `block` steps (Balancer(exchange_every=)): each step's stamped row is kept at
+  // its position in `rows`, and only a step with `ship` set sends the table, of the rows of
+  // positions 0..pos of every rank ([(pos + 1) * world, fields], step-major). block = 1 is the
+  // per-step exchange.
+  int64_t block = 1, pos = 0;
+  bool ship = true;
+  std::vector<double> rows;
 
   // This step (set by start()).
   bool open = false;
@@ -285,9 +298,22 @@ struct StepCore {
   std::vector<std::pair<c10::ScalarType, at::Tensor>> factors;  // NCCL PREMUL_SUM, per dtype
   at::Tensor flat_;  // carry transport: the last bucket and the slots, reused every step
 
-  void start(double w, const double* r, double off, bool new_window) {
+  void set_block(int64_t k) {
+    TORCH_CHECK(k >= 1, "hetlb StepCore.set_block: need a block of at least 1 step, got ", k);
+    TORCH_CHECK(!open, "hetlb StepCore.set_block: a step is open");
+    block = k;
+    pos = 0;
+    ship = true;
+    rows.assign(static_cast<size_t>(k * fields), 0.0);
+  }
+
+  void start(double w, const double* r, double off, bool new_window, int64_t at = 0, bool send = true) {
     TORCH_CHECK(std::isfinite(w) && w >= 0, "hetlb StepCore.start: weight must be finite and >= 0, got ", w);
     TORCH_CHECK(std::isfinite(off) && off >= 0, "hetlb StepCore.start: offset must be finite and >= 0, got ", off);
+    TORCH_CHECK(at >= 0 && at < block, "hetlb StepCore.start: pos must be in [0, ", block,
+                ") (the block set by set_block), got ", at);
+    pos = at;
+    ship = send;
     weight = w;
     std::memcpy(row.data(), r, sizeof(double) * fields);
     offset = off;
@@ -332,16 +358,24 @@ struct StepCore {
     if (no_progress) reported = kInf;
     row[compute_col] = reported;
     row[cpu_col] = cpu.read(now);
+    std::memcpy(rows.data() + pos * fields, row.data(), sizeof(double) * fields);
     ++last_buckets;
     return compute;
   }
 
-  // This rank's row in a zeroed [world * fields] float64 region: what a SUM all-reduce fills in.
+  // This rank's rows in a zeroed [(pos + 1) * world * fields] float64 region (step-major: the
+  // block's position j, then the rank): what a SUM all-reduce fills in. The current step's row is
+  // `row` (stamped or not); earlier positions are the block's stamped rows.
   at::Tensor slots() const {
-    at::Tensor region = at::zeros({world * fields}, at::kDouble);
-    std::memcpy(region.data_ptr<double>() + rank * fields, row.data(), sizeof(double) * fields);
+    at::Tensor region = at::zeros({(pos + 1) * world * fields}, at::kDouble);
+    double* out = region.data_ptr<double>();
+    for (int64_t j = 0; j < pos; ++j)
+      std::memcpy(out + (j * world + rank) * fields, rows.data() + j * fields, sizeof(double) * fields);
+    std::memcpy(out + (pos * world + rank) * fields, row.data(), sizeof(double) * fields);
     return region;
   }
+
+  int64_t table_rows() const { return (pos + 1) * world; }
 
   at::Tensor factor(const at::Tensor& buf) {
     for (auto& f : factors)
@@ -411,12 +445,13 @@ struct StepCore {
     // 0 * NaN = NaN would poison every rank: zero the bucket on every path.
     if (w == 0.0) buf.zero_();
     if (last) last_ready();
+    const bool send = last && ship;  // (only a block's shipping step sends the table)
     std::vector<at::Tensor> tensors{buf};
     // Issued from a continuation, a collective on the gradient group itself could be ordered
     // differently on two ranks against DDP's own (find_unused_parameters' all-reduce): there
     // (and under NCCL, or when asked) the table goes first.
     const bool table_first = side_first || nccl || side.get() == pg.get();
-    if (last && !carry && table_first) launch_side(side);
+    if (send && !carry && table_first) launch_side(side);
     if (nccl) {
       c10d::AllreduceOptions opts;
       if (weigh) {
@@ -426,13 +461,13 @@ struct StepCore {
       auto fut = pg->allreduce(tensors, opts)->getFuture();
       return delayed(fut, nbytes);
     }
-    if (last && carry) {
+    if (send && carry) {
       TORCH_CHECK(buf.device().is_cpu() && (buf.scalar_type() == at::kFloat ||
                                             buf.scalar_type() == at::kDouble),
                   "hetlb comm hook: the carry transport needs CPU float32/float64 buckets, got ",
                   buf.scalar_type(), " on ", buf.device(),
                   " (was the model changed after the Balancer was made?)");
-      const int64_t n = buf.numel(), nslots = world * fields;
+      const int64_t n = buf.numel(), nslots = table_rows() * fields;
       // One persistent buffer for bucket + slots (a fresh one each step costs page faults):
       // the scaled gradient is written into it in one pass (it replaces the scaling pass), and
       // the hook returns a view of it, so DDP's own copy out of the result is the only one.
@@ -448,7 +483,7 @@ struct StepCore {
       flat_.narrow(0, n, nslots).copy_(slots());
       std::vector<at::Tensor> packed{flat_};
       auto fut = pg->allreduce(packed)->getFuture();
-      const int64_t W = world, F = fields;
+      const int64_t W = table_rows(), F = fields;
       std::shared_ptr<TableSlot> s = slot;
       at::Tensor flat = flat_;
       auto unpacked = fut->then(
@@ -471,7 +506,7 @@ struct StepCore {
       ++scaled_buckets;
     }
     auto fut = pg->allreduce(tensors)->getFuture();
-    if (last && !carry && !table_first) fut = side_after(fut, side);
+    if (send && !carry && !table_first) fut = side_after(fut, side);
     return delayed(fut, nbytes);
   }
 
@@ -497,7 +532,7 @@ struct StepCore {
       py::gil_scoped_release nogil;
       work->wait();
     }
-    return buffer.view({world, fields}).clone();
+    return buffer.view({-1, fields}).clone();
   }
 
   // Whether no parameter holds a gradient (so a backward's result is that backward's alone).
@@ -513,7 +548,7 @@ struct StepCore {
     at::Tensor buf = slots();
     std::vector<at::Tensor> tensors{buf};
     group->allreduce(tensors)->wait();
-    return buf.view({world, fields}).clone();
+    return buf.view({-1, fields}).clone();
   }
 };
 
@@ -553,14 +588,20 @@ void bind_comm_hook(py::module& m) {
            py::arg("compute_col"), py::arg("cpu_col"), py::arg("device") = py::none())
       .def(
           "start",
-          [](StepCore& c, double weight, const row_array& r, double offset, bool new_window) {
+          [](StepCore& c, double weight, const row_array& r, double offset, bool new_window,
+             int64_t pos, bool ship) {
             TORCH_CHECK(r.ndim() == 1 && r.size() == c.fields, "hetlb StepCore.start: row must have ",
                         c.fields, " entries, got ", r.size());
-            c.start(weight, r.data(), offset, new_window);
+            c.start(weight, r.data(), offset, new_window, pos, ship);
           },
           py::arg("weight"), py::arg("row"), py::arg("offset") = 0.0, py::arg("new_window") = true,
+          py::arg("pos") = 0, py::arg("ship") = true,
           "Open a step: this rank's weight and row; start the compute clock (plus `offset` seconds "
-          "of earlier micro-steps of an accumulation window).")
+          "of earlier micro-steps of an accumulation window). `pos`: the step's position in its "
+          "block (see set_block); `ship`: whether this step sends the table of positions 0..pos.")
+      .def("set_block", &StepCore::set_block, py::arg("k"),
+           "Keep the stamped rows of up to `k` steps, sent together by a step started with ship "
+           "(k = 1: every step sends its own row). Between steps only.")
       .def("restart_clock", &StepCore::restart_clock,
            "Restart the compute clock at the step's first forward (later calls do nothing).")
       .def(
@@ -602,7 +643,7 @@ void bind_comm_hook(py::module& m) {
           [](StepCore& c) -> py::object {
             auto t = c.take_table();
             if (!t) return py::none();
-            return table_to_numpy(*t, c.world, c.fields);
+            return table_to_numpy(*t, c.fields);
           },
           "The [world, fields] table delivered this step (waiting for a pending side all-reduce), "
           "once; None if no exchange delivered one.")
@@ -615,7 +656,7 @@ void bind_comm_hook(py::module& m) {
               py::gil_scoped_release nogil;  // (see reduce)
               t = c.exchange(group);
             }
-            return table_to_numpy(t, c.world, c.fields);
+            return table_to_numpy(t, c.fields);
           },
           py::arg("group"), "All-reduce this rank's row now (blocking) and return the table.")
       .def(
@@ -641,9 +682,11 @@ void bind_comm_hook(py::module& m) {
       .def(
           "store_table",
           [](StepCore& c, const row_array& t) {
-            TORCH_CHECK(t.ndim() == 2 && t.shape(0) == c.world && t.shape(1) == c.fields,
-                        "hetlb StepCore.store_table: need a [", c.world, ", ", c.fields, "] table");
-            at::Tensor table = at::empty({c.world, c.fields}, at::kDouble);
+            TORCH_CHECK(t.ndim() == 2 && t.shape(0) == c.table_rows() && t.shape(1) == c.fields,
+                        "hetlb StepCore.store_table: need a [", c.table_rows(), ", ", c.fields,
+                        "] table ((pos + 1) * world rows), got ", t.ndim() == 2 ? t.shape(0) : -1,
+                        " rows in ", t.ndim(), " dimension(s)");
+            at::Tensor table = at::empty({c.table_rows(), c.fields}, at::kDouble);
             std::memcpy(table.data_ptr<double>(), t.data(), sizeof(double) * t.size());
             std::lock_guard<std::mutex> lock(c.slot->mu);
             c.slot->table = table;
@@ -652,9 +695,10 @@ void bind_comm_hook(py::module& m) {
       .def(
           "adopt_side",
           [](StepCore& c, c10d::Work* work, at::Tensor buffer) {
-            TORCH_CHECK(work != nullptr && buffer.numel() == c.world * c.fields &&
+            TORCH_CHECK(work != nullptr && buffer.numel() == c.table_rows() * c.fields &&
                             buffer.scalar_type() == at::kDouble,
-                        "hetlb StepCore.adopt_side: need a work and its float64 [world * fields] buffer");
+                        "hetlb StepCore.adopt_side: need a work and its float64 [(pos + 1) * world * "
+                        "fields] buffer");
             c.slot->adopt_side(c10::intrusive_ptr<c10d::Work>::reclaim_copy(work), buffer);
           },
           py::arg("work"), py::arg("buffer"),
@@ -665,7 +709,8 @@ void bind_comm_hook(py::module& m) {
         return out;
       }, "A copy of this step's row.")
       .def_property_readonly("slots", &StepCore::slots,
-                             "This rank's row in a zeroed float64 [world * fields] tensor.")
+                             "This rank's rows of the block so far (positions 0..pos) in a zeroed "
+                             "float64 [(pos + 1) * world * fields] tensor, step-major.")
       .def(
           "watch",
           [](StepCore& c, std::vector<at::Tensor> params) { c.params = std::move(params); },
@@ -687,6 +732,9 @@ void bind_comm_hook(py::module& m) {
       .def_readonly("carry", &StepCore::carry)
       .def_readonly("nccl", &StepCore::nccl)
       .def_readonly("weight", &StepCore::weight)
+      .def_readonly("block", &StepCore::block)
+      .def_readonly("pos", &StepCore::pos)
+      .def_readonly("ship", &StepCore::ship)
       .def_readonly("open", &StepCore::open)
       .def_readonly("compute", &StepCore::compute)
       .def_readonly("hooks_run", &StepCore::hooks_run)

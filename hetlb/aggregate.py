@@ -30,6 +30,11 @@ How the table travels (every rank uses the same transport, agreed at start-up; b
   the transport to pair with :meth:`hetlb.Balancer.backward` on Gloo: the hook then makes no
   pass over the gradient at all (carry still copies the last bucket next to the table).
 * A step in which no hook ran (no backward) all-reduces the row on its own (:meth:`exchange`).
+
+With ``block=k`` (``Balancer(exchange_every=k)``) the core keeps each step's stamped row and only
+a step started with ``ship=True`` sends a table: the rows of the block's positions ``0..pos`` of
+every rank, ``[(pos + 1) * world, F]`` step-major, by the same transport. The other steps send
+nothing but the gradient (no carry copy, no side all-reduce).
 """
 from __future__ import annotations
 
@@ -147,11 +152,12 @@ class StepTelemetry:
         device: the model's device; CUDA compute times come from device events, one step late.
         emulator: an :class:`hetlb.emulate.Emulator` for this rank, or None.
         probe: the memory probe (default: one for ``device``).
+        block: steps whose rows one table carries (see the module docstring; 1: every step).
     """
 
     def __init__(self, rank: int, world: int, *, transport: str = "side", group: Any = None,
                  side_group: Any = None, nccl: bool = False, device: Optional[torch.device] = None,
-                 emulator: Any = None, probe: Optional[Probe] = None) -> None:
+                 emulator: Any = None, probe: Optional[Probe] = None, block: int = 1) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         device = torch.device("cpu") if device is None else torch.device(device)
@@ -161,6 +167,8 @@ class StepTelemetry:
         self.probe = probe if probe is not None else Probe(device)
         self.core = _C.StepCore(self.rank, self.world, NUM_FIELDS, transport == "carry", bool(nccl),
                                 COL["compute"], COL["cpu"], device if device.type != "cpu" else None)
+        if block != 1:
+            self.core.set_block(int(block))
         #: Steps by which the compute column lags its row (device events are read one step late).
         self.lag = 0 if device.type == "cpu" else 1
         if emulator is not None and getattr(emulator, "bandwidth", None):
@@ -183,12 +191,13 @@ class StepTelemetry:
     # ------------------------------------------------------------------ one step
 
     def start(self, step: int, weight: float, row: np.ndarray, batch: int, *, offset: float = 0.0,
-              new_window: bool = True, sq: float = 0.0) -> None:
+              new_window: bool = True, sq: float = 0.0, pos: int = 0, ship: bool = True) -> None:
         """Open a step: this rank's weight and row (memory filled in here), the emulator's hold
         for it, and the compute clock (``offset``: seconds of earlier micro-steps). ``sq``: the
-        sum of the squared sizes of this rank's samples (an emulator's quadratic work term)."""
+        sum of the squared sizes of this rank's samples (an emulator's quadratic work term).
+        ``pos``, ``ship``: the step's position in its block and whether it sends the table."""
         row[COL["memory"]] = self.probe.memory()
-        self.core.start(weight, row, offset, new_window)
+        self.core.start(weight, row, offset, new_window, pos, ship)
         emu = self.emulator
         if emu is not None:
             if getattr(emu, "by", "batch") == "data":
@@ -219,13 +228,15 @@ class StepTelemetry:
         return self.core.row
 
     def table(self) -> Optional[np.ndarray]:
-        """The table delivered with the gradient (waiting for the side all-reduce), or None."""
+        """The table delivered with the gradient (waiting for the side all-reduce), or None:
+        ``[world, F]``, or ``[(pos + 1) * world, F]`` (step-major) for a block."""
         return self.core.take_table()
 
     def exchange(self) -> np.ndarray:
-        """All-reduce this step's row now (blocking): the table of a step no hook carried."""
+        """All-reduce this step's row now (blocking): the table of a step no hook carried (with
+        a block, of its positions ``0..pos``)."""
         if self.world == 1 and self.side_group is None and not (dist.is_available() and dist.is_initialized()):
-            return self.core.row[None, :].copy()
+            return self.core.slots.numpy().reshape(-1, self.core.fields)
         group = self.side_group if self.side_group is not None else dist.distributed_c10d._get_default_group()
         return self.core.exchange(group)
 

@@ -27,7 +27,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -168,6 +168,7 @@ class _Open:
 
     plan: StepPlan
     explicit: bool
+    ship: bool = True  # this step sends the telemetry table (the last of its block)
 
 
 class Balancer:
@@ -214,6 +215,17 @@ class Balancer:
             different transports get an error.
         native_hook: False registers the pure-Python reference hook instead of the native one
             (debugging; same collectives, so ranks may mix).
+        exchange_every: steps per telemetry exchange (default 1: every step, as the papers
+            decide). With ``k > 1`` (opt-in) each step's row is kept and sent with the rows of
+            its block by the block's last step, so the other steps add no table copy or
+            collective and no record or decision: the records of a block, their checks (every
+            rank's step, decision and batch sizes) and one decision happen at its exchange.
+            The sizes then change at most every ``k`` steps, and a rank disagreement is found
+            up to ``k - 1`` steps late (still an error). A block also ends at an epoch's last
+            step. The steps since the last exchange are not in a checkpoint's history: a run
+            resumed inside a block starts a new block, and its decisions may differ from an
+            uninterrupted run's (its samples do not: exactly once either way). The same on
+            every rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -246,7 +258,8 @@ class Balancer:
                  history: int = 1024, max_bad_steps: int = 10, accumulate: int = 1,
                  batch_dim: BatchDim = 0, transport: Optional[str] = None,
                  native_hook: bool = True, log_dir: Optional[str] = None,
-                 tensorboard: Optional[bool] = None, watchdog: Optional[Watchdog] = None) -> None:
+                 tensorboard: Optional[bool] = None, watchdog: Optional[Watchdog] = None,
+                 exchange_every: int = 1) -> None:
         # Every argument is checked before anything touches the model (hooks) or the group.
         checks.instance(model, "model", torch.nn.Module, "a torch.nn.Module (DDP-wrapped with "
                         "more than one rank)")
@@ -284,6 +297,7 @@ class Balancer:
                              'data amounts of a window\'s micro-steps differ, and the accumulated '
                              'gradient no longer tells them apart')
         self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
+        self.exchange_every = checks.integer(exchange_every, "exchange_every", 1)
         lower = checks.integer(lower, "lower", 0)
         if batch_dim is not None and not callable(batch_dim):
             batch_dim = checks.integer(batch_dim, "batch_dim", 0)
@@ -337,7 +351,8 @@ class Balancer:
         nccl = self.distributed and is_nccl(group)
         side = make_side_group(group) if self.distributed else None
         mine = {"config": {"global_batch": global_batch, "weighting": weighting,
-                           "accumulate": self.accumulate, "policy": type(policy).__name__},
+                           "accumulate": self.accumulate, "policy": type(policy).__name__,
+                           "exchange_every": self.exchange_every},
                 "transport": transport,
                 "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
                 **self._bounds(lower, upper, profile)}
@@ -356,7 +371,8 @@ class Balancer:
         self._side = side
         self.telemetry = StepTelemetry(self.rank, self.world, transport=self.transport,
                                        group=group if self.distributed else None, side_group=side,
-                                       nccl=nccl, device=self.device, emulator=emulator)
+                                       nccl=nccl, device=self.device, emulator=emulator,
+                                       block=self.exchange_every)
         self.telemetry.core.watch(list(model.parameters()))
         self._fast_backward_noted = False
         self._comm_hook = is_ddp  # whose hook delivers every step's table with the gradient
@@ -383,6 +399,8 @@ class Balancer:
         self._micro = 0  # micro-steps without a loader (window position)
         self._window_data = 0.0
         self._partials: Dict[int, tuple] = {}
+        # The block's steps run since the last exchange (exchange_every > 1): (step, plan).
+        self._block: List[Tuple[int, StepPlan]] = []
         self._weight_of: tuple = (None, None, 0, 0.0)  # (sizes, data, window_len, weight) of _weight
         self._spent = 0.0
         self.last_overhead: float = 0.0
@@ -548,13 +566,21 @@ class Balancer:
         data = (self._window_data + float(plan.data[self.rank])) / plan.window_len \
             if plan.window_end and plan.window_len > 1 else float(plan.data[self.rank])
         offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
+        pos = len(self._block)
+        ship = pos + 1 >= self.exchange_every or self._epoch_last(plan)
         self.telemetry.start(self._step, self._weight(plan), self._row(plan, data),
                              int(plan.sizes[self.rank]), offset=offset, new_window=first,
-                             sq=0.0 if plan.sq is None else float(plan.sq[self.rank]))
-        self._open = _Open(plan, explicit)
+                             sq=0.0 if plan.sq is None else float(plan.sq[self.rank]),
+                             pos=pos, ship=ship)
+        self._open = _Open(plan, explicit, ship)
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
         self._spent += time.perf_counter() - t
+
+    def _epoch_last(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` is the last step of its epoch (known with a loader only)."""
+        spe = self.board.steps_per_epoch if self._loader_config is not None else None
+        return spe is not None and plan.step + 1 >= spe
 
     def _plan_without_loader(self) -> StepPlan:
         d = self._decision
@@ -673,8 +699,24 @@ class Balancer:
     def _finish(self) -> None:
         """End the open step: its table, checks, record, the next decision, the position."""
         t = time.perf_counter()
-        plan = self._open.plan
+        plan, ship = self._open.plan, self._open.ship
         tele = self.telemetry
+        if not ship:  # inside a block: the row stays in the core until the block's exchange
+            if not tele.hooked:
+                tele.stamp()
+            tele.close()
+            self._open = None
+            self.board.complete(plan)
+            if self._loader_config is None:
+                self._micro = 0
+                self.board.current = None
+            self._block.append((self._step, plan))
+            self._step += 1
+            if self.watchdog is not None:
+                self.watchdog.beat(self._step)
+            self._spent += time.perf_counter() - t
+            self.last_overhead, self._spent = self._spent, 0.0
+            return
         table = tele.table() if tele.hooked else None
         if table is None:
             if tele.hooked and self._comm_hook:
@@ -691,17 +733,28 @@ class Balancer:
             table = tele.exchange()
         tele.close()
         self._open = None
-        self._verify(table, plan)
+        if self._block:  # the block's steps, each checked and recorded with its own table
+            steps = self._block + [(self._step, plan)]
+            self._block = []
+            if table.shape[0] != len(steps) * self.world:
+                raise RuntimeError(f"hetlb: step {self._step}: the telemetry table has "
+                                   f"{table.shape[0]} rows for a block of {len(steps)} steps of "
+                                   f"{self.world} ranks; please report this with the script")
+            done = list(zip(steps, table.reshape(len(steps), self.world, table.shape[1])))
+        else:
+            done = [((self._step, plan), table)]
+        for (g, p), tab in done:
+            self._verify(tab, p, g)
         self.board.complete(plan)
         if self._loader_config is None:
             self._micro = 0
             self.board.current = None
-        g = self._step
         self._step += 1
-        self._partials[g] = (plan, table)
+        for (g, p), tab in done:
+            self._partials[g] = (p, tab)
         if self.watchdog is not None:
             self.watchdog.beat(self._step)
-        self._record(g, table)
+        self._record([(g, tab) for (g, _), tab in done])
         part = self.board.partition
         if part is not None and part.rebalance and part.pending is None and \
                 plan.epoch == self.board.epoch and self.board.epoch_finished():
@@ -725,8 +778,7 @@ class Balancer:
         moves = part.plan(slope, intercept)
         log.info("epoch %d: rebalancing moves %d of %d samples", epoch, len(moves), part.home.size)
 
-    def _verify(self, table: np.ndarray, plan: StepPlan) -> None:
-        g = self._step
+    def _verify(self, table: np.ndarray, plan: StepPlan, g: int) -> None:
         ids = table[:, _IDS].tolist()  # tiny rows: plain lists beat NumPy's per-call cost
         first = ids[0]
         if any(row != first for row in ids) or first[2] != g % EXACT_INT:
@@ -747,32 +799,39 @@ class Balancer:
                                         f"[{', '.join(_num(v) for v in batch[bad].tolist())}], "
                                         f"the plan says {plan.sizes[bad].tolist()}")
 
-    def _record(self, g: int, table: np.ndarray) -> None:
-        done = g - self.telemetry.lag
-        if done < 0 or done not in self._partials:
+    def _record(self, steps: List[Tuple[int, np.ndarray]]) -> None:
+        """The records the tables of ``steps`` (in order; one step, or an exchanged block's)
+        complete, then one decision."""
+        records: List[StepRecord] = []
+        for g, table in steps:
+            done = g - self.telemetry.lag
+            if done < 0 or done not in self._partials:
+                continue
+            plan, old = self._partials.pop(done)
+            # One copy holds the record's float columns (the table's first columns, in record
+            # order); the batch is the plan's, which _verify matched to the table exactly.
+            cols = old[:, :_RECORD_COLS].T.copy()
+            cols[COL["compute"]] = table[:, COL["compute"]]
+            if plan.window_len != 1:
+                cols[COL["compute"]] /= plan.window_len
+            record = StepRecord(step=done, epoch=plan.epoch, epoch_end=self._epoch_last(plan),
+                                batch=plan.sizes, compute=cols[COL["compute"]],
+                                data=cols[COL["data"]], memory=cols[COL["memory"]],
+                                cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]], sq=plan.sq)
+            try:
+                self.history.append(record)  # refuses a structurally unusable record
+                if self._local is not None:
+                    self._local.observe(record, self.rank)
+            except UnusableTelemetry as e:
+                self._unusable(e)
+                continue
+            records.append(record)
+        if not records:
             return
-        plan, old = self._partials.pop(done)
-        # One copy holds the record's float columns (the table's first columns, in record order);
-        # the batch is the plan's, which _verify matched to the table exactly.
-        cols = old[:, :_RECORD_COLS].T.copy()
-        cols[COL["compute"]] = table[:, COL["compute"]]
-        if plan.window_len != 1:
-            cols[COL["compute"]] /= plan.window_len
-        spe = self.board.steps_per_epoch if self._loader_config is not None else None
-        record = StepRecord(step=done, epoch=plan.epoch, epoch_end=spe is not None and plan.step + 1 >= spe,
-                            batch=plan.sizes, compute=cols[COL["compute"]],
-                            data=cols[COL["data"]], memory=cols[COL["memory"]],
-                            cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]], sq=plan.sq)
         try:
-            self.history.append(record)  # refuses a structurally unusable record
-            if self._local is not None:
-                self._local.observe(record, self.rank)
             decision = self.policy.decide(self.history)
         except UnusableTelemetry as e:
-            self._bad += 1
-            if self._bad > self.max_bad_steps:
-                raise UnusableTelemetry(f"{self._bad} consecutive steps of unusable telemetry; last: {e}") from e
-            log.warning("%s; keeping the previous sizes", e)
+            self._unusable(e)
             return
         self._bad = 0
         if not isinstance(self.policy, SizedPolicy):  # (a SizedPolicy checked it in emit())
@@ -781,8 +840,16 @@ class Balancer:
         self.board.post(decision)
         if self.runlog is not None:
             actions = getattr(self.policy, "actions", None)
-            self.runlog.write(record, getattr(self.policy, "name", type(self.policy).__name__),
-                              actions[-1] if actions else None, decision)
+            for record in records:
+                self.runlog.write(record, getattr(self.policy, "name", type(self.policy).__name__),
+                                  actions[-1] if actions else None, decision)
+
+    def _unusable(self, e: UnusableTelemetry) -> None:
+        """A step's telemetry was refused: keep the sizes, or raise after ``max_bad_steps``."""
+        self._bad += 1
+        if self._bad > self.max_bad_steps:
+            raise UnusableTelemetry(f"{self._bad} consecutive steps of unusable telemetry; last: {e}") from e
+        log.warning("%s; keeping the previous sizes", e)
 
     def close(self) -> None:
         """Flush and close the run log (see ``log_dir``) and stop the watchdog's heartbeat;
@@ -913,6 +980,7 @@ class Balancer:
             self._discard()
         self._consumed = None
         self._partials.clear()
+        self._block = []
         self._micro = 0
         self._step = steps
         if world != self.world:

@@ -203,10 +203,12 @@ def _simulate(args: argparse.Namespace) -> int:
         raise CLIError(f"--policy: unknown {bad or policies}; expected a comma-separated subset of "
                        f"{','.join(POLICY_NAMES)}")
     steps = args.steps or sc.steps
+    if args.exchange_every < 1:
+        raise CLIError(f"--exchange-every must be >= 1, got {args.exchange_every}")
     results = []
     for p in policies:
         results.append(simulate(sc, p, steps, profile=args.profile, seed=args.seed,
-                                progress=not args.json))
+                                progress=not args.json, exchange_every=args.exchange_every))
     base = next((r for r in results if r.policy == "uniform"), None)
     summ = [r.summary() for r in results]
     for s in summ:
@@ -496,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--profile", action="store_true",
                     help="give policies profiled models of the workers (LBB starts from them)")
     sm.add_argument("--seed", type=int, help="override the scenario's seed")
+    sm.add_argument("--exchange-every", type=int, default=1, metavar="K",
+                    help="Balancer(exchange_every=K): the policy sees K steps' records at once and "
+                         "decides once per K steps (default 1, every step as the papers)")
     sm.add_argument("--plot", help="write a PNG of step times and batch sizes")
     sm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sm.set_defaults(func=_simulate)

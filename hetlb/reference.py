@@ -25,7 +25,7 @@ from .models import TimeModel
 __all__ = [
     "raw_time", "effective_times", "allocate", "proportional_shares", "allocate_proportional",
     "schedule", "rebalance", "rebalance_level", "continuous_bound", "ref_scale_", "ref_flatten_scaled", "ref_unflatten_", "ref_delay_compensate_",
-    "ReferenceHookState", "weighted_allreduce_hook",
+    "ReferenceHookState", "weighted_allreduce_hook", "ref_block_slots",
 ]
 
 
@@ -327,6 +327,17 @@ def ref_delay_compensate_(grad: Tensor, param: Tensor, prev_param: Tensor, lam: 
 # The weighted all-reduce communication hook (csrc/comm_hook.cpp), in Python
 # ----------------------------------------------------------------------------------------------
 
+def ref_block_slots(rows: Sequence[np.ndarray], rank: int, world: int) -> Tensor:
+    """``StepCore.slots`` of a block: this rank's rows of positions ``0..len(rows)-1`` (each the
+    row as stamped at that position; the last one the current step's) in a zeroed float64 region
+    of ``len(rows)`` tables of ``[world, fields]``, step-major. Shape ``[len(rows) * world * fields]``."""
+    fields = len(rows[0])
+    region = torch.zeros(len(rows), world, fields, dtype=torch.float64)
+    for j, r in enumerate(rows):
+        region[j, rank] = torch.as_tensor(np.asarray(r, dtype=np.float64))
+    return region.reshape(-1)
+
+
 @dataclass
 class ReferenceHookState:
     """State of :func:`weighted_allreduce_hook`: the rank's native step core (``hetlb._C.StepCore``)
@@ -361,14 +372,17 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
     last = bucket.is_last()
     if last:
         core.last_ready()
-    if last and core.carry:
+    # With a block of steps (exchange_every) only the block's last step sends the table, of every
+    # step of the block; the other steps send the gradient alone.
+    send = last and core.ship
+    if send and core.carry:
         n = buf.numel()
         flat = ref_flatten_scaled([buf], 1.0 if w == 0.0 else applied, extra=core.slots)
         fut = dist.all_reduce(flat, group=state.group, async_op=True).get_future()
 
         def unpack(f: torch.futures.Future) -> Tensor:
             out = f.value()[0]
-            core.store_table(out[n:].to(torch.float64).view(core.world, core.fields).numpy())
+            core.store_table(out[n:].to(torch.float64).view(-1, core.fields).numpy())
             return out[:n]  # DDP copies the result out of the view, as for the native hook
         return fut.then(unpack)
     # The table goes with the collectives of the native hook, in the same order: before the
@@ -376,13 +390,13 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
     # that all-reduce's continuation once it is done (this step's row taken now).
     side = state.side_group if state.side_group is not None else state.group
     first = core.side_first or side is state.group
-    if last and first:
+    if send and first:
         slots = core.slots
         core.adopt_side(dist.all_reduce(slots, group=side, async_op=True), slots)
     if w != 0.0 and applied != 1.0:
         ref_scale_([buf], applied)
     fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
-    if not last or first:
+    if not send or first:
         return fut.then(lambda f: f.value()[0])
     slots = core.slots
 

@@ -482,8 +482,8 @@ def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds
     table[:, COL["batch"]] = sizes
     table[:, COL["checksum"]], table[:, COL["plan"]] = rng.integers(0, 2 ** 24, 2)
     table[:, COL["step"]] = step
-    me, plan = SimpleNamespace(_step=step), SimpleNamespace(sizes=sizes)
-    Balancer._verify(me, table, plan)
+    me, plan = SimpleNamespace(), SimpleNamespace(sizes=sizes)
+    Balancer._verify(me, table, plan, step)
     col = data.draw(st.sampled_from(["batch", "checksum", "plan", "step"]))
     r = data.draw(st.integers(0, world - 1))
     table[r, COL[col]] = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf"),
@@ -491,4 +491,4 @@ def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds
     words = {"batch": "ran batch sizes", "checksum": "batch-size decision",
              "plan": "step plan", "step": "different steps"}[col]
     with pytest.raises(hetlb.DecisionMismatchError, match=words):
-        Balancer._verify(me, table, plan)
+        Balancer._verify(me, table, plan, step)

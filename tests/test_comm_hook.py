@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetlb  # before init_process_group in the spawned workers
@@ -226,6 +228,46 @@ def test_step_core_checks_its_inputs():
     assert c >= 0 and core.row[COL["compute"]] == c and 0 <= core.row[COL["cpu"]] <= 1
     core.close()
     assert not core.open
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.integers(1, 5), data=st.data())
+def test_block_slots_match_the_reference(world, data):
+    """A block's region (Balancer(exchange_every=k)): every stamped row at its position, the
+    current row last, this rank's slot of each table, against hetlb.reference.ref_block_slots."""
+    from hetlb.reference import ref_block_slots
+    rank = data.draw(st.integers(0, world - 1))
+    k = data.draw(st.integers(1, 6))
+    core = _C.StepCore(rank, world, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
+    core.set_block(k)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    for _ in range(data.draw(st.integers(1, 2))):  # a second block reuses the rows
+        n = data.draw(st.integers(1, k))
+        stamped = []
+        for j in range(n):
+            core.start(0.5, rng.normal(size=NUM_FIELDS), pos=j, ship=j == n - 1)
+            assert core.pos == j and core.ship == (j == n - 1)
+            if j < n - 1 or data.draw(st.booleans()):
+                core.last_ready()  # (the current step's row is sent stamped or not)
+            stamped.append(core.row)
+            assert torch.equal(core.slots, ref_block_slots(stamped, rank, world))
+            core.close()
+
+
+def test_step_core_checks_its_block():
+    core = _C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
+    with pytest.raises(RuntimeError, match="at least 1 step, got 0"):
+        core.set_block(0)
+    with pytest.raises(RuntimeError, match=r"pos must be in \[0, 1\) \(the block set by set_block\), got 1"):
+        core.start(1.0, np.zeros(NUM_FIELDS), pos=1)
+    core.set_block(3)
+    assert core.block == 3
+    with pytest.raises(RuntimeError, match=r"pos must be in \[0, 3\).*got -1"):
+        core.start(1.0, np.zeros(NUM_FIELDS), pos=-1)
+    core.start(1.0, np.zeros(NUM_FIELDS), pos=2)
+    with pytest.raises(RuntimeError, match="a step is open"):
+        core.set_block(2)
+    assert core.slots.shape == (3 * 2 * NUM_FIELDS,)
 
 
 def test_step_core_holds_and_reports_no_progress():

@@ -249,6 +249,31 @@ def test_lbbsp_cpu_mode_with_narx_runs_per_rank_predictors():
     assert res.step_time[-20:].mean() < 0.75 * uni.step_time[-20:].mean()
 
 
+@pytest.mark.parametrize("policy", ["lbb", "lbbsp", "wlbs", "dbs"])
+def test_exchange_every_decides_once_per_block(policy):
+    # exchange_every=1 is the per-step run exactly; with k = 7 the sizes change only after a
+    # block's end (k steps, or an epoch's end: 50 steps an epoch here), and the policy still
+    # balances the static cluster.
+    sc = load_scenario("abs-sgd-1234")
+    per_step = simulate(sc, policy, steps=120)
+    same = simulate(sc, policy, steps=120, exchange_every=1)
+    assert np.array_equal(per_step.sizes, same.sizes)
+    assert np.array_equal(per_step.step_time, same.step_time)
+    k = 7
+    res = simulate(sc, policy, steps=120, exchange_every=k)
+    ends, n = set(), 0
+    for step in range(120):
+        n += 1
+        if n == k or (step + 1) % sc.steps_per_epoch == 0:
+            ends.add(step)
+            n = 0
+    changed = [s for s in range(1, 120) if not np.array_equal(res.sizes[s], res.sizes[s - 1])]
+    assert changed and all(s - 1 - sc.lag in ends for s in changed), changed
+    assert res.step_time[-20:].mean() < 0.75 * simulate(sc, "uniform", steps=120).step_time[-20:].mean()
+    with pytest.raises(ValueError, match="exchange_every"):
+        simulate(sc, policy, steps=3, exchange_every=0)
+
+
 def test_large_generated_cluster_keeps_the_global_batch():
     sc = generate_cluster(512, seed=3)
     assert sc.world == 512 and sc.global_batch == 512 * 32

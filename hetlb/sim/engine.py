@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
+from .. import checks
 from ..models import LinearModel, PiecewiseModel, PolyModel
 from ..plan import ScheduleRule
 from ..policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
@@ -200,7 +201,7 @@ def _profiles(sc: Scenario, idx: np.ndarray, upper: np.ndarray) -> List[Dict[str
 
 def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Policy, str],
              steps: Optional[int] = None, *, profile: bool = False, seed: Optional[int] = None,
-             progress: bool = False, history: int = 64) -> SimResult:
+             progress: bool = False, history: int = 64, exchange_every: int = 1) -> SimResult:
     """Run ``policy`` on ``scenario`` for ``steps`` steps (default ``scenario.steps``).
 
     Args:
@@ -214,6 +215,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         seed: overrides ``scenario.seed``.
         progress: a tqdm bar over the steps.
         history: records the policy can look back on (the Balancer's ``history`` argument).
+        exchange_every: the Balancer's ``exchange_every``: the policy sees the records of ``k``
+            steps at once (a block also ends at an epoch's end, and at a restart's) and decides
+            once per block; the sizes are kept in between.
 
     Returns:
         a :class:`SimResult`. A worker given more than its ``limit`` (possible only without
@@ -227,6 +231,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     steps = sc.steps if steps is None else int(steps)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    every = checks.integer(exchange_every, "exchange_every", 1)
     rng = np.random.default_rng(sc.seed if seed is None else seed)
     # The samples' sizes come from a stream of their own: the same steps whatever the policy.
     size_rng = np.random.default_rng([sc.seed if seed is None else seed, 1])
@@ -253,7 +258,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     membership = {e.start for e in state_ev if e.kind in ("leave", "join")}
 
     def start_policy(k: int) -> None:
-        nonlocal idx, hist, pending, local, spent
+        nonlocal idx, hist, pending, local, spent, block
         idx = np.flatnonzero(active)
         n = idx.size
         # As in the Balancer, only a profile (that ran out of memory) bounds a rank's batch.
@@ -265,6 +270,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         first = check_decision(pol.start(ctx), ctx, name)
         spent += time.perf_counter() - t0
         hist = History(n, maxlen=history)
+        block = []  # records not exchanged yet (exchange_every > 1)
         pending = [first] * (sc.lag + 1)
         local = []
         for r in range(n):
@@ -279,6 +285,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     hist: History = History(1)
     pending: List[Any] = []
     local: List[Any] = []
+    block: List[StepRecord] = []
     ev_i = 0
     error: Optional[str] = None
     bar = None
@@ -381,15 +388,25 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
                          compute=reported, data=data, memory=rec_mem, cpu=cpu,
                          predicted=pred)
         t0 = time.perf_counter()
-        try:
-            hist.append(rec)
-            for r, p in enumerate(local):
-                if p is not None:
-                    p.observe(rec, r)
-            nxt = pol.decide(hist)
-        except UnusableTelemetry as ex:  # the Balancer keeps the previous sizes
-            log.debug("step %d: %s", k, ex)
-            nxt = pending[-1]
+        block.append(rec)
+        nxt = pending[-1]  # inside a block the sizes are kept
+        if len(block) >= every or rec.epoch_end:
+            appended = 0
+            for rec in block:
+                try:
+                    hist.append(rec)
+                    for r, p in enumerate(local):
+                        if p is not None:
+                            p.observe(rec, r)
+                    appended += 1
+                except UnusableTelemetry as ex:  # the Balancer keeps the previous sizes
+                    log.debug("step %d: %s", rec.step, ex)
+            block = []
+            if appended:
+                try:
+                    nxt = pol.decide(hist)
+                except UnusableTelemetry as ex:
+                    log.debug("step %d: %s", k, ex)
         spent += time.perf_counter() - t0
         pending = pending[1:] + [nxt]
         done = k + 1

@@ -1,0 +1,243 @@
+"""Balancer(exchange_every=k): the telemetry of k steps in one exchange (real Gloo ranks, real DDP).
+
+The gradient of every step must stay the union's, every exchanged step must be checked and
+recorded with its own step's readings, decisions change only at exchanges, a block ends at an
+epoch's end, and a resume inside a block neither loses nor repeats a sample.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetlb
+from distributed import run, unwrap
+from fixed_policy import Fixed
+from test_balancer_dist import Jitter, RankDependent, _data, _loss, _net, _reference
+
+
+def block_grad_worker(rank, world, k, steps, options):
+    net = _net()
+    ddp = DDP(net, bucket_cap_mb=options.get("bucket_cap_mb", 25))
+    bal = hetlb.Balancer(ddp, 12, policy=Jitter(5), lower=0, transport=options.get("transport"),
+                         native_hook=options.get("native", True), exchange_every=k)
+    x, y, tokens = _data(120)  # 10 steps an epoch: no epoch end in the 8 steps
+    ds = torch.utils.data.TensorDataset(x, y, tokens, torch.arange(len(x)))
+    loader = bal.loader(ds, seed=5)
+    errs, sizes, recorded = [], [], []
+    for step, (xb, yb, _, ib) in enumerate(loader):
+        if step == steps:
+            break
+        plan = bal.board.current
+        sizes.append(plan.sizes.tolist())
+        loss = _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64))
+        bal.backward(loss) if options.get("bal_backward") else loss.backward()
+        parts = loader.sampler.step_indices(plan)
+        ref = _reference(net, x, y, tokens, parts, "samples")
+        errs.append(max(((p.grad - r).abs().max() / (r.abs().max() + 1e-12)).item()
+                        for p, r in zip(net.parameters(), ref)))
+        ddp.zero_grad(set_to_none=True)
+        assert ib.tolist() == parts[rank].tolist()
+        recorded.append(len(bal.history))  # records before this step's end
+    records = [(r.step, r.batch.tolist(), bool(np.isfinite(r.compute).all())) for r in bal.history]
+    return {"errs": errs, "sizes": sizes, "records": records, "recorded": recorded,
+            "steps": bal.steps, "transport": bal.transport}
+
+
+@pytest.mark.parametrize("world, options", [
+    (2, {"transport": "carry"}),
+    (3, {"transport": "side"}),
+    (2, {"transport": "carry", "native": False}),
+    (2, {"transport": "side", "native": False, "bucket_cap_mb": 1e-4}),
+    (3, {"transport": "side", "bal_backward": True}),
+])
+def test_blocks_keep_the_union_gradient_and_record_every_exchanged_step(world, options):
+    k, steps = 3, 8
+    res = unwrap(run(block_grad_worker, world, k, steps, options))
+    for r in res:
+        assert r["transport"] == options["transport"]
+        assert max(r["errs"]) < 1e-12, r["errs"]
+        assert r["steps"] == steps
+        # Blocks [0-2] [3-5] [6-7]: the last is still open (its step 7 ended at the break).
+        assert [s for s, _, _ in r["records"]] == list(range(6))
+        assert all(finite for _, _, finite in r["records"])
+        # Each record holds the sizes its step ran.
+        assert [b for _, b, _ in r["records"]] == r["sizes"][:6]
+        # Decisions change only at exchanges: one size vector per block, new ones after each.
+        blocks = [r["sizes"][0:3], r["sizes"][3:6], r["sizes"][6:8]]
+        assert all(len({tuple(s) for s in b}) == 1 for b in blocks), blocks
+        assert len({tuple(b[0]) for b in blocks}) == 3, blocks
+        # No record arrives inside a block: the history grows by 3 at steps 2 and 5's ends.
+        assert r["recorded"] == [0, 0, 0, 3, 3, 3, 6, 6], r["recorded"]
+    assert all(r["records"] == res[0]["records"] for r in res)
+
+
+def block_record_worker(rank, world, naps, k, stop, total):
+    import time
+    x, y, _ = _data(96)
+    ds = torch.utils.data.TensorDataset(x, y)
+    seen = []
+
+    def run_steps(state, steps, seen):
+        ddp = DDP(_net(), bucket_cap_mb=1e-4)
+        bal = hetlb.Balancer(ddp, 8, policy=Fixed([4, 4]), exchange_every=k)
+        loader = bal.loader(ds, seed=1)
+        if state is not None:
+            loader.load_state_dict(state)
+        for xb, yb in loader:
+            if bal.steps == steps:
+                break
+            seen.extend(xb[:, 0].tolist())
+            out = ddp(xb)
+            time.sleep(naps[bal.steps])
+            out.pow(2).mean().backward()
+            ddp.zero_grad()
+        return bal, loader.state_dict()
+
+    bal, state = run_steps(None, stop, seen)
+    first = [(r.step, r.compute.tolist()) for r in bal.history]
+    bal, _ = run_steps(state, total, seen)
+    resumed = [(r.step, r.compute.tolist()) for r in bal.history]
+    whole = []
+    run_steps(None, total, whole)  # uninterrupted
+    return {"first": first, "resumed": resumed, "seen": seen, "whole": whole, "steps": bal.steps}
+
+
+def test_each_record_of_a_block_holds_its_own_steps_time_across_a_resume_inside_a_block():
+    # Blocks of 3; a checkpoint after step 4 (inside the block [3-5]): steps 3 and 4 were never
+    # exchanged, so the checkpoint's history is steps 0-2, and the resumed run's block starts at
+    # step 5: [5-7] [8-10]. Each record must hold its own step's nap, and the data is exactly once.
+    k, stop, total = 3, 5, 11
+    naps = [0.12 if s % 3 == 1 or s == 9 else 0.0 for s in range(total)]
+    res = unwrap(run(block_record_worker, 2, naps, k, stop, total, timeout=180))
+    for r in res:
+        assert [s for s, _ in r["first"]] == [0, 1, 2]
+        assert [s for s, _ in r["resumed"]] == [0, 1, 2, 5, 6, 7, 8, 9, 10]
+        assert r["resumed"][:3] == r["first"]
+        for step, compute in r["resumed"]:
+            if naps[step]:
+                assert min(compute) >= naps[step], (step, compute)
+            else:
+                assert max(compute) < 0.1, (step, compute)
+    for r in res:  # the same samples as the uninterrupted run's, in the same order
+        assert r["seen"] == r["whole"] and len(r["seen"]) == total * 4
+    union = [v for r in res for v in r["seen"]]
+    assert len(set(union)) == len(union) == total * 8
+
+
+def epoch_worker(rank, world, n, gb, k, epochs):
+    ddp = DDP(torch.nn.Linear(1, 1).double())
+    bal = hetlb.Balancer(ddp, gb, policy=Jitter(7), lower=0, exchange_every=k)
+    ds = torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float64)[:, None])
+    loader = bal.loader(ds, seed=11, num_workers=1, prefetch_factor=2, persistent_workers=True)
+    seen, lens = {}, []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for (xb,) in loader:
+            ddp(xb).sum().backward()
+            seen.setdefault(epoch, []).extend(int(v) for v in xb[:, 0].tolist())
+            lens.append(len(bal.history))
+    return {"seen": seen, "lens": lens, "ends": [r.step for r in bal.history if r.epoch_end],
+            "steps": [r.step for r in bal.history]}
+
+
+def test_a_block_ends_at_the_epochs_end():
+    # 53 samples of 8: 7 steps an epoch; blocks of 5 are [0-4] [5-6] | [7-11] [12-13].
+    n, gb, k = 53, 8, 5
+    res = unwrap(run(epoch_worker, 2, n, gb, k, 2))
+    for r in res:
+        for e in range(2):
+            assert sorted(r["seen"][e] + [v for q in res if q is not r for v in q["seen"][e]]) \
+                == list(range(n))
+        assert r["steps"] == list(range(14))  # every step recorded: the epoch end exchanged
+        assert r["ends"] == [6, 13]
+        # History length seen in the body of each step (before that step's end).
+        assert r["lens"] == [0] * 5 + [5] * 2 + [7] * 5 + [12] * 2, r["lens"]
+
+
+def block_mismatch_worker(rank, world):
+    ddp = DDP(torch.nn.Linear(2, 1).double())
+    bal = hetlb.Balancer(ddp, 8, policy=RankDependent([4, 4]), exchange_every=3)
+    try:
+        for _ in range(9):
+            with bal.step():
+                ddp(torch.randn(int(bal.batch_sizes[rank]), 2, dtype=torch.float64)).sum().backward()
+    except hetlb.DecisionMismatchError as e:
+        return ("mismatch", bal.steps, str(e))
+    return ("no error", bal.steps, "")
+
+
+def test_a_disagreement_inside_a_block_is_found_at_its_exchange():
+    # The first decision (after step 2's exchange) differs on rank 1: steps 3-5 run it, and the
+    # exchange at step 5's end names step 3, on every rank.
+    for kind, steps, msg in unwrap(run(block_mismatch_worker, 2)):
+        assert kind == "mismatch"
+        assert steps == 5
+        assert msg.startswith("step 3:") and "disagree" in msg, msg
+
+
+def disagree_worker(rank, world):
+    ddp = DDP(torch.nn.Linear(2, 1).double())
+    try:
+        hetlb.Balancer(ddp, 8, exchange_every=rank + 1)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_blocks_get_an_error():
+    for msg in unwrap(run(disagree_worker, 2)):
+        assert "exchange_every" in msg, msg
+
+
+def test_one_process_records_in_blocks():
+    net = torch.nn.Linear(3, 1)
+    bal = hetlb.Balancer(net, 4, policy=Fixed([4]), exchange_every=4)
+    lens = []
+    for _ in range(10):
+        with bal.step():
+            net(torch.randn(4, 3)).sum().backward()
+        lens.append(len(bal.history))
+    assert lens == [0, 0, 0, 4, 4, 4, 4, 8, 8, 8]
+    assert [r.step for r in bal.history] == list(range(8))
+    assert all(np.isfinite(r.compute).all() for r in bal.history)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True, None])
+def test_bad_exchange_every_is_refused(bad):
+    with pytest.raises(ValueError, match="exchange_every"):
+        hetlb.Balancer(torch.nn.Linear(3, 1), 4, exchange_every=bad)
+
+
+def block_accumulation_worker(rank, world, K, k, n, gb):
+    net = _net()
+    ddp = DDP(net)
+    bal = hetlb.Balancer(ddp, gb, policy=Jitter(1), accumulate=K, lower=0, exchange_every=k)
+    x, y, tokens = _data(n)
+    ds = torch.utils.data.TensorDataset(x, y, torch.arange(n))
+    loader = bal.loader(ds, seed=2)
+    errs, parts_all = [], []
+    for xb, yb, ib in loader:
+        plan = bal.board.current
+        with bal.step():
+            (_loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)) / K).backward()
+        parts_all.append(loader.sampler.step_indices(plan))
+        if bal.synced:
+            parts = [np.concatenate([p[r] for p in parts_all]) for r in range(world)]
+            ref = _reference(net, x, y, tokens, parts, "samples")
+            errs.append(max(((p.grad - r).abs().max() / r.abs().max()).item()
+                            for p, r in zip(net.parameters(), ref)))
+            parts_all = []
+            ddp.zero_grad()
+    return {"errs": errs, "steps": bal.steps,
+            "records": [(r.step, bool(np.isfinite(r.compute).all())) for r in bal.history]}
+
+
+def test_blocks_of_accumulation_windows_are_exact():
+    # 50 samples of 6 in windows of 3: windows [0-2] [3-5] [6-7] [8] (4 steps); blocks of 2 steps
+    # ([0, 1] [2, 3], the last one ending at the epoch's end): every window recorded.
+    for r in unwrap(run(block_accumulation_worker, 2, 3, 2, 50, 6)):
+        assert max(r["errs"]) < 1e-12, r["errs"]
+        assert r["steps"] == 4
+        assert r["records"] == [(s, True) for s in range(4)]
