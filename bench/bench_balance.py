@@ -14,7 +14,11 @@ DistributedSampler DataLoader against the Balancer with the Uniform policy, same
 interleaved rounds; and the Balancer's own time per step (telemetry probes, table check,
 decision: ``Balancer.last_overhead``) in microseconds.
 
-    python bench/bench_balance.py [--quick] [--out FILE]
+``--exchange-every 1 16`` runs the heterogeneous part once per value of
+``Balancer(exchange_every=)`` (1, the default, is the papers' per-step decision; 16 exchanges the
+telemetry of 16 steps at once, so the sizes change at most every 16 steps), side by side.
+
+    python bench/bench_balance.py [--quick] [--exchange-every K ...] [--out FILE]
 
 Prints markdown tables (and writes them to --out).
 """
@@ -54,7 +58,7 @@ def make_policy(name: str, steps_per_epoch: int) -> Any:
 
 
 def balanced_run(rank: int, args: argparse.Namespace, policy: str, speeds: List[float],
-                 model: tuple) -> Dict[str, Any]:
+                 model: tuple, every: int = 1) -> Dict[str, Any]:
     """One training run with the Balancer; per-step wall times, sizes and overheads."""
     from hetlb.emulate import Emulator
     from hetlb.models import LinearModel
@@ -63,7 +67,7 @@ def balanced_run(rank: int, args: argparse.Namespace, policy: str, speeds: List[
     steps = args.warmup + args.steps
     emu = Emulator.for_rank(rank, speeds, model=LinearModel(*model))
     bal = hetlb.Balancer(ddp, args.global_batch, policy=make_policy(policy, args.steps_per_epoch),
-                         emulator=emu)
+                         emulator=emu, exchange_every=every)
     n = args.global_batch * args.steps_per_epoch
     ds = torch.utils.data.TensorDataset(torch.randn(n, 16), torch.randn(n, 4))
     loader = bal.loader(ds, seed=1)
@@ -83,7 +87,7 @@ def balanced_run(rank: int, args: argparse.Namespace, policy: str, speeds: List[
             times.append(now - t_prev)
             t_prev = now
             overheads.append(bal.last_overhead)
-            sizes.append(bal.history[-1].batch.tolist())
+            sizes.append(bal.batch_sizes.tolist())  # the sizes the next step runs
             done += 1
             if done == steps:
                 break
@@ -137,12 +141,12 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: Li
                             timeout=datetime.timedelta(seconds=120))
     results = []
     try:
-        for kind, name, speeds, model in jobs:
+        for kind, name, speeds, model, *every in jobs:
             dist.barrier()
             if kind == "plain":
                 r = plain_run(rank, args, speeds, model)
             else:
-                r = balanced_run(rank, args, name, speeds, model)
+                r = balanced_run(rank, args, name, speeds, model, *every)
             results.append((kind, name, r))
             if rank == 0:
                 log.info("%-8s %-18s median step %.2f ms (data loading %.3f ms)", kind, name,
@@ -189,6 +193,8 @@ def main() -> None:
                    help="worker counts of the homogeneous part besides --world")
     p.add_argument("--quick", action="store_true", help="fewer steps, smaller times (a smoke run)")
     p.add_argument("--part", choices=["all", "homogeneous"], default="all")
+    p.add_argument("--exchange-every", type=int, nargs="+", default=[1],
+                   help="Balancer(exchange_every=) values of the heterogeneous part, side by side")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -230,12 +236,15 @@ def main() -> None:
 
     model = (args.a0, args.a1)
     ideal = (args.a1 * args.global_batch + n * args.a0) / sum(speeds)
-    hetero = launch(n, args, [("balanced", name, speeds, model) for name in names])
+    everies = args.exchange_every
+    hetero = launch(n, args, [("balanced", name, speeds, model, k) for name in names for k in everies])
     rows = []
-    uniform = statistics.median(hetero[0][2]["times"][args.warmup:])
-    for _, name, r in hetero:
+    uniform = {k: statistics.median(r["times"][args.warmup:])
+               for (_, name, r), k in zip(hetero, everies * len(names)) if name == "Uniform"}
+    for (_, name, r), k in zip(hetero, everies * len(names)):
         med = statistics.median(r["times"][args.warmup:])
-        rows.append((name, 1e3 * med, med / ideal, med / (ideal + comm), uniform / med,
+        label = name if everies == [1] else f"{name}, exchange_every={k}"
+        rows.append((label, 1e3 * med, med / ideal, med / (ideal + comm), uniform[k] / med,
                      converged_at(r["times"], ideal + comm), r["sizes"][-1],
                      1e6 * statistics.median(r["overheads"][args.warmup:])))
 

@@ -14,7 +14,10 @@ loop's whole ``next(it)`` (the step boundary) for hetlb's loader against a DataL
 ``DistributedSampler`` on the same model and data. ``--parts`` also times each part of the
 bookkeeping (wrappers around the Balancer's, the telemetry's and the plan board's methods).
 
-    python bench/bench_cold.py [--steps 400] [--evict-mb 64] [--parts] [--out FILE]
+``--exchange-every K`` adds the same rows for ``Balancer(exchange_every=K)`` (the telemetry of K
+steps in one exchange; the per-step figures are the median over every step, exchanges included).
+
+    python bench/bench_cold.py [--steps 400] [--evict-mb 64] [--parts] [--exchange-every K] [--out FILE]
 """
 from __future__ import annotations
 
@@ -44,12 +47,13 @@ def timed(fn: Callable[[], object], evict: Callable[[], object], steps: int) -> 
     return statistics.median(out)
 
 
-def _loop(evict: Callable[[], object], steps: int, balanced: bool) -> Tuple[List[float], List[float]]:
+def _loop(evict: Callable[[], object], steps: int, balanced: bool,
+          every: int = 1) -> Tuple[List[float], List[float]]:
     """``steps`` training steps (after 10 not counted) of a tiny DDP model on one rank, with
     ``evict()`` before each step's ``next(it)`` (where hetlb's bookkeeping of the step before runs,
     as after a real step's compute): the seconds of each ``next(it)`` and, with ``balanced``
     (hetlb's loader instead of a DataLoader with a ``DistributedSampler``), each
-    ``Balancer.last_overhead``."""
+    ``Balancer.last_overhead`` (``every``: its ``exchange_every``)."""
     import hetlb
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
@@ -58,7 +62,7 @@ def _loop(evict: Callable[[], object], steps: int, balanced: bool) -> Tuple[List
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     n = 16 * (steps + 10)
     ds = torch.utils.data.TensorDataset(torch.randn(n, 8), torch.randint(0, 2, (n,)))
-    bal = hetlb.Balancer(ddp, 16, policy=hetlb.Uniform()) if balanced else None
+    bal = hetlb.Balancer(ddp, 16, policy=hetlb.Uniform(), exchange_every=every) if balanced else None
     it = iter(bal.loader(ds, seed=0) if balanced else
               DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, seed=0)))
     took: List[float] = []
@@ -77,16 +81,16 @@ def _loop(evict: Callable[[], object], steps: int, balanced: bool) -> Tuple[List
     return took, spent
 
 
-def balancer_overhead(evict: Callable[[], object], steps: int) -> float:
+def balancer_overhead(evict: Callable[[], object], steps: int, every: int = 1) -> float:
     """Median ``Balancer.last_overhead`` (see :func:`_loop`)."""
-    return statistics.median(_loop(evict, steps, True)[1])
+    return statistics.median(_loop(evict, steps, True, every)[1])
 
 
-def next_batch(evict: Callable[[], object], steps: int, balanced: bool) -> float:
+def next_batch(evict: Callable[[], object], steps: int, balanced: bool, every: int = 1) -> float:
     """Median seconds of the loop's ``next(it)`` (the step boundary: for hetlb the previous step's
     bookkeeping, the plan's draw and the batch; for plain DDP the DataLoader's batch from a
     ``DistributedSampler``; see :func:`_loop`)."""
-    return statistics.median(_loop(evict, steps, balanced)[0])
+    return statistics.median(_loop(evict, steps, balanced, every)[0])
 
 
 def _part_targets() -> List[tuple]:
@@ -143,6 +147,8 @@ def main() -> None:
     p.add_argument("--evict-mb", type=float, default=64.0, help="buffer passed over to evict the caches")
     p.add_argument("--parts", action="store_true",
                    help="also time each part of the step's bookkeeping (wrappers around its methods)")
+    p.add_argument("--exchange-every", type=int, default=None, metavar="K",
+                   help="also the rows of Balancer(exchange_every=K)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -155,15 +161,20 @@ def main() -> None:
             cold, warm = (lambda: big.sum()), (lambda: None)
             b, d = np.array([64, 64], dtype=np.int64), np.array([64.0, 64.0])
             rows = []
-            for name, fn in (("next(it): DataLoader + DistributedSampler (plain DDP)", "plain"),
-                             ("next(it): hetlb loader (previous step's end, this step's start)", "hetlb"),
-                             ("Balancer.last_overhead (one step's bookkeeping)", None),
+            k = args.exchange_every
+            blocks = [] if k is None else [
+                (f"next(it): hetlb loader, exchange_every={k}", "hetlb", k),
+                (f"Balancer.last_overhead, exchange_every={k}", None, k)]
+            for name, fn, *every in (("next(it): DataLoader + DistributedSampler (plain DDP)", "plain"),
+                                     ("next(it): hetlb loader (previous step's end, this step's start)", "hetlb"),
+                                     ("Balancer.last_overhead (one step's bookkeeping)", None),
+                                     *blocks,
                              ("weights_for('samples', ...)", lambda: weights_for("samples", b, d)),
                              ("float(b[0]) / float(b.sum()) (a line of Python)", lambda: float(b[0]) / float(b.sum()))):
                 if fn is None:
-                    w, c = balancer_overhead(warm, args.steps), balancer_overhead(cold, args.steps)
+                    w, c = (balancer_overhead(e, args.steps, *every) for e in (warm, cold))
                 elif isinstance(fn, str):
-                    w, c = (next_batch(e, args.steps, fn == "hetlb") for e in (warm, cold))
+                    w, c = (next_batch(e, args.steps, fn == "hetlb", *every) for e in (warm, cold))
                 else:
                     w, c = timed(fn, warm, args.steps), timed(fn, cold, args.steps)
                 rows.append(f"| {name} | {w * 1e6:.1f} | {c * 1e6:.1f} | {c / w:.1f} |")

@@ -32,6 +32,10 @@ variants share the caches: every step starts after another model's, alike for al
 ``side@first`` and ``side+backward@first`` issue the side transport's table before the last
 bucket's all-reduce, as hetlb did before session 12 (now: once that all-reduce is done).
 
+A variant ``NAME/K`` (e.g. ``carry/16``, ``side+backward/16``) is hetlb's ``NAME`` with
+``Balancer(exchange_every=K)``: the telemetry of K steps in one exchange (opt-in; the papers
+decide every step, ``/1``).
+
 A variant named ``NAME#2`` (any suffix after ``#``) is a second copy of ``NAME``: ``plain#2``
 beside ``plain`` is an A/A comparison, the resolution of the run. In step-interleaved mode a
 second table splits every variant's step into its phases (the loader's next batch, forward,
@@ -89,6 +93,7 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
     from torch.nn.parallel import DistributedDataParallel as DDP
     variant = variant.partition("#")[0]  # "plain#2": a second copy (an A/A comparison)
     variant, _, flag = variant.partition("@")
+    variant, _, every = variant.partition("/")
     inp = MODELS[model_name][0]
     n = args.global_batch * steps
     g = torch.Generator().manual_seed(1)
@@ -106,6 +111,8 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
     else:
         transport = variant.partition("+")[0]
         kw = {"transport": transport} if new_api else {}
+        if every:
+            kw["exchange_every"] = int(every)
         bal = hetlb.Balancer(ddp, args.global_batch, policy=hetlb.Uniform(), **kw)
         loader = bal.loader(ds, seed=1)
         if flag == "first":  # the side table issued before the last bucket's all-reduce (as before session 12)

@@ -12,7 +12,12 @@ ranks before training). Reported: final sizes of both, and the median step time 
 and after the disturbance) of both, with their ratio. The real step time is rank 0's wall time
 between batches.
 
-    python bench/bench_sim.py [--part scale agree] [--workers 4096] [--steps 1000] [--out F]
+Part ``exchange``: ``Balancer(exchange_every=k)`` (opt-in) against the papers' per-step decision
+(k = 1), side by side in virtual time on the built-in scenarios: the policy sees k steps' records
+at once and decides once per k steps (a block also ends at an epoch's end). Reported: total
+virtual time and its ratio to k = 1, the mean step over the last half, and the policy's wall time.
+
+    python bench/bench_sim.py [--part scale agree exchange] [--workers 4096] [--steps 1000] [--out F]
 """
 from __future__ import annotations
 
@@ -124,9 +129,29 @@ def part_agree(name: str, steps: int, split: int) -> List[str]:
     return lines
 
 
+def part_exchange(everies: List[int]) -> List[str]:
+    from hetlb.sim import builtin_scenarios, simulate
+    lines = ["### Telemetry every k steps in the simulator (exchange_every=k against k = 1)", "",
+             "| scenario | policy | k | total (virtual s) | / k = 1 | mean step, last half (ms) | decide (wall ms) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name in ("abs-sgd-1234", "abs-sgd-dynamic", "lbb-disturbance", "lbbsp-cluster-a", "mixed"):
+        sc = builtin_scenarios()[name]()
+        for pol in ("lbb", "lbbsp", "wlbs", "dbs"):
+            base = None
+            for k in everies:
+                r = simulate(sc, pol, exchange_every=k)
+                base = r.total_time if base is None else base
+                half = r.step_time[len(r.step_time) // 2:]
+                lines.append(f"| {name} | {pol} | {k} | {r.total_time:.3f} | {r.total_time / base:.4f} | "
+                             f"{1e3 * float(np.mean(half)):.2f} | {1e3 * r.decide_seconds:.1f} |")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", nargs="+", choices=["scale", "agree"], default=["scale", "agree"])
+    p.add_argument("--part", nargs="+", choices=["scale", "agree", "exchange"], default=["scale", "agree"])
+    p.add_argument("--exchange-every", type=int, nargs="+", default=[1, 4, 16],
+                   help="the k values of part exchange (the first is the baseline)")
     p.add_argument("--workers", type=int, default=4096)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
@@ -138,7 +163,9 @@ def main() -> None:
     if "scale" in args.part:
         lines += part_scale(args.workers, args.steps, args.repeats) + [""]
     if "agree" in args.part:
-        lines += part_agree("lbb-disturbance", 80, 30)
+        lines += part_agree("lbb-disturbance", 80, 30) + [""]
+    if "exchange" in args.part:
+        lines += part_exchange(args.exchange_every)
     emit(lines, args.out)
 
 

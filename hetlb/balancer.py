@@ -220,8 +220,10 @@ class Balancer:
             its block by the block's last step, so the other steps add no table copy or
             collective and no record or decision: the records of a block, their checks (every
             rank's step, decision and batch sizes) and one decision happen at its exchange.
-            The sizes then change at most every ``k`` steps, and a rank disagreement is found
-            up to ``k - 1`` steps late (still an error). A block also ends at an epoch's last
+            The sizes then change at most every ``k`` steps (policies that move a bounded
+            amount per decision, as the papers' do, take up to ``k`` times as many steps to
+            balance), and a rank disagreement is found up to ``k - 1`` steps late (still an
+            error). A block also ends at an epoch's last
             step. The steps since the last exchange are not in a checkpoint's history: a run
             resumed inside a block starts a new block, and its decisions may differ from an
             uninterrupted run's (its samples do not: exactly once either way). The same on

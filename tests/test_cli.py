@@ -93,6 +93,7 @@ def test_plan_from_the_builtin_scenario_and_from_profiles(capsys, tmp_path):
     (["plan", "--scenario", "nope"], "not a built-in"),
     (["simulate", "--policy", "uniform,best"], "--policy: unknown"),
     (["simulate", "abs-sgd-1234", "--workers", "4"], "not both"),
+    (["simulate", "--exchange-every", "0"], "--exchange-every must be >= 1, got 0"),
 ])
 def test_errors_say_what_to_do(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
@@ -122,6 +123,14 @@ def test_simulate_compares_policies_and_plots(capsys, tmp_path):
     assert code == 0 and "lbbsp-cluster-a" in out and "lbb-table2" in out
     code, out, _ = run_cli(capsys, "simulate", "--workers", "64", "--steps", "20", "--json")
     assert code == 0 and json.loads(out)["workers"] == 64
+    # Decisions once per 8 steps: the same policy balances more slowly than deciding every step.
+    runs = {}
+    for k in ("1", "8"):
+        code, out, _ = run_cli(capsys, "simulate", "lbb-disturbance", "--policy", "lbb", "--steps",
+                               "120", "--exchange-every", k, "--json")
+        assert code == 0
+        runs[k] = json.loads(out)["results"][0]
+    assert runs["8"]["total_time"] > runs["1"]["total_time"]
 
 
 @pytest.mark.parametrize("sub", [[], ["plan"], ["simulate"]])
