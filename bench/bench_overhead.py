@@ -41,6 +41,12 @@ beside ``plain`` is an A/A comparison, the resolution of the run. In step-interl
 second table splits every variant's step into its phases (the loader's next batch, forward,
 backward, the optimizer's step), as medians and as what each adds to plain DDP's.
 
+``--parts`` (with ``--interleave step`` and one hetlb variant) also times, on rank 0, each part
+of hetlb's step boundary inside the harness: the loader's whole ``next`` (``_Iteration.__next__``),
+the previous step's end (``Balancer._before_next``), the next step's start (``Balancer._handed``)
+and the parts ``bench_cold.py --parts`` times, by wrappers around those methods (a few hundred
+nanoseconds each), so the *next batch* phase's excess over plain DDP can be split where it occurs.
+
 ``--latency`` times one small all-reduce (the telemetry row: 9 float64) between the ranks, back
 to back and right after a burst of compute, on the default group and on a second Gloo group: what
 any collective beyond DDP's own buckets costs on the machine.
@@ -56,6 +62,7 @@ under valgrind) and plain DDP once more at the real batch gives the step to comp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import re
@@ -186,6 +193,37 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
     return {v: t[args.warmup:] for v, t in times.items()}
 
 
+@contextlib.contextmanager
+def part_timers(on: bool):
+    """Wrap the step boundary's methods (see ``--parts``); yields {label: [seconds, ...]}."""
+    times: Dict[str, List[float]] = {}
+    if not on:
+        yield times
+        return
+    from bench_cold import _part_targets
+    from hetlb import balancer, data
+    targets = [(data._Iteration, "__next__", "hetlb loader: next(it), the whole step boundary"),
+               (balancer.Balancer, "_before_next", "Balancer._before_next (calls _finish)"),
+               (balancer.Balancer, "_handed", "Balancer._handed (calls _begin)")] + _part_targets()
+    saved = []
+    for owner, name, label in targets:
+        fn = owner.__dict__[name]
+        saved.append((owner, name, fn))
+
+        def timed_call(*a, _fn=fn, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                times.setdefault(_label, []).append(time.perf_counter() - t)
+        setattr(owner, name, timed_call)
+    try:
+        yield times
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
 def latency(args: argparse.Namespace) -> Dict[tuple, float]:
     """Median seconds of one all-reduce of a 9-float64 row: back to back and after ~10 ms of
     compute (the threads that carry it have slept), on the default group and a second group."""
@@ -226,7 +264,9 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: Li
         elif args.interleave == "step":
             for model_name in args.model:
                 dist.barrier()
-                results.append((model_name, run_interleaved(model_name, args, world)))
+                with part_timers(args.parts and rank == 0) as parts:
+                    times = run_interleaved(model_name, args, world)
+                results.append((model_name, times, parts))
         for model_name, rnd, variant in ([] if args.interleave == "step" or args.latency else jobs):
             dist.barrier()
             results.append((model_name, rnd, variant, run_variant(variant, model_name, args, rank, world)))
@@ -328,7 +368,11 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
              "|---|---|---:|---:|---:|---:|---:|"]
     phases = ["| model | variant | next batch | forward | backward | optimizer | step |",
               "|---|---|---:|---:|---:|---:|---:|"]
-    for m, times in res:
+    part_lines: List[str] = []
+    for m, times, parts in res:
+        if parts:
+            part_lines += [f"| {m} | {lab.replace('  ', '&nbsp;&nbsp;')} | {1e6 * statistics.median(v[args.warmup:]):.1f} | "
+                           f"{len(v) - args.warmup} |" for lab, v in parts.items() if len(v) > args.warmup]
         plain = [s[0] for s in times["plain"]]
         base = [statistics.median(s[i] for s in times["plain"]) for i in range(5)]
         lines.append(f"| {m} | plain DDP | {1e3 * statistics.median(plain):.2f} | 1 | | | |")
@@ -344,6 +388,10 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
             rounds = [statistics.median(ratios[i:i + args.steps]) for i in range(0, len(ratios), args.steps)]
             lines.append(f"| {m} | {variant_name(v)} | {1e3 * statistics.median(t):.2f} | **{statistics.median(rounds):.4f}** | "
                          f"{min(rounds):.4f} | {max(rounds):.4f} | {sum(t) / sum(plain):.4f} |")
+    if part_lines:
+        phases += ["", "hetlb's step boundary by part (rank 0, median µs per call after the first "
+                   f"{args.warmup} calls; the labels of bench_cold.py --parts):", "",
+                   "| model | part | µs | calls |", "|---|---|---:|---:|"] + part_lines
     return lines + ["", "Phases: median milliseconds of each phase of a step (rank 0), and in brackets what it "
                     "adds to plain DDP's median of the same phase. The medians of the phases need not sum "
                     "to the median step.", ""] + phases
@@ -371,6 +419,8 @@ def main() -> None:
                         "side by side in one process group, one step each in turn, rounds being "
                         "consecutive blocks of --steps steps")
     p.add_argument("--pin", action="store_true", help="pin rank r to core r")
+    p.add_argument("--parts", action="store_true",
+                   help="with --interleave step: time each part of hetlb's step boundary (rank 0)")
     p.add_argument("--hetlb-path", default=None, help="import hetlb from this checkout instead")
     p.add_argument("--label", default="", help="a name for this code version in the table")
     p.add_argument("--out", default=None)

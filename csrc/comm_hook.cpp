@@ -645,7 +645,8 @@ void bind_comm_hook(py::module& m) {
             if (!t) return py::none();
             return table_to_numpy(*t, c.fields);
           },
-          "The [world, fields] table delivered this step (waiting for a pending side all-reduce), "
+          "The [world, fields] table delivered this step ([(pos + 1) * world, fields], step-major, "
+          "for a block's shipping step), waiting for a pending side all-reduce, "
           "once; None if no exchange delivered one.")
       .def(
           "exchange",
@@ -658,7 +659,8 @@ void bind_comm_hook(py::module& m) {
             }
             return table_to_numpy(t, c.fields);
           },
-          py::arg("group"), "All-reduce this rank's row now (blocking) and return the table.")
+          py::arg("group"), "All-reduce this rank's row now (blocking; with a block, its rows of "
+          "positions 0..pos) and return the table.")
       .def(
           "close", [](StepCore& c) { c.open = false; },
           "End the step: a backward pass after this raises until the next start().")

@@ -220,14 +220,17 @@ class Balancer:
             its block by the block's last step, so the other steps add no table copy or
             collective and no record or decision: the records of a block, their checks (every
             rank's step, decision and batch sizes) and one decision happen at its exchange.
-            The sizes then change at most every ``k`` steps (policies that move a bounded
+            The sizes then change only at exchanges (policies that move a bounded
             amount per decision, as the papers' do, take up to ``k`` times as many steps to
             balance), and a rank disagreement is found up to ``k - 1`` steps late (still an
-            error). A block also ends at an epoch's last
-            step. The steps since the last exchange are not in a checkpoint's history: a run
-            resumed inside a block starts a new block, and its decisions may differ from an
-            uninterrupted run's (its samples do not: exactly once either way). The same on
-            every rank.
+            error). A block also ends at an epoch's last step; the steps after a run's last
+            exchange (a ``break`` at a step limit, training without the loader) are never
+            checked or recorded. The steps since the last exchange are not in a checkpoint's
+            history: a run resumed inside a block starts a new block, and its decisions may
+            differ from an uninterrupted run's (its samples do not: exactly once either way).
+            Every rank must resume from the same checkpoint (as always): ranks at different
+            steps could ship at different steps, and the collective then fails (or times out)
+            instead of raising ``DecisionMismatchError``. The same on every rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -804,7 +807,7 @@ class Balancer:
     def _record(self, steps: List[Tuple[int, np.ndarray]]) -> None:
         """The records the tables of ``steps`` (in order; one step, or an exchanged block's)
         complete, then one decision."""
-        records: List[StepRecord] = []
+        records: List[Optional[StepRecord]] = []  # None: a refused step
         for g, table in steps:
             done = g - self.telemetry.lag
             if done < 0 or done not in self._partials:
@@ -826,10 +829,12 @@ class Balancer:
                     self._local.observe(record, self.rank)
             except UnusableTelemetry as e:
                 self._unusable(e)
+                records.append(None)
                 continue
             records.append(record)
-        if not records:
+        if not records or records[-1] is None:  # the newest step's telemetry was refused
             return
+        usable = [r for r in records if r is not None]
         try:
             decision = self.policy.decide(self.history)
         except UnusableTelemetry as e:
@@ -842,7 +847,7 @@ class Balancer:
         self.board.post(decision)
         if self.runlog is not None:
             actions = getattr(self.policy, "actions", None)
-            for record in records:
+            for record in usable:
                 self.runlog.write(record, getattr(self.policy, "name", type(self.policy).__name__),
                                   actions[-1] if actions else None, decision)
 

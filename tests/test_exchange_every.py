@@ -241,3 +241,32 @@ def test_blocks_of_accumulation_windows_are_exact():
         assert max(r["errs"]) < 1e-12, r["errs"]
         assert r["steps"] == 4
         assert r["records"] == [(s, True) for s in range(4)]
+
+
+class _Counting(Fixed):
+    def __init__(self, sizes):
+        super().__init__(sizes)
+        self.decisions = 0
+
+    def decide(self, history):
+        self.decisions += 1
+        return self.sizes.copy()
+
+
+def test_a_block_whose_newest_step_is_refused_keeps_the_sizes(caplog):
+    # As with k = 1: when the newest step's telemetry is unusable (NaN compute) the policy is not
+    # asked, the sizes are kept, and the usable steps of the block are still recorded.
+    from hetlb.telemetry import COL
+    net = torch.nn.Linear(3, 1)
+    pol = _Counting([4])
+    bal = hetlb.Balancer(net, 4, policy=pol, exchange_every=3)
+    for step in range(6):
+        with bal.step():
+            net(torch.randn(4, 3)).sum().backward()
+            if step == 2:
+                bal.telemetry.core.set(COL["compute"], float("nan"))
+        if step == 2:
+            assert [r.step for r in bal.history] == [0, 1] and pol.decisions == 0
+            assert bal._bad == 1 and "keeping the previous sizes" in caplog.text
+    assert [r.step for r in bal.history] == [0, 1, 3, 4, 5] and pol.decisions == 1
+    assert bal._bad == 0
