@@ -22,12 +22,13 @@ steps in one exchange; the per-step figures are the median over every step, exch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
 import tempfile
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -117,12 +118,13 @@ def _part_targets() -> List[tuple]:
     ]
 
 
-def parts(evict: Callable[[], object], steps: int) -> Dict[str, float]:
-    """Median seconds of each part of the step's bookkeeping (``_part_targets``), timed by
-    wrappers around the methods (each wrapper adds a few hundred nanoseconds)."""
+@contextlib.contextmanager
+def method_timers(targets: List[tuple]) -> Iterator[Dict[str, List[float]]]:
+    """Wrap each ``(owner, method, label)`` of ``targets`` with a timer (a few hundred
+    nanoseconds each) while the block runs; yields ``{label: [seconds of each call]}``."""
     times: Dict[str, List[float]] = {}
     saved = []
-    for owner, name, label in _part_targets():
+    for owner, name, label in targets:
         fn = owner.__dict__[name]
         saved.append((owner, name, fn))
 
@@ -134,10 +136,17 @@ def parts(evict: Callable[[], object], steps: int) -> Dict[str, float]:
                 times.setdefault(_label, []).append(time.perf_counter() - t)
         setattr(owner, name, timed_call)
     try:
-        balancer_overhead(evict, steps)
+        yield times
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
+
+
+def parts(evict: Callable[[], object], steps: int) -> Dict[str, float]:
+    """Median seconds of each part of the step's bookkeeping (``_part_targets``), timed by
+    wrappers around the methods (:func:`method_timers`)."""
+    with method_timers(_part_targets()) as times:
+        balancer_overhead(evict, steps)
     return {label: statistics.median(v[10:]) for label, v in times.items() if len(v) > 10}
 
 

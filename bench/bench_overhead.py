@@ -196,32 +196,16 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
 @contextlib.contextmanager
 def part_timers(on: bool):
     """Wrap the step boundary's methods (see ``--parts``); yields {label: [seconds, ...]}."""
-    times: Dict[str, List[float]] = {}
     if not on:
-        yield times
+        yield {}
         return
-    from bench_cold import _part_targets
+    from bench_cold import _part_targets, method_timers
     from hetlb import balancer, data
     targets = [(data._Iteration, "__next__", "hetlb loader: next(it), the whole step boundary"),
                (balancer.Balancer, "_before_next", "Balancer._before_next (calls _finish)"),
                (balancer.Balancer, "_handed", "Balancer._handed (calls _begin)")] + _part_targets()
-    saved = []
-    for owner, name, label in targets:
-        fn = owner.__dict__[name]
-        saved.append((owner, name, fn))
-
-        def timed_call(*a, _fn=fn, _label=label, **k):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                times.setdefault(_label, []).append(time.perf_counter() - t)
-        setattr(owner, name, timed_call)
-    try:
+    with method_timers(targets) as times:
         yield times
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
 
 
 def latency(args: argparse.Namespace) -> Dict[tuple, float]:

@@ -711,14 +711,8 @@ class Balancer:
                 tele.stamp()
             tele.close()
             self._open = None
-            self.board.complete(plan)
-            if self._loader_config is None:
-                self._micro = 0
-                self.board.current = None
             self._block.append((self._step, plan))
-            self._step += 1
-            if self.watchdog is not None:
-                self.watchdog.beat(self._step)
+            self._advance(plan)
             self._spent += time.perf_counter() - t
             self.last_overhead, self._spent = self._spent, 0.0
             return
@@ -750,15 +744,9 @@ class Balancer:
             done = [((self._step, plan), table)]
         for (g, p), tab in done:
             self._verify(tab, p, g)
-        self.board.complete(plan)
-        if self._loader_config is None:
-            self._micro = 0
-            self.board.current = None
-        self._step += 1
         for (g, p), tab in done:
             self._partials[g] = (p, tab)
-        if self.watchdog is not None:
-            self.watchdog.beat(self._step)
+        self._advance(plan)
         self._record([(g, tab) for (g, _), tab in done])
         part = self.board.partition
         if part is not None and part.rebalance and part.pending is None and \
@@ -766,6 +754,16 @@ class Balancer:
             self._rebalance(part, plan.epoch)
         self._spent += time.perf_counter() - t
         self.last_overhead, self._spent = self._spent, 0.0
+
+    def _advance(self, plan: StepPlan) -> None:
+        """``plan``'s step is done: the position, the step count and the watchdog move on."""
+        self.board.complete(plan)
+        if self._loader_config is None:
+            self._micro = 0
+            self.board.current = None
+        self._step += 1
+        if self.watchdog is not None:
+            self.watchdog.beat(self._step)
 
     def _rebalance(self, part: Partition, epoch: int) -> None:
         """The epoch ended (sharded mode): decide the moves for the next one, from the size-aware

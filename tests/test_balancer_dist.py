@@ -410,11 +410,11 @@ def test_mid_epoch_resume(new_world):
 # ---------------------------------------------------------------- mismatch and bad input
 
 
-def mismatch_worker(rank, world):
+def mismatch_worker(rank, world, exchange_every=1, steps=5):
     ddp = DDP(torch.nn.Linear(2, 1).double())
-    bal = hetlb.Balancer(ddp, 8, policy=RankDependent([4, 4]))
+    bal = hetlb.Balancer(ddp, 8, policy=RankDependent([4, 4]), exchange_every=exchange_every)
     try:
-        for _ in range(5):
+        for _ in range(steps):
             with bal.step():
                 ddp(torch.randn(int(bal.batch_sizes[rank]), 2, dtype=torch.float64)).sum().backward()
     except hetlb.DecisionMismatchError as e:

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hetlb
 from distributed import run, unwrap
 from fixed_policy import Fixed
-from test_balancer_dist import Jitter, RankDependent, _data, _loss, _net, _reference
+from test_balancer_dist import Jitter, _data, _loss, _net, _reference, mismatch_worker
 
 
 def block_grad_worker(rank, world, k, steps, options):
@@ -156,22 +156,10 @@ def test_a_block_ends_at_the_epochs_end():
         assert r["lens"] == [0] * 5 + [5] * 2 + [7] * 5 + [12] * 2, r["lens"]
 
 
-def block_mismatch_worker(rank, world):
-    ddp = DDP(torch.nn.Linear(2, 1).double())
-    bal = hetlb.Balancer(ddp, 8, policy=RankDependent([4, 4]), exchange_every=3)
-    try:
-        for _ in range(9):
-            with bal.step():
-                ddp(torch.randn(int(bal.batch_sizes[rank]), 2, dtype=torch.float64)).sum().backward()
-    except hetlb.DecisionMismatchError as e:
-        return ("mismatch", bal.steps, str(e))
-    return ("no error", bal.steps, "")
-
-
 def test_a_disagreement_inside_a_block_is_found_at_its_exchange():
     # The first decision (after step 2's exchange) differs on rank 1: steps 3-5 run it, and the
     # exchange at step 5's end names step 3, on every rank.
-    for kind, steps, msg in unwrap(run(block_mismatch_worker, 2)):
+    for kind, steps, msg in unwrap(run(mismatch_worker, 2, 3, 9)):
         assert kind == "mismatch"
         assert steps == 5
         assert msg.startswith("step 3:") and "disagree" in msg, msg
