@@ -375,6 +375,18 @@ struct StepCore {
     return region;
   }
 
+  // The kept (stamped) rows of positions 0..n-1 alone, laid out as slots(): what a flush of a
+  // block sends (the steps since the last exchange), whatever step is open now.
+  at::Tensor kept_slots(int64_t n) const {
+    TORCH_CHECK(n >= 1 && n <= block, "hetlb StepCore.kept_slots: need 1 <= n <= block (", block,
+                "), got ", n);
+    at::Tensor region = at::zeros({n * world * fields}, at::kDouble);
+    double* out = region.data_ptr<double>();
+    for (int64_t j = 0; j < n; ++j)
+      std::memcpy(out + (j * world + rank) * fields, rows.data() + j * fields, sizeof(double) * fields);
+    return region;
+  }
+
   int64_t table_rows() const { return (pos + 1) * world; }
 
   at::Tensor factor(const at::Tensor& buf) {
@@ -470,22 +482,24 @@ struct StepCore {
       const int64_t n = buf.numel(), nslots = table_rows() * fields;
       // One persistent buffer for bucket + slots (a fresh one each step costs page faults):
       // the scaled gradient is written into it in one pass (it replaces the scaling pass), and
-      // the hook returns a view of it, so DDP's own copy out of the result is the only one.
-      if (!flat_.defined() || flat_.numel() != n + nslots || flat_.scalar_type() != buf.scalar_type())
-        flat_ = at::empty({n + nslots}, buf.options());
-      at::Tensor head = flat_.narrow(0, 0, n);
+      // the hook returns a view of it, so DDP's own copy out of the result is the only one. It
+      // holds a whole block's slots, so a shorter block (an epoch's end, the first step) sends a
+      // prefix of it instead of reallocating.
+      if (!flat_.defined() || flat_.numel() < n + nslots || flat_.scalar_type() != buf.scalar_type())
+        flat_ = at::empty({n + block * world * fields}, buf.options());
+      at::Tensor flat = flat_.narrow(0, 0, n + nslots);  // contiguous: a prefix
+      at::Tensor head = flat.narrow(0, 0, n);
       if (weigh) {
         at::mul_out(head, buf, at::scalar_tensor(w, at::kDouble));
         ++scaled_buckets;
       } else {
         head.copy_(buf);  // (a weight-0 bucket was zeroed above)
       }
-      flat_.narrow(0, n, nslots).copy_(slots());
-      std::vector<at::Tensor> packed{flat_};
+      flat.narrow(0, n, nslots).copy_(slots());
+      std::vector<at::Tensor> packed{flat};
       auto fut = pg->allreduce(packed)->getFuture();
       const int64_t W = table_rows(), F = fields;
       std::shared_ptr<TableSlot> s = slot;
-      at::Tensor flat = flat_;
       auto unpacked = fut->then(
           [s, flat, n, nslots, W, F](c10::ivalue::Future& done) -> c10::IValue {
             // A failed all-reduce (a peer died) must fail the bucket: reading the buffer instead
@@ -543,9 +557,10 @@ struct StepCore {
   }
 
   // Blocking all-reduce of the row (a step in which no hook carried it). Called without the GIL.
-  at::Tensor exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  // kept >= 1: the kept rows of positions 0..kept-1 instead (kept_slots).
+  at::Tensor exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int64_t kept = 0) {
     NoPythonState no_python;
-    at::Tensor buf = slots();
+    at::Tensor buf = kept > 0 ? kept_slots(kept) : slots();
     std::vector<at::Tensor> tensors{buf};
     group->allreduce(tensors)->wait();
     return buf.view({-1, fields}).clone();
@@ -650,17 +665,21 @@ void bind_comm_hook(py::module& m) {
           "once; None if no exchange delivered one.")
       .def(
           "exchange",
-          [](StepCore& c, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+          [](StepCore& c, c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t kept) {
             TORCH_CHECK(group, "hetlb StepCore.exchange: need a process group, got None");
+            TORCH_CHECK(kept >= 0 && kept <= c.block, "hetlb StepCore.exchange: kept must be in [0, ",
+                        c.block, "] (the block set by set_block), got ", kept);
             at::Tensor t;
             {
               py::gil_scoped_release nogil;  // (see reduce)
-              t = c.exchange(group);
+              t = c.exchange(group, kept);
             }
             return table_to_numpy(t, c.fields);
           },
-          py::arg("group"), "All-reduce this rank's row now (blocking; with a block, its rows of "
-          "positions 0..pos) and return the table.")
+          py::arg("group"), py::arg("kept") = 0,
+          "All-reduce this rank's row now (blocking; with a block, its rows of positions 0..pos) "
+          "and return the table. `kept` >= 1: the kept rows of positions 0..kept-1 instead "
+          "(kept_slots; a flush of the block's steps so far).")
       .def(
           "close", [](StepCore& c) { c.open = false; },
           "End the step: a backward pass after this raises until the next start().")
@@ -713,6 +732,9 @@ void bind_comm_hook(py::module& m) {
       .def_property_readonly("slots", &StepCore::slots,
                              "This rank's rows of the block so far (positions 0..pos) in a zeroed "
                              "float64 [(pos + 1) * world * fields] tensor, step-major.")
+      .def("kept_slots", &StepCore::kept_slots, py::arg("n"),
+           "This rank's kept (stamped) rows of positions 0..n-1 in a zeroed float64 "
+           "[n * world * fields] tensor, step-major (slots() without the open step).")
       .def(
           "watch",
           [](StepCore& c, std::vector<at::Tensor> params) { c.params = std::move(params); },
@@ -726,6 +748,10 @@ void bind_comm_hook(py::module& m) {
       .def_readwrite("prescaled", &StepCore::prescaled,
                      "The gradient of the backward in progress already carries this rank's weight "
                      "(the loss was scaled): the hook only sums. Reset by start().")
+      .def_property_readonly(
+          "carry_capacity", [](const StepCore& c) { return c.flat_.defined() ? c.flat_.numel() : 0; },
+          "Elements of the carry transport's persistent buffer (the last bucket and a whole "
+          "block's slots; 0 before the first carry).")
       .def_readonly("scaled_buckets", &StepCore::scaled_buckets,
                     "Buckets this step whose gradient the hook multiplied by the weight.")
       .def_readonly("rank", &StepCore::rank)

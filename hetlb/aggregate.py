@@ -232,13 +232,15 @@ class StepTelemetry:
         ``[world, F]``, or ``[(pos + 1) * world, F]`` (step-major) for a block."""
         return self.core.take_table()
 
-    def exchange(self) -> np.ndarray:
+    def exchange(self, kept: int = 0) -> np.ndarray:
         """All-reduce this step's row now (blocking): the table of a step no hook carried (with
-        a block, of its positions ``0..pos``)."""
+        a block, of its positions ``0..pos``). ``kept >= 1``: the kept rows of the block's
+        positions ``0..kept-1`` instead, whatever step is open (a flush)."""
         if self.world == 1 and self.side_group is None and not (dist.is_available() and dist.is_initialized()):
-            return self.core.slots.numpy().reshape(-1, self.core.fields)
+            slots = self.core.kept_slots(kept) if kept else self.core.slots
+            return slots.numpy().reshape(-1, self.core.fields)
         group = self.side_group if self.side_group is not None else dist.distributed_c10d._get_default_group()
-        return self.core.exchange(group)
+        return self.core.exchange(group, kept)
 
     def close(self) -> None:
         """End the step: a backward pass now raises until the next :meth:`start`."""

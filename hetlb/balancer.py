@@ -223,14 +223,14 @@ class Balancer:
             The sizes then change only at exchanges (policies that move a bounded
             amount per decision, as the papers' do, take up to ``k`` times as many steps to
             balance), and a rank disagreement is found up to ``k - 1`` steps late (still an
-            error). A block also ends at an epoch's last step; the steps after a run's last
-            exchange (a ``break`` at a step limit, training without the loader) are never
-            checked or recorded. The steps since the last exchange are not in a checkpoint's
-            history: a run resumed inside a block starts a new block, and its decisions may
-            differ from an uninterrupted run's (its samples do not: exactly once either way).
-            Every rank must resume from the same checkpoint (as always): ranks at different
-            steps could ship at different steps, and the collective then fails (or times out)
-            instead of raising ``DecisionMismatchError``. The same on every rank.
+            error). A block also ends at an epoch's last step, and the first step after the
+            Balancer is made or a checkpoint is loaded is an exchange of its own (ranks resumed
+            from different checkpoints get ``DecisionMismatchError`` there). The steps after a
+            run's last exchange (a ``break`` at a step limit, training without the loader) are
+            checked and recorded only by :meth:`flush`. The steps since the last exchange are
+            not in a checkpoint's history (unless flushed before it): a run resumed inside a
+            block starts a new block, and its decisions may differ from an uninterrupted run's
+            (its samples do not: exactly once either way). The same on every rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -406,6 +406,11 @@ class Balancer:
         self._partials: Dict[int, tuple] = {}
         # The block's steps run since the last exchange (exchange_every > 1): (step, plan).
         self._block: List[Tuple[int, StepPlan]] = []
+        # The first step after this Balancer is made or a checkpoint is loaded is an exchange of
+        # its own (with exchange_every > 1): ranks that start from different positions meet in
+        # one table of one shape there and get DecisionMismatchError, not a collective of
+        # different shapes.
+        self._ship_next = True
         self._weight_of: tuple = (None, None, 0, 0.0)  # (sizes, data, window_len, weight) of _weight
         self._spent = 0.0
         self.last_overhead: float = 0.0
@@ -572,7 +577,7 @@ class Balancer:
             if plan.window_end and plan.window_len > 1 else float(plan.data[self.rank])
         offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
         pos = len(self._block)
-        ship = pos + 1 >= self.exchange_every or self._epoch_last(plan)
+        ship = pos + 1 >= self.exchange_every or self._ship_next or self._epoch_last(plan)
         self.telemetry.start(self._step, self._weight(plan), self._row(plan, data),
                              int(plan.sizes[self.rank]), offset=offset, new_window=first,
                              sq=0.0 if plan.sq is None else float(plan.sq[self.rank]),
@@ -732,20 +737,10 @@ class Balancer:
             table = tele.exchange()
         tele.close()
         self._open = None
-        if self._block:  # the block's steps, each checked and recorded with its own table
-            steps = self._block + [(self._step, plan)]
-            self._block = []
-            if table.shape[0] != len(steps) * self.world:
-                raise RuntimeError(f"hetlb: step {self._step}: the telemetry table has "
-                                   f"{table.shape[0]} rows for a block of {len(steps)} steps of "
-                                   f"{self.world} ranks; please report this with the script")
-            done = list(zip(steps, table.reshape(len(steps), self.world, table.shape[1])))
-        else:
-            done = [((self._step, plan), table)]
-        for (g, p), tab in done:
-            self._verify(tab, p, g)
-        for (g, p), tab in done:
-            self._partials[g] = (p, tab)
+        steps = self._block + [(self._step, plan)]  # the block's steps, each with its own table
+        self._block = []
+        self._ship_next = False
+        done = self._split(steps, table)
         self._advance(plan)
         self._record([(g, tab) for (g, _), tab in done])
         part = self.board.partition
@@ -754,6 +749,50 @@ class Balancer:
             self._rebalance(part, plan.epoch)
         self._spent += time.perf_counter() - t
         self.last_overhead, self._spent = self._spent, 0.0
+
+    def _split(self, steps: List[Tuple[int, StepPlan]], table: np.ndarray) -> list:
+        """``table`` (step-major) cut into one table per step of ``steps``, each checked against
+        its plan and kept for its record: ``[((step, plan), [world, F] table), ...]``."""
+        if table.shape[0] != len(steps) * self.world:
+            raise RuntimeError(f"hetlb: step {steps[-1][0]}: the telemetry table has "
+                               f"{table.shape[0]} rows for a block of {len(steps)} step(s) of "
+                               f"{self.world} ranks; please report this with the script")
+        done = list(zip(steps, table.reshape(len(steps), self.world, table.shape[1])))
+        for (g, p), tab in done:
+            self._verify(tab, p, g)
+        for (g, p), tab in done:
+            self._partials[g] = (p, tab)
+        return done
+
+    def flush(self) -> None:
+        """Exchange, check and record the steps run since the last exchange now, and decide
+        (``exchange_every > 1``; otherwise, and right after an exchange, nothing to do).
+
+        A block's steps are exchanged by its last step (or an epoch's last); the steps after a
+        run's last exchange (a ``break`` at a step limit, training without the loader) are
+        otherwise never checked against the other ranks or recorded. Call it between steps on
+        every rank at the same point (it is a collective when there is something to send): at
+        the end of training, or before a checkpoint whose history should hold every step. A
+        batch handed out but not trained yet (a ``break`` at the top of the loop body) stays
+        handed out; its step opens a new block.
+
+        Raises :class:`DecisionMismatchError` as an exchange would."""
+        if self._in_with:
+            raise RuntimeError("bal.flush() inside `with bal.step():`; call it between steps")
+        o = self._open
+        if o is not None and not o.explicit and self.telemetry.hooked:
+            self._finish()  # its backward ran: that step is trained (and may itself exchange)
+            o = None
+        if not self._block:
+            return
+        steps, self._block = self._block, []
+        table = self.telemetry.exchange(kept=len(steps))
+        self._ship_next = False
+        done = self._split(steps, table)
+        if o is not None:  # untrained: reopened as the first step of the next block
+            self.telemetry.close()
+            self._begin(o.plan, o.explicit)
+        self._record([(g, tab) for (g, _), tab in done])
 
     def _advance(self, plan: StepPlan) -> None:
         """``plan``'s step is done: the position, the step count and the watchdog move on."""
@@ -986,6 +1025,7 @@ class Balancer:
         self._consumed = None
         self._partials.clear()
         self._block = []
+        self._ship_next = True
         self._micro = 0
         self._step = steps
         if world != self.world:

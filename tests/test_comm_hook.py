@@ -251,6 +251,10 @@ def test_block_slots_match_the_reference(world, data):
                 core.last_ready()  # (the current step's row is sent stamped or not)
             stamped.append(core.row)
             assert torch.equal(core.slots, ref_block_slots(stamped, rank, world))
+            # A flush sends the stamped rows alone, whether or not the current step stamped.
+            kept = j + 1 if core.last_buckets else j
+            if kept:
+                assert torch.equal(core.kept_slots(kept), ref_block_slots(stamped[:kept], rank, world))
             core.close()
 
 
@@ -268,6 +272,9 @@ def test_step_core_checks_its_block():
     with pytest.raises(RuntimeError, match="a step is open"):
         core.set_block(2)
     assert core.slots.shape == (3 * 2 * NUM_FIELDS,)
+    for bad in (0, 4):
+        with pytest.raises(RuntimeError, match=rf"need 1 <= n <= block \(3\), got {bad}"):
+            core.kept_slots(bad)
 
 
 def test_step_core_holds_and_reports_no_progress():

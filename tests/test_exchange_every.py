@@ -59,17 +59,18 @@ def test_blocks_keep_the_union_gradient_and_record_every_exchanged_step(world, o
         assert r["transport"] == options["transport"]
         assert max(r["errs"]) < 1e-12, r["errs"]
         assert r["steps"] == steps
-        # Blocks [0-2] [3-5] [6-7]: the last is still open (its step 7 ended at the break).
-        assert [s for s, _, _ in r["records"]] == list(range(6))
+        # Blocks [0] (the first step is an exchange of its own) [1-3] [4-6] [7]: the last is
+        # still open (its step 7 ended at the break).
+        assert [s for s, _, _ in r["records"]] == list(range(7))
         assert all(finite for _, _, finite in r["records"])
         # Each record holds the sizes its step ran.
-        assert [b for _, b, _ in r["records"]] == r["sizes"][:6]
+        assert [b for _, b, _ in r["records"]] == r["sizes"][:7]
         # Decisions change only at exchanges: one size vector per block, new ones after each.
-        blocks = [r["sizes"][0:3], r["sizes"][3:6], r["sizes"][6:8]]
+        blocks = [r["sizes"][0:1], r["sizes"][1:4], r["sizes"][4:7], r["sizes"][7:8]]
         assert all(len({tuple(s) for s in b}) == 1 for b in blocks), blocks
-        assert len({tuple(b[0]) for b in blocks}) == 3, blocks
-        # No record arrives inside a block: the history grows by 3 at steps 2 and 5's ends.
-        assert r["recorded"] == [0, 0, 0, 3, 3, 3, 6, 6], r["recorded"]
+        assert all(a[0] != b[0] for a, b in zip(blocks, blocks[1:])), blocks
+        # No record arrives inside a block: the history grows at steps 0, 3 and 6's ends.
+        assert r["recorded"] == [0, 1, 1, 1, 4, 4, 4, 7], r["recorded"]
     assert all(r["records"] == res[0]["records"] for r in res)
 
 
@@ -79,7 +80,7 @@ def block_record_worker(rank, world, naps, k, stop, total):
     ds = torch.utils.data.TensorDataset(x, y)
     seen = []
 
-    def run_steps(state, steps, seen):
+    def run_steps(state, steps, seen, flush=False):
         ddp = DDP(_net(), bucket_cap_mb=1e-4)
         bal = hetlb.Balancer(ddp, 8, policy=Fixed([4, 4]), exchange_every=k)
         loader = bal.loader(ds, seed=1)
@@ -93,11 +94,13 @@ def block_record_worker(rank, world, naps, k, stop, total):
             time.sleep(naps[bal.steps])
             out.pow(2).mean().backward()
             ddp.zero_grad()
+        if flush:
+            bal.flush()
         return bal, loader.state_dict()
 
     bal, state = run_steps(None, stop, seen)
     first = [(r.step, r.compute.tolist()) for r in bal.history]
-    bal, _ = run_steps(state, total, seen)
+    bal, _ = run_steps(state, total, seen, flush=True)
     resumed = [(r.step, r.compute.tolist()) for r in bal.history]
     whole = []
     run_steps(None, total, whole)  # uninterrupted
@@ -105,16 +108,17 @@ def block_record_worker(rank, world, naps, k, stop, total):
 
 
 def test_each_record_of_a_block_holds_its_own_steps_time_across_a_resume_inside_a_block():
-    # Blocks of 3; a checkpoint after step 4 (inside the block [3-5]): steps 3 and 4 were never
-    # exchanged, so the checkpoint's history is steps 0-2, and the resumed run's block starts at
-    # step 5: [5-7] [8-10]. Each record must hold its own step's nap, and the data is exactly once.
+    # Blocks of 3 after the first step: [0] [1-3] [4-...]; a checkpoint after step 4 (inside a
+    # block): step 4 was never exchanged, so the checkpoint's history is steps 0-3. The resumed
+    # run's first step is an exchange of its own again: [5] [6-8] [9-10], the last sent by the
+    # flush at its end. Each record must hold its own step's nap, and the data is exactly once.
     k, stop, total = 3, 5, 11
     naps = [0.12 if s % 3 == 1 or s == 9 else 0.0 for s in range(total)]
     res = unwrap(run(block_record_worker, 2, naps, k, stop, total, timeout=180))
     for r in res:
-        assert [s for s, _ in r["first"]] == [0, 1, 2]
-        assert [s for s, _ in r["resumed"]] == [0, 1, 2, 5, 6, 7, 8, 9, 10]
-        assert r["resumed"][:3] == r["first"]
+        assert [s for s, _ in r["first"]] == [0, 1, 2, 3]
+        assert [s for s, _ in r["resumed"]] == [0, 1, 2, 3, 5, 6, 7, 8, 9, 10]
+        assert r["resumed"][:4] == r["first"]
         for step, compute in r["resumed"]:
             if naps[step]:
                 assert min(compute) >= naps[step], (step, compute)
@@ -131,19 +135,21 @@ def epoch_worker(rank, world, n, gb, k, epochs):
     bal = hetlb.Balancer(ddp, gb, policy=Jitter(7), lower=0, exchange_every=k)
     ds = torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float64)[:, None])
     loader = bal.loader(ds, seed=11, num_workers=1, prefetch_factor=2, persistent_workers=True)
-    seen, lens = {}, []
+    seen, lens, caps = {}, [], []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         for (xb,) in loader:
             ddp(xb).sum().backward()
             seen.setdefault(epoch, []).extend(int(v) for v in xb[:, 0].tolist())
             lens.append(len(bal.history))
+            caps.append(bal.telemetry.core.carry_capacity)
     return {"seen": seen, "lens": lens, "ends": [r.step for r in bal.history if r.epoch_end],
-            "steps": [r.step for r in bal.history]}
+            "steps": [r.step for r in bal.history], "caps": caps, "transport": bal.transport}
 
 
 def test_a_block_ends_at_the_epochs_end():
-    # 53 samples of 8: 7 steps an epoch; blocks of 5 are [0-4] [5-6] | [7-11] [12-13].
+    # 53 samples of 8: 7 steps an epoch; blocks of 5 are [0] (the first step alone) [1-5] [6] |
+    # [7-11] [12-13].
     n, gb, k = 53, 8, 5
     res = unwrap(run(epoch_worker, 2, n, gb, k, 2))
     for r in res:
@@ -153,16 +159,21 @@ def test_a_block_ends_at_the_epochs_end():
         assert r["steps"] == list(range(14))  # every step recorded: the epoch end exchanged
         assert r["ends"] == [6, 13]
         # History length seen in the body of each step (before that step's end).
-        assert r["lens"] == [0] * 5 + [5] * 2 + [7] * 5 + [12] * 2, r["lens"]
+        assert r["lens"] == [0] + [1] * 5 + [6] + [7] * 5 + [12] * 2, r["lens"]
+        # Carry's buffer holds a whole block from the first exchange on: blocks of 1, 5 and 2
+        # steps reuse it (one bucket of 2 parameters, then k * world rows of the table).
+        assert r["transport"] == "carry"
+        assert r["caps"] == [2 + k * 2 * hetlb.telemetry.NUM_FIELDS] * 14, r["caps"]
 
 
 def test_a_disagreement_inside_a_block_is_found_at_its_exchange():
-    # The first decision (after step 2's exchange) differs on rank 1: steps 3-5 run it, and the
-    # exchange at step 5's end names step 3, on every rank.
+    # Blocks [0] [1-3] [4-6]: the decision after step 3's exchange differs on rank 1 (the
+    # policy breaks from step 1 on): steps 4-6 run it, and the exchange at step 6's end names
+    # step 4, on every rank.
     for kind, steps, msg in unwrap(run(mismatch_worker, 2, 3, 9)):
         assert kind == "mismatch"
-        assert steps == 5
-        assert msg.startswith("step 3:") and "disagree" in msg, msg
+        assert steps == 6
+        assert msg.startswith("step 4:") and "disagree" in msg, msg
 
 
 def disagree_worker(rank, world):
@@ -187,9 +198,14 @@ def test_one_process_records_in_blocks():
         with bal.step():
             net(torch.randn(4, 3)).sum().backward()
         lens.append(len(bal.history))
-    assert lens == [0, 0, 0, 4, 4, 4, 4, 8, 8, 8]
-    assert [r.step for r in bal.history] == list(range(8))
+    # Blocks [0] [1-4] [5-8] [9]: the flush sends the last.
+    assert lens == [1, 1, 1, 1, 5, 5, 5, 5, 9, 9]
+    assert [r.step for r in bal.history] == list(range(9))
+    bal.flush()
+    assert [r.step for r in bal.history] == list(range(10))
     assert all(np.isfinite(r.compute).all() for r in bal.history)
+    bal.flush()  # nothing left: no change
+    assert len(bal.history) == 10
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True, None])
@@ -224,7 +240,8 @@ def block_accumulation_worker(rank, world, K, k, n, gb):
 
 def test_blocks_of_accumulation_windows_are_exact():
     # 50 samples of 6 in windows of 3: windows [0-2] [3-5] [6-7] [8] (4 steps); blocks of 2 steps
-    # ([0, 1] [2, 3], the last one ending at the epoch's end): every window recorded.
+    # after the first ([0] [1, 2] [3], the last one ending at the epoch's end): every window
+    # recorded.
     for r in unwrap(run(block_accumulation_worker, 2, 3, 2, 50, 6)):
         assert max(r["errs"]) < 1e-12, r["errs"]
         assert r["steps"] == 4
@@ -248,13 +265,100 @@ def test_a_block_whose_newest_step_is_refused_keeps_the_sizes(caplog):
     net = torch.nn.Linear(3, 1)
     pol = _Counting([4])
     bal = hetlb.Balancer(net, 4, policy=pol, exchange_every=3)
-    for step in range(6):
+    for step in range(7):  # blocks [0] [1-3] [4-6]
         with bal.step():
             net(torch.randn(4, 3)).sum().backward()
-            if step == 2:
+            if step == 3:
                 bal.telemetry.core.set(COL["compute"], float("nan"))
-        if step == 2:
-            assert [r.step for r in bal.history] == [0, 1] and pol.decisions == 0
+        if step == 3:
+            assert [r.step for r in bal.history] == [0, 1, 2] and pol.decisions == 1
             assert bal._bad == 1 and "keeping the previous sizes" in caplog.text
-    assert [r.step for r in bal.history] == [0, 1, 3, 4, 5] and pol.decisions == 1
+    assert [r.step for r in bal.history] == [0, 1, 2, 4, 5, 6] and pol.decisions == 2
     assert bal._bad == 0
+
+
+def flush_worker(rank, world, transport, same_iterator):
+    net = _net()
+    ddp = DDP(net)
+    bal = hetlb.Balancer(ddp, 12, policy=Jitter(3), lower=0, transport=transport, exchange_every=4)
+    x, y, tokens = _data(120)  # 10 steps an epoch
+    ds = torch.utils.data.TensorDataset(x, y, tokens, torch.arange(len(x)))
+    loader = bal.loader(ds, seed=4)
+    errs, seen, before = [], [], None
+
+    def train(batch):
+        xb, yb, _, ib = batch
+        plan = bal.board.current
+        _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)).backward()
+        ref = _reference(net, x, y, tokens, loader.sampler.step_indices(plan), "samples")
+        errs.append(max(((p.grad - r).abs().max() / (r.abs().max() + 1e-12)).item()
+                        for p, r in zip(net.parameters(), ref)))
+        ddp.zero_grad(set_to_none=True)
+        seen.extend(ib.tolist())
+
+    it = iter(loader)
+    for batch in it:
+        if bal.steps == 6:
+            break  # step 6's batch is handed out, not trained; blocks [0] [1-4] [5-...]
+        train(batch)
+    before = [r.step for r in bal.history]
+    bal.flush()
+    flushed = [r.step for r in bal.history]
+    bal.flush()  # nothing left: no collective, no change
+    if same_iterator:  # train the held batch, then go on with the same iterator
+        train(batch)
+        for batch in it:
+            train(batch)
+    else:  # a new loop hands step 6's batch out again
+        for batch in loader:
+            train(batch)
+    return {"errs": errs, "seen": seen, "before": before, "flushed": flushed,
+            "after": [r.step for r in bal.history], "steps": bal.steps}
+
+
+@pytest.mark.parametrize("transport, same_iterator", [("carry", False), ("side", True)])
+def test_flush_records_the_steps_since_the_last_exchange(transport, same_iterator):
+    res = unwrap(run(flush_worker, 2, transport, same_iterator))
+    for r in res:
+        assert r["before"] == list(range(5))  # step 5 sat in an open block
+        assert r["flushed"] == list(range(6))
+        assert r["after"] == list(range(10)) and r["steps"] == 10  # the epoch's end exchanged
+        assert max(r["errs"]) < 1e-12, r["errs"]
+    union = [i for r in res for i in r["seen"]]
+    assert sorted(union) == list(range(120))  # exactly once across the flush
+
+
+def checkpoint_mismatch_worker(rank, world, transport):
+    ds = torch.utils.data.TensorDataset(torch.arange(96, dtype=torch.float64)[:, None])
+
+    def make():
+        ddp = DDP(torch.nn.Linear(1, 1).double())
+        bal = hetlb.Balancer(ddp, 8, policy=Fixed([4, 4]), transport=transport, exchange_every=5)
+        return ddp, bal, bal.loader(ds, seed=3)  # 12 steps an epoch
+
+    ddp, bal, loader = make()
+    saved = {}
+    for (xb,) in loader:
+        if bal.steps in (3, 9):
+            saved[bal.steps] = loader.state_dict()
+        if bal.steps == 10:
+            break
+        ddp(xb).sum().backward()
+    bal.flush()
+    # Each rank resumes from a different checkpoint: rank 0 at step 3, rank 1 at step 9, whose
+    # epoch ends (an exchange) two steps later. The first step after the load is an exchange of
+    # every rank, so they meet in one table and the checks name the disagreement.
+    ddp, bal, loader = make()
+    loader.load_state_dict(saved[3 if rank == 0 else 9])
+    try:
+        for (xb,) in loader:
+            ddp(xb).sum().backward()
+    except hetlb.DecisionMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("transport", ["carry", "side"])
+def test_ranks_resumed_from_different_checkpoints_get_an_error_not_a_hang(transport):
+    for msg in unwrap(run(checkpoint_mismatch_worker, 2, transport, timeout=120)):
+        assert "ranks are at different steps" in msg, msg

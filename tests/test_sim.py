@@ -252,8 +252,8 @@ def test_lbbsp_cpu_mode_with_narx_runs_per_rank_predictors():
 @pytest.mark.parametrize("policy", ["lbb", "lbbsp", "wlbs", "dbs"])
 def test_exchange_every_decides_once_per_block(policy):
     # exchange_every=1 is the per-step run exactly; with k = 7 the sizes change only after a
-    # block's end (k steps, or an epoch's end: 50 steps an epoch here), and the policy still
-    # balances the static cluster.
+    # block's end (the first step alone, as in the Balancer; then k steps, or an epoch's end:
+    # 50 steps an epoch here), and the policy still balances the static cluster.
     sc = load_scenario("abs-sgd-1234")
     per_step = simulate(sc, policy, steps=120)
     same = simulate(sc, policy, steps=120, exchange_every=1)
@@ -264,7 +264,7 @@ def test_exchange_every_decides_once_per_block(policy):
     ends, n = set(), 0
     for step in range(120):
         n += 1
-        if n == k or (step + 1) % sc.steps_per_epoch == 0:
+        if n == k or step == 0 or (step + 1) % sc.steps_per_epoch == 0:
             ends.add(step)
             n = 0
     changed = [s for s in range(1, 120) if not np.array_equal(res.sizes[s], res.sizes[s - 1])]

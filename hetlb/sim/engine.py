@@ -216,8 +216,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         progress: a tqdm bar over the steps.
         history: records the policy can look back on (the Balancer's ``history`` argument).
         exchange_every: the Balancer's ``exchange_every``: the policy sees the records of ``k``
-            steps at once (a block also ends at an epoch's end, and at a restart's) and decides
-            once per block; the sizes are kept in between.
+            steps at once (a block also ends at an epoch's end, and at a restart's, and the
+            first step after a (re)start is an exchange of its own, as in the Balancer) and
+            decides once per block; the sizes are kept in between.
 
     Returns:
         a :class:`SimResult`. A worker given more than its ``limit`` (possible only without
@@ -258,7 +259,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     membership = {e.start for e in state_ev if e.kind in ("leave", "join")}
 
     def start_policy(k: int) -> None:
-        nonlocal idx, hist, pending, local, spent, block
+        nonlocal idx, hist, pending, local, spent, block, started
+        started = k
         idx = np.flatnonzero(active)
         n = idx.size
         # As in the Balancer, only a profile (that ran out of memory) bounds a rank's batch.
@@ -286,6 +288,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     pending: List[Any] = []
     local: List[Any] = []
     block: List[StepRecord] = []
+    started = 0  # the step the policy (re)started at: an exchange of its own
     ev_i = 0
     error: Optional[str] = None
     bar = None
@@ -390,7 +393,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         t0 = time.perf_counter()
         block.append(rec)
         nxt = pending[-1]  # inside a block the sizes are kept
-        if len(block) >= every or rec.epoch_end:
+        if len(block) >= every or rec.epoch_end or k == started:
             appended = 0
             for rec in block:
                 try:
