@@ -66,7 +66,8 @@ def gloo_threads() -> List[str]:
 
 #: Imported once by the fork server, so a rank starts in milliseconds instead of importing torch
 #: (about 2 s of CPU per rank on the CI machine, for every multi-process test).
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.rpc", "numpy", "hetlb"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.rpc", "numpy", "hetlb",
+           "torch._dynamo"]
 
 
 def _context() -> Any:
