@@ -16,7 +16,9 @@ decision: ``Balancer.last_overhead``) in microseconds.
 
 ``--exchange-every 1 16`` runs the heterogeneous part once per value of
 ``Balancer(exchange_every=)`` (1, the default, is the papers' per-step decision; 16 exchanges the
-telemetry of 16 steps at once, so the sizes change at most every 16 steps), side by side.
+telemetry of 16 steps at once, so the sizes change at most every 16 steps; ``16a`` adds
+``adaptive_exchange=True``: blocks of one step while the sizes move, doubling up to 16 while they
+hold still), side by side.
 
     python bench/bench_balance.py [--quick] [--exchange-every K ...] [--out FILE]
 
@@ -58,7 +60,7 @@ def make_policy(name: str, steps_per_epoch: int) -> Any:
 
 
 def balanced_run(rank: int, args: argparse.Namespace, policy: str, speeds: List[float],
-                 model: tuple, every: int = 1) -> Dict[str, Any]:
+                 model: tuple, every: str = "1") -> Dict[str, Any]:
     """One training run with the Balancer; per-step wall times, sizes and overheads."""
     from hetlb.emulate import Emulator
     from hetlb.models import LinearModel
@@ -67,7 +69,8 @@ def balanced_run(rank: int, args: argparse.Namespace, policy: str, speeds: List[
     steps = args.warmup + args.steps
     emu = Emulator.for_rank(rank, speeds, model=LinearModel(*model))
     bal = hetlb.Balancer(ddp, args.global_batch, policy=make_policy(policy, args.steps_per_epoch),
-                         emulator=emu, exchange_every=every)
+                         emulator=emu, exchange_every=int(every.rstrip("a")),
+                         adaptive_exchange=every.endswith("a"))
     n = args.global_batch * args.steps_per_epoch
     ds = torch.utils.data.TensorDataset(torch.randn(n, 16), torch.randn(n, 4))
     loader = bal.loader(ds, seed=1)
@@ -193,8 +196,9 @@ def main() -> None:
                    help="worker counts of the homogeneous part besides --world")
     p.add_argument("--quick", action="store_true", help="fewer steps, smaller times (a smoke run)")
     p.add_argument("--part", choices=["all", "homogeneous"], default="all")
-    p.add_argument("--exchange-every", type=int, nargs="+", default=[1],
-                   help="Balancer(exchange_every=) values of the heterogeneous part, side by side")
+    p.add_argument("--exchange-every", nargs="+", default=["1"],
+                   help="Balancer(exchange_every=) values of the heterogeneous part, side by side "
+                        "(Ka: exchange_every=K, adaptive_exchange=True)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -243,7 +247,7 @@ def main() -> None:
                for (_, name, r), k in zip(hetero, everies * len(names)) if name == "Uniform"}
     for (_, name, r), k in zip(hetero, everies * len(names)):
         med = statistics.median(r["times"][args.warmup:])
-        label = name if everies == [1] else f"{name}, exchange_every={k}"
+        label = name if everies == ["1"] else f"{name}, exchange_every={k}"
         rows.append((label, 1e3 * med, med / ideal, med / (ideal + comm), uniform[k] / med,
                      converged_at(r["times"], ideal + comm), r["sizes"][-1],
                      1e6 * statistics.median(r["overheads"][args.warmup:])))

@@ -34,7 +34,8 @@ bucket's all-reduce, as hetlb did before session 12 (now: once that all-reduce i
 
 A variant ``NAME/K`` (e.g. ``carry/16``, ``side+backward/16``) is hetlb's ``NAME`` with
 ``Balancer(exchange_every=K)``: the telemetry of K steps in one exchange (opt-in; the papers
-decide every step, ``/1``).
+decide every step, ``/1``). ``NAME/Ka`` adds ``adaptive_exchange=True`` (blocks grow from 1 to K
+while the sizes hold still; with the Uniform policy here they reach K after a few exchanges).
 
 A variant named ``NAME#2`` (any suffix after ``#``) is a second copy of ``NAME``: ``plain#2``
 beside ``plain`` is an A/A comparison, the resolution of the run. In step-interleaved mode a
@@ -118,8 +119,9 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
     else:
         transport = variant.partition("+")[0]
         kw = {"transport": transport} if new_api else {}
-        if every:
-            kw["exchange_every"] = int(every)
+        if every:  # "16", or "16a": adaptive blocks up to 16
+            kw["exchange_every"] = int(every.rstrip("a"))
+            kw["adaptive_exchange"] = every.endswith("a")
         bal = hetlb.Balancer(ddp, args.global_batch, policy=hetlb.Uniform(), **kw)
         loader = bal.loader(ds, seed=1)
         if flag == "first":  # the side table issued before the last bucket's all-reduce (as before session 12)

@@ -14,10 +14,13 @@ between batches.
 
 Part ``exchange``: ``Balancer(exchange_every=k)`` (opt-in) against the papers' per-step decision
 (k = 1), side by side in virtual time on the built-in scenarios: the policy sees k steps' records
-at once and decides once per k steps (a block also ends at an epoch's end). Reported: total
-virtual time and its ratio to k = 1, the mean step over the last half, and the policy's wall time.
+at once and decides once per k steps (a block also ends at an epoch's end). ``Ka`` (e.g. ``16a``)
+is ``exchange_every=K, adaptive_exchange=True``: blocks of one step while the sizes move, doubling
+up to K while they hold still. Reported: total virtual time and its ratio to the first value, the
+mean step over the last half, the exchanges (all, and in the last half), and the policy's wall
+time.
 
-    python bench/bench_sim.py [--part scale agree exchange] [--workers 4096] [--steps 1000] [--out F]
+    python bench/bench_sim.py [--part scale agree exchange] [--exchange-every 1 16 16a] [--out F]
 """
 from __future__ import annotations
 
@@ -129,29 +132,38 @@ def part_agree(name: str, steps: int, split: int) -> List[str]:
     return lines
 
 
-def part_exchange(everies: List[int]) -> List[str]:
+def exchange_spec(spec: str) -> dict:
+    """``"16"`` -> exchange_every=16; ``"16a"`` -> also adaptive_exchange=True."""
+    return {"exchange_every": int(spec.rstrip("a")), "adaptive_exchange": spec.endswith("a")}
+
+
+def part_exchange(everies: List[str]) -> List[str]:
     from hetlb.sim import builtin_scenarios, simulate
-    lines = ["### Telemetry every k steps in the simulator (exchange_every=k against k = 1)", "",
-             "| scenario | policy | k | total (virtual s) | / k = 1 | mean step, last half (ms) | decide (wall ms) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [f"### Telemetry every k steps in the simulator (exchange_every=k against k = {everies[0]})", "",
+             f"| scenario | policy | k | total (virtual s) | / k = {everies[0]} | mean step, last half (ms) "
+             f"| exchanges (last half) | decide (wall ms) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name in ("abs-sgd-1234", "abs-sgd-dynamic", "lbb-disturbance", "lbbsp-cluster-a", "mixed"):
         sc = builtin_scenarios()[name]()
         for pol in ("lbb", "lbbsp", "wlbs", "dbs"):
             base = None
             for k in everies:
-                r = simulate(sc, pol, exchange_every=k)
+                r = simulate(sc, pol, **exchange_spec(k))
                 base = r.total_time if base is None else base
-                half = r.step_time[len(r.step_time) // 2:]
+                cut = len(r.step_time) // 2
+                half = r.step_time[cut:]
+                late = sum(e >= cut for e in r.exchanges)
                 lines.append(f"| {name} | {pol} | {k} | {r.total_time:.3f} | {r.total_time / base:.4f} | "
-                             f"{1e3 * float(np.mean(half)):.2f} | {1e3 * r.decide_seconds:.1f} |")
+                             f"{1e3 * float(np.mean(half)):.2f} | {len(r.exchanges)} ({late}) | "
+                             f"{1e3 * r.decide_seconds:.1f} |")
     return lines
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", nargs="+", choices=["scale", "agree", "exchange"], default=["scale", "agree"])
-    p.add_argument("--exchange-every", type=int, nargs="+", default=[1, 4, 16],
-                   help="the k values of part exchange (the first is the baseline)")
+    p.add_argument("--exchange-every", nargs="+", default=["1", "4", "16", "16a"],
+                   help="the k values of part exchange (the first is the baseline); Ka: adaptive")
     p.add_argument("--workers", type=int, default=4096)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)

@@ -231,6 +231,15 @@ class Balancer:
             not in a checkpoint's history (unless flushed before it): a run resumed inside a
             block starts a new block, and its decisions may differ from an uninterrupted run's
             (its samples do not: exactly once either way). The same on every rank.
+        adaptive_exchange: with ``exchange_every=k > 1`` (opt-in, not in the papers), grow the
+            block while the sizes hold still: a block is 1 step after an exchange whose decision
+            changed the sizes (or whose newest step was refused), and twice the previous one,
+            up to ``k``, after one that kept them. While the policy is still moving the blocks
+            are single steps, so it balances at the papers' per-step pace; on a balanced cluster
+            the blocks reach ``k`` after about ``log2(k)`` exchanges, at the overhead of ``k``. A
+            change of speed is seen at the next exchange (up to ``k`` steps late), and from
+            there the blocks are single steps again. Every rank derives the lengths from the
+            same decisions, so they agree. The same on every rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -264,7 +273,7 @@ class Balancer:
                  batch_dim: BatchDim = 0, transport: Optional[str] = None,
                  native_hook: bool = True, log_dir: Optional[str] = None,
                  tensorboard: Optional[bool] = None, watchdog: Optional[Watchdog] = None,
-                 exchange_every: int = 1) -> None:
+                 exchange_every: int = 1, adaptive_exchange: bool = False) -> None:
         # Every argument is checked before anything touches the model (hooks) or the group.
         checks.instance(model, "model", torch.nn.Module, "a torch.nn.Module (DDP-wrapped with "
                         "more than one rank)")
@@ -303,6 +312,7 @@ class Balancer:
                              'gradient no longer tells them apart')
         self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
         self.exchange_every = checks.integer(exchange_every, "exchange_every", 1)
+        self.adaptive_exchange = checks.flag(adaptive_exchange, "adaptive_exchange")
         lower = checks.integer(lower, "lower", 0)
         if batch_dim is not None and not callable(batch_dim):
             batch_dim = checks.integer(batch_dim, "batch_dim", 0)
@@ -357,7 +367,8 @@ class Balancer:
         side = make_side_group(group) if self.distributed else None
         mine = {"config": {"global_batch": global_batch, "weighting": weighting,
                            "accumulate": self.accumulate, "policy": type(policy).__name__,
-                           "exchange_every": self.exchange_every},
+                           "exchange_every": self.exchange_every,
+                           "adaptive_exchange": self.adaptive_exchange},
                 "transport": transport,
                 "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
                 **self._bounds(lower, upper, profile)}
@@ -411,6 +422,8 @@ class Balancer:
         # one table of one shape there and get DecisionMismatchError, not a collective of
         # different shapes.
         self._ship_next = True
+        # Steps of the current block: exchange_every, or with adaptive_exchange from 1 up to it.
+        self._block_len = 1 if self.adaptive_exchange else self.exchange_every
         self._weight_of: tuple = (None, None, 0, 0.0)  # (sizes, data, window_len, weight) of _weight
         self._spent = 0.0
         self.last_overhead: float = 0.0
@@ -577,7 +590,7 @@ class Balancer:
             if plan.window_end and plan.window_len > 1 else float(plan.data[self.rank])
         offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
         pos = len(self._block)
-        ship = pos + 1 >= self.exchange_every or self._ship_next or self._epoch_last(plan)
+        ship = pos + 1 >= self._block_len or self._ship_next or self._epoch_last(plan)
         self.telemetry.start(self._step, self._weight(plan), self._row(plan, data),
                              int(plan.sizes[self.rank]), offset=offset, new_window=first,
                              sq=0.0 if plan.sq is None else float(plan.sq[self.rank]),
@@ -742,7 +755,7 @@ class Balancer:
         self._ship_next = False
         done = self._split(steps, table)
         self._advance(plan)
-        self._record([(g, tab) for (g, _), tab in done])
+        self._next_block(self._record([(g, tab) for (g, _), tab in done]))
         part = self.board.partition
         if part is not None and part.rebalance and part.pending is None and \
                 plan.epoch == self.board.epoch and self.board.epoch_finished():
@@ -792,7 +805,12 @@ class Balancer:
         if o is not None:  # untrained: reopened as the first step of the next block
             self.telemetry.close()
             self._begin(o.plan, o.explicit)
-        self._record([(g, tab) for (g, _), tab in done])
+        self._next_block(self._record([(g, tab) for (g, _), tab in done]))
+
+    def _next_block(self, steady: bool) -> None:
+        """After an exchange: the next block's length (see ``adaptive_exchange``)."""
+        if self.adaptive_exchange:
+            self._block_len = min(2 * self._block_len, self.exchange_every) if steady else 1
 
     def _advance(self, plan: StepPlan) -> None:
         """``plan``'s step is done: the position, the step count and the watchdog move on."""
@@ -841,9 +859,10 @@ class Balancer:
                                         f"[{', '.join(_num(v) for v in batch[bad].tolist())}], "
                                         f"the plan says {plan.sizes[bad].tolist()}")
 
-    def _record(self, steps: List[Tuple[int, np.ndarray]]) -> None:
+    def _record(self, steps: List[Tuple[int, np.ndarray]]) -> bool:
         """The records the tables of ``steps`` (in order; one step, or an exchanged block's)
-        complete, then one decision."""
+        complete, then one decision. Returns whether the newest step was recorded and the
+        decision kept the sizes."""
         records: List[Optional[StepRecord]] = []  # None: a refused step
         for g, table in steps:
             done = g - self.telemetry.lag
@@ -870,23 +889,26 @@ class Balancer:
                 continue
             records.append(record)
         if not records or records[-1] is None:  # the newest step's telemetry was refused
-            return
+            return False
         usable = [r for r in records if r is not None]
         try:
             decision = self.policy.decide(self.history)
         except UnusableTelemetry as e:
             self._unusable(e)
-            return
+            return False
         self._bad = 0
         if not isinstance(self.policy, SizedPolicy):  # (a SizedPolicy checked it in emit())
             decision = check_decision(decision, self.context, type(self.policy).__name__)
         self._decision = decision
+        before = self.board.checksum
         self.board.post(decision)
+        steady = self.board.checksum == before
         if self.runlog is not None:
             actions = getattr(self.policy, "actions", None)
             for record in usable:
                 self.runlog.write(record, getattr(self.policy, "name", type(self.policy).__name__),
                                   actions[-1] if actions else None, decision)
+        return steady
 
     def _unusable(self, e: UnusableTelemetry) -> None:
         """A step's telemetry was refused: keep the sizes, or raise after ``max_bad_steps``."""
@@ -1026,6 +1048,7 @@ class Balancer:
         self._partials.clear()
         self._block = []
         self._ship_next = True
+        self._block_len = 1 if self.adaptive_exchange else self.exchange_every
         self._micro = 0
         self._step = steps
         if world != self.world:

@@ -208,7 +208,8 @@ def _simulate(args: argparse.Namespace) -> int:
     results = []
     for p in policies:
         results.append(simulate(sc, p, steps, profile=args.profile, seed=args.seed,
-                                progress=not args.json, exchange_every=args.exchange_every))
+                                progress=not args.json, exchange_every=args.exchange_every,
+                                adaptive_exchange=args.adaptive_exchange))
     base = next((r for r in results if r.policy == "uniform"), None)
     summ = [r.summary() for r in results]
     for s in summ:
@@ -501,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--exchange-every", type=int, default=1, metavar="K",
                     help="Balancer(exchange_every=K): the policy sees K steps' records at once and "
                          "decides once per K steps (default 1, every step as the papers)")
+    sm.add_argument("--adaptive-exchange", action="store_true",
+                    help="Balancer(adaptive_exchange=True): blocks of 1 step while the sizes move, "
+                         "doubling up to K while they hold still")
     sm.add_argument("--plot", help="write a PNG of step times and batch sizes")
     sm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sm.set_defaults(func=_simulate)

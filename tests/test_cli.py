@@ -131,6 +131,12 @@ def test_simulate_compares_policies_and_plots(capsys, tmp_path):
         assert code == 0
         runs[k] = json.loads(out)["results"][0]
     assert runs["8"]["total_time"] > runs["1"]["total_time"]
+    # Adaptive blocks stay single steps while the sizes move: close to the per-step run.
+    code, out, _ = run_cli(capsys, "simulate", "lbb-disturbance", "--policy", "lbb", "--steps",
+                           "120", "--exchange-every", "8", "--adaptive-exchange", "--json")
+    assert code == 0
+    auto = json.loads(out)["results"][0]["total_time"]
+    assert auto < runs["8"]["total_time"] and auto < 1.03 * runs["1"]["total_time"], (auto, runs)
 
 
 @pytest.mark.parametrize("sub", [[], ["plan"], ["simulate"]])

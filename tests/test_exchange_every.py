@@ -214,6 +214,12 @@ def test_bad_exchange_every_is_refused(bad):
         hetlb.Balancer(torch.nn.Linear(3, 1), 4, exchange_every=bad)
 
 
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_bad_adaptive_exchange_is_refused(bad):
+    with pytest.raises((TypeError, ValueError), match="adaptive_exchange"):
+        hetlb.Balancer(torch.nn.Linear(3, 1), 4, exchange_every=4, adaptive_exchange=bad)
+
+
 def block_accumulation_worker(rank, world, K, k, n, gb):
     net = _net()
     ddp = DDP(net)
@@ -362,3 +368,86 @@ def checkpoint_mismatch_worker(rank, world, transport):
 def test_ranks_resumed_from_different_checkpoints_get_an_error_not_a_hang(transport):
     for msg in unwrap(run(checkpoint_mismatch_worker, 2, transport, timeout=120)):
         assert "ranks are at different steps" in msg, msg
+
+
+class _Settles(Fixed):
+    """Moves one sample back and forth for its first ``moves`` decisions, then holds still."""
+
+    def __init__(self, sizes, moves):
+        super().__init__(sizes)
+        self.moves, self.calls = moves, 0
+
+    def decide(self, history):
+        self.calls += 1
+        s = self.sizes.copy()
+        if min(self.calls, self.moves + 1) % 2:
+            s[0] += 1
+            s[1] -= 1
+        return s
+
+
+def adaptive_worker(rank, world, k, moves):
+    net = _net()
+    ddp = DDP(net)
+    bal = hetlb.Balancer(ddp, 12, policy=_Settles([6, 6], moves), exchange_every=k,
+                         adaptive_exchange=True)
+    x, y, tokens = _data(240)  # 20 steps an epoch
+    ds = torch.utils.data.TensorDataset(x, y, tokens)
+    loader = bal.loader(ds, seed=6)
+    errs, sizes, lens = [], [], []
+    for xb, yb, _ in loader:
+        plan = bal.board.current
+        sizes.append(plan.sizes.tolist())
+        lens.append(len(bal.history))
+        _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)).backward()
+        ref = _reference(net, x, y, tokens, loader.sampler.step_indices(plan), "samples")
+        errs.append(max(((p.grad - r).abs().max() / (r.abs().max() + 1e-12)).item()
+                        for p, r in zip(net.parameters(), ref)))
+        ddp.zero_grad(set_to_none=True)
+    return {"errs": errs, "sizes": sizes, "lens": lens,
+            "steps": [r.step for r in bal.history]}
+
+
+def test_adaptive_blocks_are_single_steps_while_the_sizes_move_then_grow():
+    # The policy changes the sizes at its first 4 decisions (the exchanges of steps 0-3), so
+    # steps 0-4 exchange alone; then it holds: blocks of 2, 4, 8 follow ([5-6] [7-10] [11-18])
+    # and the epoch's end closes [19].
+    k = 8
+    res = unwrap(run(adaptive_worker, 2, k, 3))
+    exchanges = [0, 1, 2, 3, 4, 6, 10, 18, 19]
+    want = [sum(e < s for e in exchanges) and max(e for e in exchanges if e < s) + 1 for s in range(20)]
+    for r in res:
+        assert max(r["errs"]) < 1e-12, r["errs"]
+        assert r["steps"] == list(range(20))
+        assert r["lens"] == want, (r["lens"], want)
+        # The sizes change right after the first exchanges only, then hold.
+        changed = [s for s in range(1, 20) if r["sizes"][s] != r["sizes"][s - 1]]
+        assert changed == [1, 2, 3, 4], changed
+    assert res[0]["sizes"] == res[1]["sizes"]
+
+
+def test_adaptive_blocks_double_up_to_k_in_one_process():
+    net = torch.nn.Linear(3, 1)
+    bal = hetlb.Balancer(net, 4, policy=Fixed([4]), exchange_every=8, adaptive_exchange=True)
+    lens = []
+    for _ in range(24):
+        with bal.step():
+            net(torch.randn(4, 3)).sum().backward()
+        lens.append(len(bal.history))
+    # Blocks [0] [1-2] [3-6] [7-14] [15-22]: the one rank's sizes never move.
+    ends = [0, 2, 6, 14, 22]
+    assert lens == [max([e + 1 for e in ends if e <= s] or [0]) for s in range(24)], lens
+
+
+def adaptive_disagree_worker(rank, world):
+    ddp = DDP(torch.nn.Linear(2, 1).double())
+    try:
+        hetlb.Balancer(ddp, 8, exchange_every=4, adaptive_exchange=rank == 0)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_must_agree_on_adaptive_exchange():
+    for msg in unwrap(run(adaptive_disagree_worker, 2)):
+        assert "adaptive_exchange" in msg, msg

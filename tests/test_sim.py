@@ -396,3 +396,33 @@ def test_profiles_are_in_samples_when_work_is_data():
     share = res.sizes[0] / res.sizes[0].sum()
     np.testing.assert_allclose(share, np.array([1, 2, 3, 4]) / 10, atol=0.02)
     assert res.se[0] < 0.1
+
+
+@pytest.mark.parametrize("policy", ["lbbsp", "wlbs"])
+def test_adaptive_exchange_balances_at_the_per_step_pace_with_fewer_exchanges(policy):
+    # LB-BSP's GPU mode and WLBS move a bounded amount per decision: with fixed blocks of 16 a
+    # disturbed cluster balances far more slowly; blocks that stay single steps while the sizes
+    # move keep the per-step run's time, and grow once they hold still.
+    sc = load_scenario("lbb-disturbance")
+    per_step = simulate(sc, policy)
+    fixed = simulate(sc, policy, exchange_every=16)
+    auto = simulate(sc, policy, exchange_every=16, adaptive_exchange=True)
+    assert per_step.exchanges == list(range(per_step.steps))
+    assert fixed.total_time > 1.04 * per_step.total_time
+    assert auto.total_time < 1.03 * per_step.total_time
+    assert len(auto.exchanges) < 0.7 * per_step.steps
+    # The sizes change only after exchanges (the scenario's lag later), and a block follows
+    # the rule: one step after an exchange that changed the sizes, else twice the last, <= 16.
+    ex = auto.exchanges
+    changed = [s for s in range(1, auto.steps) if not np.array_equal(auto.sizes[s], auto.sizes[s - 1])]
+    assert all(s - 1 - sc.lag in ex for s in changed), changed
+    moved = {s - 1 - sc.lag for s in changed}
+    assert ex[0] == 0  # the first step is an exchange of its own
+    length = 1
+    for a, b in zip(ex, ex[1:]):
+        length = 1 if a in moved else min(2 * length, 16)
+        epoch_end = (b + 1) % sc.steps_per_epoch == 0
+        assert b - a == length or (epoch_end and b - a < length), (a, b, length)
+    # k = 1 with the flag is the per-step run exactly.
+    same = simulate(sc, policy, exchange_every=1, adaptive_exchange=True)
+    assert np.array_equal(same.sizes, per_step.sizes) and same.exchanges == per_step.exchanges

@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import checks
 from ..models import LinearModel, PiecewiseModel, PolyModel
-from ..plan import ScheduleRule
+from ..plan import ScheduleRule, decision_checksum
 from ..policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
 from ..solve import schedule
 from ..policies.base import Context, Policy, check_decision
@@ -86,6 +86,8 @@ class SimResult:
         assign_seconds: wall seconds spent assigning samples to ranks for size-aware decisions
             (:func:`hetlb.schedule`, what the loader does on every rank).
         data: ``[steps, workers]`` data amount of every worker (its sample count without sizes).
+        exchanges: the steps whose end exchanged the telemetry (every step with
+            ``exchange_every=1``).
     """
 
     scenario: str
@@ -101,6 +103,7 @@ class SimResult:
     wall_seconds: float = 0.0
     assign_seconds: float = 0.0
     data: Optional[np.ndarray] = None
+    exchanges: List[int] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -201,7 +204,8 @@ def _profiles(sc: Scenario, idx: np.ndarray, upper: np.ndarray) -> List[Dict[str
 
 def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Policy, str],
              steps: Optional[int] = None, *, profile: bool = False, seed: Optional[int] = None,
-             progress: bool = False, history: int = 64, exchange_every: int = 1) -> SimResult:
+             progress: bool = False, history: int = 64, exchange_every: int = 1,
+             adaptive_exchange: bool = False) -> SimResult:
     """Run ``policy`` on ``scenario`` for ``steps`` steps (default ``scenario.steps``).
 
     Args:
@@ -219,6 +223,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
             steps at once (a block also ends at an epoch's end, and at a restart's, and the
             first step after a (re)start is an exchange of its own, as in the Balancer) and
             decides once per block; the sizes are kept in between.
+        adaptive_exchange: the Balancer's ``adaptive_exchange``: a block is 1 step after an
+            exchange whose decision changed the sizes, else twice the previous, up to
+            ``exchange_every``.
 
     Returns:
         a :class:`SimResult`. A worker given more than its ``limit`` (possible only without
@@ -233,6 +240,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     every = checks.integer(exchange_every, "exchange_every", 1)
+    adaptive = checks.flag(adaptive_exchange, "adaptive_exchange")
     rng = np.random.default_rng(sc.seed if seed is None else seed)
     # The samples' sizes come from a stream of their own: the same steps whatever the policy.
     size_rng = np.random.default_rng([sc.seed if seed is None else seed, 1])
@@ -259,8 +267,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     membership = {e.start for e in state_ev if e.kind in ("leave", "join")}
 
     def start_policy(k: int) -> None:
-        nonlocal idx, hist, pending, local, spent, block, started
+        nonlocal idx, hist, pending, local, spent, block, started, length
         started = k
+        length = 1 if adaptive else every
         idx = np.flatnonzero(active)
         n = idx.size
         # As in the Balancer, only a profile (that ran out of memory) bounds a rank's batch.
@@ -289,6 +298,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     local: List[Any] = []
     block: List[StepRecord] = []
     started = 0  # the step the policy (re)started at: an exchange of its own
+    length = every  # steps of the current block
+    exchanges: List[int] = []
     ev_i = 0
     error: Optional[str] = None
     bar = None
@@ -393,7 +404,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         t0 = time.perf_counter()
         block.append(rec)
         nxt = pending[-1]  # inside a block the sizes are kept
-        if len(block) >= every or rec.epoch_end or k == started:
+        if len(block) >= length or rec.epoch_end or k == started:
+            exchanges.append(k)
+            steady = False
             appended = 0
             for rec in block:
                 try:
@@ -408,8 +421,11 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
             if appended:
                 try:
                     nxt = pol.decide(hist)
+                    steady = decision_checksum(nxt) == decision_checksum(pending[-1])
                 except UnusableTelemetry as ex:
                     log.debug("step %d: %s", k, ex)
+            if adaptive:
+                length = min(2 * length, every) if steady else 1
         spent += time.perf_counter() - t0
         pending = pending[1:] + [nxt]
         done = k + 1
@@ -420,4 +436,5 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     return SimResult(scenario=sc.name, policy=name, sizes=sizes_out[:done], compute=comp_out[:done],
                      step_time=step_time[:done], comm=comm[:done], se=se[:done], restarts=restarts,
                      error=error, decide_seconds=spent, assign_seconds=assign,
-                     data=data_out[:done], wall_seconds=time.perf_counter() - t_wall)
+                     data=data_out[:done], wall_seconds=time.perf_counter() - t_wall,
+                     exchanges=exchanges)
