@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -239,7 +240,10 @@ class Balancer:
             the blocks reach ``k`` after about ``log2(k)`` exchanges, at the overhead of ``k``. A
             change of speed is seen at the next exchange (up to ``k`` steps late), and from
             there the blocks are single steps again. Every rank derives the lengths from the
-            same decisions, so they agree. The same on every rank.
+            same decisions, so they agree. A size-aware policy (:class:`~hetlb.Chronica`, whose
+            decision is a rule of fitted time models) refits at every decision, so its blocks
+            stay single steps (a warning says so). Needs ``exchange_every > 1``. The same on
+            every rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -288,7 +292,7 @@ class Balancer:
                 raise TypeError(f"policy must be a hetlb policy (e.g. hetlb.LBB()) with start, "
                                 f"decide, state_dict and load_state_dict; got "
                                 f"{type(policy).__name__} {policy!r}, which lacks {missing}")
-        history = checks.integer(history, "history", 1)
+        history = checks.integer(history, "history", 1, sys.maxsize)  # (a deque's maxlen)
         native_hook = checks.flag(native_hook, "native_hook")
         if tensorboard is not None:
             tensorboard = checks.flag(tensorboard, "tensorboard")
@@ -313,6 +317,10 @@ class Balancer:
         self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
         self.exchange_every = checks.integer(exchange_every, "exchange_every", 1)
         self.adaptive_exchange = checks.flag(adaptive_exchange, "adaptive_exchange")
+        if self.adaptive_exchange and self.exchange_every == 1:
+            raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; "
+                             "with exchange_every=1 every step is exchanged anyway: pass "
+                             "exchange_every=k > 1 (e.g. 16)")
         lower = checks.integer(lower, "lower", 0)
         if batch_dim is not None and not callable(batch_dim):
             batch_dim = checks.integer(batch_dim, "batch_dim", 0)
@@ -382,6 +390,11 @@ class Balancer:
                                profiles=[e["profile"] for e in everyone])
         # Before any hook is registered: a policy refusing the context leaves the model as it was.
         self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
+        if self.adaptive_exchange and isinstance(self._decision, ScheduleRule):
+            log.warning("adaptive_exchange: %s decides a rule of fitted time models, refitted at "
+                        "every decision, so its blocks stay single steps (exchange_every=%d "
+                        "without adaptive_exchange gives fixed blocks)", type(policy).__name__,
+                        self.exchange_every)
         if self.transport == "side" and self.distributed and not nccl:
             side = make_side_group(group, own=True)  # not queued behind the gradient's transfers
         self._side = side
@@ -779,15 +792,17 @@ class Balancer:
 
     def flush(self) -> None:
         """Exchange, check and record the steps run since the last exchange now, and decide
-        (``exchange_every > 1``; otherwise, and right after an exchange, nothing to do).
+        (``exchange_every > 1``; with 1 every step is exchanged by its own end).
 
         A block's steps are exchanged by its last step (or an epoch's last); the steps after a
         run's last exchange (a ``break`` at a step limit, training without the loader) are
         otherwise never checked against the other ranks or recorded. Call it between steps on
         every rank at the same point (it is a collective when there is something to send): at
         the end of training, or before a checkpoint whose history should hold every step. A
-        batch handed out but not trained yet (a ``break`` at the top of the loop body) stays
-        handed out; its step opens a new block.
+        step whose backward ran is finished first; a batch handed out but not trained yet (a
+        ``break`` at the top of the loop body) stays handed out, its step the first of the
+        next block. On CUDA a step's compute time is read one step late, so the last flushed
+        step's record completes with the next step (a checkpoint right after a flush lacks it).
 
         Raises :class:`DecisionMismatchError` as an exchange would."""
         if self._in_with:
@@ -801,11 +816,14 @@ class Balancer:
         steps, self._block = self._block, []
         table = self.telemetry.exchange(kept=len(steps))
         self._ship_next = False
-        done = self._split(steps, table)
-        if o is not None:  # untrained: reopened as the first step of the next block
-            self.telemetry.close()
-            self._begin(o.plan, o.explicit)
-        self._next_block(self._record([(g, tab) for (g, _), tab in done]))
+        if o is not None:  # untrained: reopened below as the first step of the next block
+            self._discard()
+        try:
+            done = self._split(steps, table)
+            self._next_block(self._record([(g, tab) for (g, _), tab in done]))
+        finally:
+            if o is not None:  # (after the decision: the block's length is the new one)
+                self._begin(o.plan, o.explicit)
 
     def _next_block(self, steady: bool) -> None:
         """After an exchange: the next block's length (see ``adaptive_exchange``)."""

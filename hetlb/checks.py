@@ -22,9 +22,10 @@ def _show(value: Any) -> str:
     return r if len(r) <= 120 else r[:117] + "..."
 
 
-def integer(value: Any, name: str, minimum: Optional[int] = None) -> int:
+def integer(value: Any, name: str, minimum: Optional[int] = None,
+            maximum: Optional[int] = None) -> int:
     """``value`` as an ``int`` (bools, strings and non-integral numbers are refused; an integral
-    float such as ``2.0`` is taken)."""
+    float such as ``2.0`` is taken), within ``[minimum, maximum]`` where given."""
     if isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be an integer, got {_show(value)}")
     try:
@@ -36,6 +37,8 @@ def integer(value: Any, name: str, minimum: Optional[int] = None) -> int:
             raise ValueError(f"{name} must be an integer, got {_show(value)}") from None
     if minimum is not None and i < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {_show(value)}")
+    if maximum is not None and i > maximum:
+        raise ValueError(f"{name} must be an integer <= {maximum}, got {_show(value)}")
     return int(i)
 
 

@@ -205,6 +205,8 @@ def _simulate(args: argparse.Namespace) -> int:
     steps = args.steps or sc.steps
     if args.exchange_every < 1:
         raise CLIError(f"--exchange-every must be >= 1, got {args.exchange_every}")
+    if args.adaptive_exchange and args.exchange_every == 1:
+        raise CLIError("--adaptive-exchange grows blocks up to --exchange-every K steps: pass K > 1")
     results = []
     for p in policies:
         results.append(simulate(sc, p, steps, profile=args.profile, seed=args.seed,

@@ -35,6 +35,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -163,7 +164,7 @@ class History:
 
     def __init__(self, world: int, maxlen: int = 1024) -> None:
         self.world = integer(world, "History: world", 1)
-        self._records: Deque[StepRecord] = deque(maxlen=integer(maxlen, "History: maxlen", 1))
+        self._records: Deque[StepRecord] = deque(maxlen=integer(maxlen, "History: maxlen", 1, sys.maxsize))
         #: Memory / CPU readings clamped into [0, 1] so far (see :meth:`append`).
         self.clamped = 0
         self._warned: set = set()  # (column, rank) already named in a clamping warning

@@ -923,3 +923,12 @@ def test_fuzz_telemetry_keeps_every_split_valid(name, world, data):
         assert_valid_decision(decision, ctx)
         if isinstance(decision, np.ndarray):
             assert check_sizes(decision, ctx, name).tolist() == decision.tolist()
+
+
+@pytest.mark.parametrize("history", [2 ** 63, 9.223372036854776e18])
+def test_a_history_beyond_a_deques_reach_is_a_named_error(history):
+    # (found by the fuzz test: it was an OverflowError from the deque)
+    with pytest.raises(ValueError, match=r"history must be an integer <= \d+"):
+        hetlb.Balancer(torch.nn.Linear(2, 1), 8, history=history)
+    with pytest.raises(ValueError, match=r"History: maxlen must be an integer <= \d+"):
+        hetlb.telemetry.History(2, maxlen=history)

@@ -527,7 +527,8 @@ def test_lbb_balances_an_emulated_cluster_and_recovers_from_a_disturbance():
     assert sizes[k - 1][1] > 2 * sizes[k - 1][0]  # the 3x faster rank gets ~3x the samples
     assert se[k] > 0.3  # the disturbance hits rank 1
     assert actions[k:].count("rapid") == 1, actions
-    # Back in balance within a few steps (a descheduled step on a loaded machine may stand out).
+    # Back in balance within a few steps (a step or two descheduled on a loaded machine may
+    # stand out).
     after = np.asarray(se[k + 5:])
     assert np.median(after) < 0.05 and (after > 0.1).sum() <= 2, se
     assert sizes[-1][1] < sizes[k][1]  # the disturbed rank gave work away

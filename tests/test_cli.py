@@ -94,6 +94,7 @@ def test_plan_from_the_builtin_scenario_and_from_profiles(capsys, tmp_path):
     (["simulate", "--policy", "uniform,best"], "--policy: unknown"),
     (["simulate", "abs-sgd-1234", "--workers", "4"], "not both"),
     (["simulate", "--exchange-every", "0"], "--exchange-every must be >= 1, got 0"),
+    (["simulate", "--adaptive-exchange"], "--adaptive-exchange grows blocks up to --exchange-every K"),
 ])
 def test_errors_say_what_to_do(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)

@@ -218,6 +218,8 @@ def test_bad_exchange_every_is_refused(bad):
 def test_bad_adaptive_exchange_is_refused(bad):
     with pytest.raises((TypeError, ValueError), match="adaptive_exchange"):
         hetlb.Balancer(torch.nn.Linear(3, 1), 4, exchange_every=4, adaptive_exchange=bad)
+    with pytest.raises(ValueError, match="with exchange_every=1 every step is exchanged anyway"):
+        hetlb.Balancer(torch.nn.Linear(3, 1), 4, adaptive_exchange=True)
 
 
 def block_accumulation_worker(rank, world, K, k, n, gb):
@@ -311,6 +313,7 @@ def flush_worker(rank, world, transport, same_iterator):
     bal.flush()
     flushed = [r.step for r in bal.history]
     bal.flush()  # nothing left: no collective, no change
+    assert [r.step for r in bal.history] == flushed
     if same_iterator:  # train the held batch, then go on with the same iterator
         train(batch)
         for batch in it:
@@ -451,3 +454,63 @@ def adaptive_disagree_worker(rank, world):
 def test_ranks_must_agree_on_adaptive_exchange():
     for msg in unwrap(run(adaptive_disagree_worker, 2)):
         assert "adaptive_exchange" in msg, msg
+
+
+class _MovesAt(Fixed):
+    """Moves one sample (back and forth) at the decisions numbered in ``at`` (1-based), else
+    holds."""
+
+    def __init__(self, sizes, at):
+        super().__init__(sizes)
+        self.at, self.calls, self.current = set(at), 0, np.asarray(sizes, np.int64)
+
+    def decide(self, history):
+        self.calls += 1
+        if self.calls in self.at:
+            shift = 1 if self.current[0] == self.sizes[0] else -1
+            self.current = self.current + np.array([shift, -shift])
+        return self.current.copy()
+
+
+def adaptive_flush_worker(rank, world):
+    ddp = DDP(torch.nn.Linear(1, 1).double())
+    # Decisions 1 (step 0's exchange) and 4 (the flush's) move the sizes.
+    bal = hetlb.Balancer(ddp, 12, policy=_MovesAt([6, 6], {1, 4}), exchange_every=8,
+                         adaptive_exchange=True)
+    ds = torch.utils.data.TensorDataset(torch.arange(240, dtype=torch.float64)[:, None])
+    loader = bal.loader(ds, seed=2)  # 20 steps an epoch
+    it = iter(loader)
+    lens, seen = [], []
+    for (xb,) in it:
+        if bal.steps == 6:
+            break  # blocks [0] [1] [2-3] [4-...]: steps 4 and 5 wait; step 6's batch is held
+        lens.append(len(bal.history))
+        ddp(xb).sum().backward()
+        seen.extend(xb[:, 0].tolist())
+    bal.flush()  # decision 4 moves: the held step is a block of its own
+    after_flush = len(bal.history)
+    def train(xb):
+        lens.append(len(bal.history))
+        ddp(xb).sum().backward()
+        seen.extend(xb[:, 0].tolist())
+
+    train(xb)  # the held batch
+    for (xb,) in it:
+        train(xb)
+    return {"lens": lens, "after_flush": after_flush, "seen": seen,
+            "steps": [r.step for r in bal.history]}
+
+
+def test_a_flush_that_moves_the_sizes_makes_the_held_step_a_block_of_its_own():
+    # Exchanges: 0 (moved), 1, [2-3], the flush of [4-5] (moved), then 6 alone (the rule's one
+    # step after a move, though its batch was handed out before the flush), [7-8], [9-12],
+    # [13-19] (the epoch's end).
+    res = unwrap(run(adaptive_flush_worker, 2))
+    exchanges = [0, 1, 3, 5, 6, 8, 12, 19]
+    want = [max([e + 1 for e in exchanges if e < s] or [0]) for s in range(20)]
+    for r in res:
+        assert r["after_flush"] == 6
+        assert r["lens"] == want, (r["lens"], want)
+        assert r["steps"] == list(range(20))
+    union = sorted(v for r in res for v in r["seen"])
+    assert union == list(range(240))

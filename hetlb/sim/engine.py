@@ -224,8 +224,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
             first step after a (re)start is an exchange of its own, as in the Balancer) and
             decides once per block; the sizes are kept in between.
         adaptive_exchange: the Balancer's ``adaptive_exchange``: a block is 1 step after an
-            exchange whose decision changed the sizes, else twice the previous, up to
-            ``exchange_every``.
+            exchange whose decision changed the sizes (or whose newest step was refused), else
+            twice the previous, up to ``exchange_every`` (> 1). The CUDA start (the first
+            record one step late) is not modelled.
 
     Returns:
         a :class:`SimResult`. A worker given more than its ``limit`` (possible only without
@@ -241,6 +242,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         raise ValueError(f"steps must be >= 1, got {steps}")
     every = checks.integer(exchange_every, "exchange_every", 1)
     adaptive = checks.flag(adaptive_exchange, "adaptive_exchange")
+    if adaptive and every == 1:
+        raise ValueError("adaptive_exchange=True needs exchange_every > 1 (the largest block)")
     rng = np.random.default_rng(sc.seed if seed is None else seed)
     # The samples' sizes come from a stream of their own: the same steps whatever the policy.
     size_rng = np.random.default_rng([sc.seed if seed is None else seed, 1])
@@ -406,19 +409,19 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         nxt = pending[-1]  # inside a block the sizes are kept
         if len(block) >= length or rec.epoch_end or k == started:
             exchanges.append(k)
-            steady = False
-            appended = 0
+            steady = newest = False
             for rec in block:
                 try:
                     hist.append(rec)
                     for r, p in enumerate(local):
                         if p is not None:
                             p.observe(rec, r)
-                    appended += 1
+                    newest = True
                 except UnusableTelemetry as ex:  # the Balancer keeps the previous sizes
                     log.debug("step %d: %s", rec.step, ex)
+                    newest = False
             block = []
-            if appended:
+            if newest:  # as the Balancer: no decision when the newest step was refused
                 try:
                     nxt = pol.decide(hist)
                     steady = decision_checksum(nxt) == decision_checksum(pending[-1])
