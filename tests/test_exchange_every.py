@@ -176,18 +176,21 @@ def test_a_disagreement_inside_a_block_is_found_at_its_exchange():
         assert msg.startswith("step 4:") and "disagree" in msg, msg
 
 
-def disagree_worker(rank, world):
+def disagree_worker(rank, world, option):
     ddp = DDP(torch.nn.Linear(2, 1).double())
+    kw = {"exchange_every": rank + 1} if option == "exchange_every" else \
+        {"exchange_every": 4, "adaptive_exchange": rank == 0}
     try:
-        hetlb.Balancer(ddp, 8, exchange_every=rank + 1)
+        hetlb.Balancer(ddp, 8, **kw)
     except ValueError as e:
         return str(e)
     return "no error"
 
 
-def test_ranks_with_different_blocks_get_an_error():
-    for msg in unwrap(run(disagree_worker, 2)):
-        assert "exchange_every" in msg, msg
+@pytest.mark.parametrize("option", ["exchange_every", "adaptive_exchange"])
+def test_ranks_with_different_blocks_get_an_error(option):
+    for msg in unwrap(run(disagree_worker, 2, option)):
+        assert option in msg, msg
 
 
 def test_one_process_records_in_blocks():
@@ -440,20 +443,6 @@ def test_adaptive_blocks_double_up_to_k_in_one_process():
     # Blocks [0] [1-2] [3-6] [7-14] [15-22]: the one rank's sizes never move.
     ends = [0, 2, 6, 14, 22]
     assert lens == [max([e + 1 for e in ends if e <= s] or [0]) for s in range(24)], lens
-
-
-def adaptive_disagree_worker(rank, world):
-    ddp = DDP(torch.nn.Linear(2, 1).double())
-    try:
-        hetlb.Balancer(ddp, 8, exchange_every=4, adaptive_exchange=rank == 0)
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
-def test_ranks_must_agree_on_adaptive_exchange():
-    for msg in unwrap(run(adaptive_disagree_worker, 2)):
-        assert "adaptive_exchange" in msg, msg
 
 
 class _MovesAt(Fixed):
