@@ -223,6 +223,9 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"scenario {sc.name or '(file)'}: {sc.world} workers, global batch {sc.global_batch}, "
               f"{steps} steps" + (f"\n  {sc.description}" if sc.description else ""))
         header = ["policy", "mean step ms", "last half ms", "speed-up", "mean SE", "sim s"]
+        blocks = args.exchange_every > 1
+        if blocks:  # how many of the steps exchanged the telemetry
+            header.append("exchanges")
         small = sc.world <= 8
         if small:
             header.append("final sizes")
@@ -231,6 +234,8 @@ def _simulate(args: argparse.Namespace) -> int:
             row = [s["policy"], f"{s['mean_step'] * 1e3:.2f}", f"{s['tail_step'] * 1e3:.2f}",
                    "-" if s["speedup"] is None else f"{s['speedup']:.2f}x", f"{s['mean_se']:.3f}",
                    f"{s['wall_seconds']:.1f}"]
+            if blocks:
+                row.append(str(s["exchanges"]))
             if small:
                 row.append(" ".join(str(x) for x in s["final_sizes"]))
             rows.append(row)

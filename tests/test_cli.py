@@ -136,8 +136,15 @@ def test_simulate_compares_policies_and_plots(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "simulate", "lbb-disturbance", "--policy", "lbb", "--steps",
                            "120", "--exchange-every", "8", "--adaptive-exchange", "--json")
     assert code == 0
-    auto = json.loads(out)["results"][0]["total_time"]
-    assert auto < runs["8"]["total_time"] and auto < 1.03 * runs["1"]["total_time"], (auto, runs)
+    auto = json.loads(out)["results"][0]
+    assert auto["total_time"] < runs["8"]["total_time"], (auto, runs)
+    assert auto["total_time"] < 1.03 * runs["1"]["total_time"], (auto, runs)
+    # Every step; or step 0 alone, blocks of 8 and the epoch ends (50 steps an epoch) at 49, 99.
+    assert runs["1"]["exchanges"] == 120 and runs["8"]["exchanges"] == 17
+    assert runs["8"]["exchanges"] < auto["exchanges"] < 120, auto
+    code, out, _ = run_cli(capsys, "simulate", "lbb-disturbance", "--policy", "wlbs", "--steps",
+                           "120", "--exchange-every", "8", "--adaptive-exchange")
+    assert code == 0 and "exchanges" in out.splitlines()[2], out
 
 
 @pytest.mark.parametrize("sub", [[], ["plan"], ["simulate"]])

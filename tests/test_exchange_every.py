@@ -503,3 +503,14 @@ def test_a_flush_that_moves_the_sizes_makes_the_held_step_a_block_of_its_own():
         assert r["steps"] == list(range(20))
     union = sorted(v for r in res for v in r["seen"])
     assert union == list(range(240))
+
+
+def test_flush_between_steps_only():
+    net = torch.nn.Linear(3, 1)
+    bal = hetlb.Balancer(net, 4, policy=Fixed([4]), exchange_every=4)
+    with bal.step():
+        with pytest.raises(RuntimeError, match=r"bal.flush\(\) inside `with bal.step\(\):`"):
+            bal.flush()
+        net(torch.randn(4, 3)).sum().backward()
+    bal.flush()  # step 0 exchanged alone: nothing left
+    assert [r.step for r in bal.history] == [0]

@@ -115,7 +115,8 @@ class SimResult:
         return float(self.step_time.sum())
 
     def summary(self, tail: float = 0.5) -> Dict[str, Any]:
-        """Mean step time and SE over the run and over its last ``tail`` fraction, final sizes."""
+        """Mean step time and SE over the run and over its last ``tail`` fraction, final sizes,
+        and the number of telemetry exchanges."""
         k = max(1, int(round(self.steps * tail))) if self.steps else 0
         return {"scenario": self.scenario, "policy": self.policy, "steps": self.steps,
                 "total_time": self.total_time,
@@ -126,7 +127,7 @@ class SimResult:
                 "final_sizes": self.sizes[-1].tolist() if self.steps else [],
                 "restarts": list(self.restarts), "error": self.error,
                 "decide_seconds": self.decide_seconds, "assign_seconds": self.assign_seconds,
-                "wall_seconds": self.wall_seconds}
+                "wall_seconds": self.wall_seconds, "exchanges": len(self.exchanges)}
 
 
 class _Cluster:
