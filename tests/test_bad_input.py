@@ -664,11 +664,15 @@ def test_chronica_and_epoch_meter_states_of_the_wrong_kind_are_refused():
     w.start(Context.simple(2, 8))
     state = w.state_dict()
     for key, bad in (("epoch", "x"), ("steps", -1), ("samples", [1.0]), ("time", [1.0, float("nan")]),
-                     ("steps_per_epoch", 0)):
+                     ("steps_per_epoch", 0), ("last_step", -2), ("last_step", "x")):
         with pytest.raises(ValueError, match=f"EpochMeter state: {key}"):
             hetlb.WLBS().load_state_dict({**state, "meter": {**state["meter"], key: bad}})
     inf = {**state["meter"], "time": [1.0, float("inf")]}  # a rank without progress: kept
     hetlb.WLBS().load_state_dict({**state, "meter": inf})
+    old = {k: v for k, v in state["meter"].items() if k != "last_step"}  # saved before it was kept
+    hetlb.WLBS().load_state_dict({**state, "meter": old})
+    with pytest.raises(ValueError, match="last_step must be a number"):
+        hetlb.LBB().load_state_dict({**hetlb.LBB().state_dict(), "last_step": "x"})
 
 
 def test_lbbsp_state_with_an_unknown_mode_or_predictor_is_refused():

@@ -69,11 +69,14 @@ def record(step: int, sizes, times, epoch: int = 0) -> StepRecord:
                       data=sizes.astype(float), memory=np.full(n, 0.1), cpu=np.full(n, 0.1))
 
 
-def run(policy, ctx: Context, T, steps: int, steps_per_epoch: int = 10, lag: int = 0) -> Run:
-    """Run ``steps`` steps; a decision made after step k is used at step ``k + 1 + lag``."""
+def run(policy, ctx: Context, T, steps: int, steps_per_epoch: int = 10, lag: int = 0,
+        block: int = 1) -> Run:
+    """Run ``steps`` steps; a decision made after step k is used at step ``k + 1 + lag``. With
+    ``block > 1`` the policy decides after the first step, then after every ``block`` steps and
+    at each epoch's end (as ``Balancer(exchange_every=block)`` does); the sizes hold in between."""
     out = Run()
     h = History(ctx.world)
-    s0 = check_sizes(policy.start(ctx), ctx, policy.name)
+    s0 = d = check_sizes(policy.start(ctx), ctx, policy.name)
     out.decisions.append(s0)
     pending = collections.deque([s0] * (lag + 1))
     for k in range(steps):
@@ -83,7 +86,8 @@ def run(policy, ctx: Context, T, steps: int, steps_per_epoch: int = 10, lag: int
         out.used.append(b)
         out.times.append(t)
         out.se.append(straggler_effect(t, b))
-        d = check_sizes(policy.decide(h), ctx, policy.name)
+        if k == 0 or (k + 1) % block == 0 or (k + 1) % steps_per_epoch == 0:
+            d = check_sizes(policy.decide(h), ctx, policy.name)
         out.decisions.append(d)
         pending.append(d)
     out.history = h
@@ -277,6 +281,42 @@ def test_lbb_observation_window_counts_records_that_ran_the_rapid_tune():
         p.decide(h)
     assert p.actions[6:10] == ["fine", "none", "none", "rapid"]
     assert p.waiting == p.last.tolist() != d.tolist()  # the new rapid-tune's wait
+
+
+def test_lbb_observation_window_counts_every_record_of_a_block():
+    # With exchange_every=k the policy decides once per block of k records: all of them count
+    # in the window (8 of 10 here), not one per decision, which would stretch the window k-fold.
+    p = LBB(window=10)
+    p.start(Context.simple(2, 100, lower=0))
+    h = History(2)
+    h.append(record(0, [50, 50], [1.0, 2.0]))
+    p.decide(h)
+    assert p.actions == ["rapid"] and p.window_left == 10
+    d = p.last.tolist()
+    for k in range(1, 9):
+        h.append(record(k, d, [1.0, 1.02]))
+    p.decide(h)
+    assert p.waiting is None and p.window_left == 2 and p.last_step == 8
+    p.decide(h)  # the same history again: nothing new to count
+    assert p.window_left == 2
+    for k in range(9, 12):
+        h.append(record(k, p.last, [1.0, 2.0]))
+    p.decide(h)  # records 9 and 10 close the window; record 11 is outside it
+    assert p.actions[-1] == "rapid" and p.waiting == p.last.tolist() and p.window_left == 10
+
+
+@pytest.mark.parametrize("make", [lambda: DBS(steps_per_epoch=10),
+                                  lambda: WLBS(steps_per_epoch=10, theta_b=1e9, theta_e=1e-3)])
+def test_epoch_totals_count_every_record_of_a_block(make):
+    # DBS (and WLBS with small adjustments off) change sizes only at an epoch's end, from the
+    # epoch's totals: deciding once per block of 5 steps must give exactly the per-step run.
+    ctx = Context.simple(4, 500, lower=1, hardware=[{"cpus": c, "cores": c, "memory": 1e9}
+                                                     for c in (1, 1, 1, 1)])
+    T = linear_cluster(noise=2e-3, seed=3, disturb=(2, 13, 0.05))
+    per_step = run(make(), ctx, T, 40)
+    blocks = run(make(), ctx, T, 40, block=5)
+    assert [u.tolist() for u in blocks.used] == [u.tolist() for u in per_step.used]
+    assert len({tuple(u.tolist()) for u in per_step.used}) > 2  # the sizes did move
 
 
 def test_lbb_memory_limit_never_exceeded():

@@ -129,6 +129,25 @@ def _bounds(value: Any, name: str, world: int) -> np.ndarray:
     return a
 
 
+def records_after(history: History, last_step: Optional[int]) -> List[StepRecord]:
+    """Records after step ``last_step`` (the latest one already consumed), oldest first; the
+    latest alone when ``last_step`` is None (nothing consumed yet, or a state saved before it was
+    kept: earlier records may be another world's or counted already) or when the history was
+    replaced (its steps restart below ``last_step``). With ``exchange_every=k`` a decision follows
+    up to ``k`` new records, and a policy that counts records must count every one."""
+    if len(history) == 0:
+        return []
+    if last_step is None or history[-1].step < last_step:
+        return [history[-1]]
+    out = []
+    for i in range(len(history) - 1, -1, -1):
+        r = history[i]
+        if r.step <= last_step:
+            break
+        out.append(r)
+    return out[::-1]
+
+
 def check_state(state: Any, who: str, required: Any = ()) -> Dict[str, Any]:
     """A policy state to load: a mapping holding ``required`` keys, else ``TypeError`` /
     ``ValueError`` naming what is missing."""
@@ -347,6 +366,7 @@ class EpochMeter:
     def __init__(self, world: int, steps_per_epoch: Optional[int] = None) -> None:
         self.world = int(world)
         self.steps_per_epoch = steps_per_epoch
+        self.last_step: Optional[int] = None  # step of the latest record counted
         self.reset(-1)
 
     def reset(self, epoch: int) -> None:
@@ -354,6 +374,14 @@ class EpochMeter:
         self.steps = 0
         self.samples = np.zeros(self.world)
         self.time = np.zeros(self.world)
+
+    def add_new(self, history: History) -> Optional[Dict[str, Any]]:
+        """:meth:`add` every record of ``history`` after the latest one counted (a block of them
+        with ``exchange_every > 1``); the totals of the latest epoch they closed, if any."""
+        closed = None
+        for rec in records_after(history, self.last_step):
+            closed = self.add(rec) or closed
+        return closed
 
     def add(self, rec: StepRecord) -> Optional[Dict[str, Any]]:
         """Count ``rec``; the totals of the epoch it closed, if any (then the meter restarts)."""
@@ -363,6 +391,7 @@ class EpochMeter:
         if not self.steps:
             self.epoch = int(rec.epoch)
         self.steps += 1
+        self.last_step = int(rec.step)
         self.samples = self.samples + rec.batch
         self.time = self.time + rec.compute
         spe = self.steps_per_epoch
@@ -378,7 +407,8 @@ class EpochMeter:
 
     def state_dict(self) -> Dict[str, Any]:
         return {"epoch": self.epoch, "steps": self.steps, "samples": self.samples.tolist(),
-                "time": self.time.tolist(), "steps_per_epoch": self.steps_per_epoch}
+                "time": self.time.tolist(), "steps_per_epoch": self.steps_per_epoch,
+                "last_step": self.last_step}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; ``ValueError`` naming the field for a value that
@@ -386,6 +416,7 @@ class EpochMeter:
         epoch = integer(state["epoch"], "EpochMeter state: epoch", -1)
         steps = integer(state["steps"], "EpochMeter state: steps", 0)
         spe = optional_integer(state.get("steps_per_epoch"), "EpochMeter state: steps_per_epoch", 1)
+        last_step = optional_integer(state.get("last_step"), "EpochMeter state: last_step", 0)
         totals = []
         for k in ("samples", "time"):
             try:
@@ -398,6 +429,7 @@ class EpochMeter:
                                  f"got {state[k]!r:.80}")
             totals.append(a)
         self.epoch, self.steps, self.steps_per_epoch = epoch, steps, spe
+        self.last_step = last_step
         self.samples, self.time = totals
 
 

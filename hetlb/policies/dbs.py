@@ -43,9 +43,9 @@ class DBS(EpochPolicy):
         return self.emit(self.uniform())
 
     def decide(self, history: History) -> np.ndarray:
-        """Count the latest record; at the end of an epoch, re-split by its speeds."""
+        """Count the new records; at the end of an epoch, re-split by its speeds."""
         rec = self.latest(history)
-        done = self._meter.add(rec)
+        done = self._meter.add_new(history)
         if done is not None:
             self.last = self._resplit(done["samples"], done["time"])
         return self.emit(self.last)

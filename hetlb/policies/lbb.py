@@ -49,7 +49,7 @@ from ..checks import integer, number
 from ..models import LinearModel
 from ..solve import allocate, allocate_proportional
 from ..telemetry import History, StepRecord, straggler_effect
-from .base import Context, SizedPolicy
+from .base import Context, SizedPolicy, records_after
 
 __all__ = ["LBB"]
 
@@ -77,10 +77,13 @@ class LBB(SizedPolicy):
         last_se: SE of the latest record seen by :meth:`decide`.
         window_left: records still to count in the observation window.
         waiting: the rapid-tune sizes the window waits for before counting (None: counting).
+        last_step: step of the latest record :meth:`decide` consumed (None: none yet). With
+            ``exchange_every > 1`` a decision follows a block of records; every record after
+            this one is counted in the window, not only the newest.
     """
 
     name = "lbb"
-    _optional_kinds = {"waiting": ()}  # (a list of sizes)
+    _optional_kinds = {"waiting": (), "last_step": 0}  # (a list of sizes; a step)
     #: Length of the :attr:`actions` log.
     ACTIONS_KEPT = 1024
 
@@ -97,6 +100,7 @@ class LBB(SizedPolicy):
         self.window = integer(window, "LBB: window", 0)
         self.window_left = 0
         self.waiting: Optional[List[int]] = None
+        self.last_step: Optional[int] = None  # step of the latest record a decision consumed
         self.actions: List[str] = []
         self.last_se = 0.0
 
@@ -112,6 +116,7 @@ class LBB(SizedPolicy):
         self.slope = np.array([float(m.a1) if m is not None else np.nan for m in lin])
         self.window_left = 0
         self.waiting = None
+        self.last_step = None
         self.actions = []
         self.last_se = 0.0
         # The cubic profile models first; linear ones are the next best thing.
@@ -125,11 +130,13 @@ class LBB(SizedPolicy):
     def decide(self, history: History) -> np.ndarray:
         """Keep, fine-tune or rapid-tune from the latest record (see the module docstring)."""
         rec = self.latest(history)
-        if self.waiting is not None and rec.batch.tolist() == self.waiting:
-            self.waiting = None  # the rapid-tune's sizes have reached the ranks: start counting
-        in_window = self.waiting is not None or self.window_left > 0
-        if self.waiting is None and self.window_left > 0:
-            self.window_left -= 1
+        # With exchange_every=k a decision follows a block of up to k records: the window counts
+        # every one of them, not one per decision (which would stretch it k-fold).
+        new = records_after(history, self.last_step)
+        for old in new[:-1]:
+            self._count(old)
+        in_window = self._count(rec) if new else self.waiting is not None or self.window_left > 0
+        self.last_step = int(rec.step)
         se = straggler_effect(rec.compute, rec.batch)
         self.last_se = se
         action, sizes = "none", self.last
@@ -149,6 +156,15 @@ class LBB(SizedPolicy):
         if len(self.actions) > self.ACTIONS_KEPT:
             del self.actions[:-self.ACTIONS_KEPT]
         return self.emit(sizes)
+
+    def _count(self, rec: StepRecord) -> bool:
+        """Count ``rec`` in the observation window; whether ``rec`` lies inside it."""
+        if self.waiting is not None and rec.batch.tolist() == self.waiting:
+            self.waiting = None  # the rapid-tune's sizes have reached the ranks: start counting
+        inside = self.waiting is not None or self.window_left > 0
+        if self.waiting is None and self.window_left > 0:
+            self.window_left -= 1
+        return inside
 
     # -- tuning -----------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ import numpy as np
 
 from ..checks import choice, flag, integer, number
 from ..telemetry import History, StepRecord, straggler_effect
-from .base import Context, SizedPolicy, check_state
+from .base import Context, SizedPolicy, check_state, records_after
 from .narx import NARX
 from .predictors import EMA, SpeedPredictor, predictor_from_state
 
@@ -210,7 +210,7 @@ class LBBSP(SizedPolicy):
         return self._ema
 
     def _decide_cpu(self, history: History, rec: StepRecord) -> np.ndarray:
-        new = self._unseen(history)
+        new = list(history) if self.last_step is None else records_after(history, self.last_step)
         if not new:
             return self.last  # the same history again: nothing new to learn from
         central = self._central()
@@ -226,20 +226,6 @@ class LBBSP(SizedPolicy):
         speeds = np.rint(pred / top * _SPEED_GRID) if top > 0 else np.zeros(self.world)
         self.last_action = "predict"
         return self.proportional(speeds)
-
-    def _unseen(self, history: History) -> List[StepRecord]:
-        """Records after the latest one consumed, oldest first (all of them on the first call)."""
-        if self.last_step is None:
-            return list(history)
-        if history[-1].step < self.last_step:  # history replaced
-            return [history[-1]]
-        out = []
-        for i in range(len(history) - 1, -1, -1):
-            r = history[i]
-            if r.step <= self.last_step:
-                break
-            out.append(r)
-        return out[::-1]
 
     # -- GPU mode (Algorithm 2) -------------------------------------------------------------
 
