@@ -366,25 +366,26 @@ struct StepCore {
   // This rank's rows in a zeroed [(pos + 1) * world * fields] float64 region (step-major: the
   // block's position j, then the rank): what a SUM all-reduce fills in. The current step's row is
   // `row` (stamped or not); earlier positions are the block's stamped rows.
-  at::Tensor slots() const {
-    at::Tensor region = at::zeros({(pos + 1) * world * fields}, at::kDouble);
-    double* out = region.data_ptr<double>();
-    for (int64_t j = 0; j < pos; ++j)
-      std::memcpy(out + (j * world + rank) * fields, rows.data() + j * fields, sizeof(double) * fields);
-    std::memcpy(out + (pos * world + rank) * fields, row.data(), sizeof(double) * fields);
-    return region;
-  }
+  at::Tensor slots() const { return region(pos, true); }
 
   // The kept (stamped) rows of positions 0..n-1 alone, laid out as slots(): what a flush of a
   // block sends (the steps since the last exchange), whatever step is open now.
   at::Tensor kept_slots(int64_t n) const {
     TORCH_CHECK(n >= 1 && n <= block, "hetlb StepCore.kept_slots: need 1 <= n <= block (", block,
                 "), got ", n);
-    at::Tensor region = at::zeros({n * world * fields}, at::kDouble);
-    double* out = region.data_ptr<double>();
-    for (int64_t j = 0; j < n; ++j)
+    return region(n, false);
+  }
+
+  // The kept rows of positions 0..kept-1, then (with_row) the current row at position `kept`.
+  at::Tensor region(int64_t kept, bool with_row) const {
+    const int64_t n = kept + (with_row ? 1 : 0);
+    at::Tensor out_t = at::zeros({n * world * fields}, at::kDouble);
+    double* out = out_t.data_ptr<double>();
+    for (int64_t j = 0; j < kept; ++j)
       std::memcpy(out + (j * world + rank) * fields, rows.data() + j * fields, sizeof(double) * fields);
-    return region;
+    if (with_row)
+      std::memcpy(out + (kept * world + rank) * fields, row.data(), sizeof(double) * fields);
+    return out_t;
   }
 
   int64_t table_rows() const { return (pos + 1) * world; }

@@ -45,7 +45,7 @@ from .shard import Partition, epoch_rates
 from .policies.base import Context, Policy, SizedPolicy, check_decision, from_state, to_state
 from .watchdog import Watchdog
 from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
-                        UnusableTelemetry, hardware_info)
+                        UnusableTelemetry, hardware_info, next_block_length)
 
 log = logging.getLogger("hetlb.balancer")
 
@@ -828,7 +828,7 @@ class Balancer:
     def _next_block(self, steady: bool) -> None:
         """After an exchange: the next block's length (see ``adaptive_exchange``)."""
         if self.adaptive_exchange:
-            self._block_len = min(2 * self._block_len, self.exchange_every) if steady else 1
+            self._block_len = next_block_length(self._block_len, steady, self.exchange_every)
 
     def _advance(self, plan: StepPlan) -> None:
         """``plan``'s step is done: the position, the step count and the watchdog move on."""

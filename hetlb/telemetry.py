@@ -389,4 +389,12 @@ def hardware_info(device: Optional[torch.device] = None) -> Dict[str, float]:
 __all__ = ["FIELDS", "NUM_FIELDS", "COL", "RECORD_ARRAYS", "MIN_COMPUTE", "MAX_COMPUTE",
            "UnusableTelemetry", "StepRecord",
            "History", "validate_record", "require_progress", "straggler_effect", "Probe",
-           "hardware_info"]
+           "hardware_info", "next_block_length"]
+
+
+def next_block_length(length: int, steady: bool, largest: int) -> int:
+    """Steps of the next telemetry block under ``adaptive_exchange``: 1 after an exchange whose
+    decision moved the sizes (or whose newest step was refused: ``steady`` False), else twice
+    ``length``, capped at ``largest`` (``exchange_every``). Shared by the Balancer and the
+    simulator, so both ship at the same steps."""
+    return min(2 * length, largest) if steady else 1

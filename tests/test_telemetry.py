@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from hetlb.plan import EXACT_INT, decision_checksum
 from hetlb.telemetry import (COL, NUM_FIELDS, History, Probe, StepRecord, UnusableTelemetry,
-                             hardware_info, require_progress, straggler_effect, validate_record)
+                             hardware_info, next_block_length, require_progress, straggler_effect,
+                             validate_record)
 
 
 def record(step, batch, compute, epoch=0):
@@ -195,3 +196,12 @@ def test_validate_fast_path_on_sound_records_of_any_world():
         assert not _looks_sound(bad)
         with pytest.raises(UnusableTelemetry, match=f"rank {world - 1} "):
             validate_record(bad)
+
+
+def test_next_block_length_doubles_while_steady_and_restarts_on_a_move():
+    seq, n = [], 1
+    for steady in [True] * 6 + [False, True, True]:
+        n = next_block_length(n, steady, 16)
+        seq.append(n)
+    assert seq == [2, 4, 8, 16, 16, 16, 1, 2, 4]
+    assert next_block_length(3, True, 5) == 5  # capped at exchange_every, not a power of 2

@@ -30,7 +30,8 @@ from ..plan import ScheduleRule, decision_checksum
 from ..policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
 from ..solve import schedule
 from ..policies.base import Context, Policy, check_decision
-from ..telemetry import History, StepRecord, UnusableTelemetry, straggler_effect
+from ..telemetry import (History, StepRecord, UnusableTelemetry, next_block_length,
+                         straggler_effect)
 from .scenario import Scenario, load_scenario
 
 __all__ = ["simulate", "SimResult", "make_policy", "unknown_policies", "POLICY_NAMES"]
@@ -429,7 +430,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
                 except UnusableTelemetry as ex:
                     log.debug("step %d: %s", k, ex)
             if adaptive:
-                length = min(2 * length, every) if steady else 1
+                length = next_block_length(length, steady, every)
         spent += time.perf_counter() - t0
         pending = pending[1:] + [nxt]
         done = k + 1
