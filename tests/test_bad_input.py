@@ -648,6 +648,26 @@ def test_policy_fields_that_hold_none_until_used_are_checked_too(make, key, good
     assert q.state_dict()[key] == good
 
 
+@pytest.mark.parametrize("make, key, bad, want", [
+    (hetlb.LBB, "waiting", [10, "20"], "a list of integers"),
+    (hetlb.LBB, "waiting", [10, True], "a list of integers"),
+    (hetlb.LBB, "waiting", [10, 10, 10], None),
+    (hetlb.LBB, "actions", ["rapid", 3], "a list of str"),
+    (hetlb.WLBS, "actions", [None], "a list of str"),
+    (hetlb.LBBSP, "warned", [1.5], "a list of integers")])
+def test_policy_state_lists_with_items_of_the_wrong_kind_are_refused(make, key, bad, want):
+    """A list's items are checked too: LBB waiting for sizes no record can match would never
+    close its observation window, silently."""
+    p = make()
+    p.start(Context.simple(2, 30))
+    state = p.state_dict()
+    match = f"{key} must be {want}" if want else f"{key} must hold one size per rank"
+    for target in (make(), p):
+        with pytest.raises(ValueError, match=match):
+            target.load_state_dict({**state, key: bad})
+    assert p.state_dict()[key] == state[key]  # nothing changed
+
+
 def test_chronica_and_epoch_meter_states_of_the_wrong_kind_are_refused():
     c = hetlb.Chronica()
     c.start(Context.simple(2, 8))

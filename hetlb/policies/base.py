@@ -191,6 +191,15 @@ def state_kind_error(current: Any, value: Any) -> Optional[str]:
     return None
 
 
+def list_items_error(kind: type, value: Any) -> Optional[str]:
+    """What a list state value must be when its items must be of ``kind`` (``int``: integers, not
+    bools; ``str``: strings), or None when every item is."""
+    if kind is int:
+        ok = all(isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) for x in value)
+        return None if ok else "a list of integers"
+    return None if all(isinstance(x, kind) for x in value) else f"a list of {kind.__name__}"
+
+
 class Policy:
     """Base class. Subclasses implement :meth:`start` and :meth:`decide`.
 
@@ -205,6 +214,11 @@ class Policy:
     #: it holds otherwise: :meth:`load_state_dict` checks a state's value against it when the
     #: policy itself holds None there.
     _optional_kinds: Dict[str, Any] = {}
+
+    #: Fields holding lists, each with the kind of its items (``int`` or ``str``):
+    #: :meth:`load_state_dict` checks every item, so a corrupt list is refused at the load rather
+    #: than silently never matching later (e.g. LBB's ``waiting`` sizes).
+    _list_items: Dict[str, type] = {}
 
     def start(self, ctx: Context) -> np.ndarray:
         """Remember ``ctx`` and return the int64 sizes of the first step."""
@@ -234,6 +248,8 @@ class Policy:
         for k, v in state.items():
             current = getattr(reference, k, None)
             want = state_kind_error(self._optional_kinds.get(k) if current is None else current, v)
+            if want is None and k in self._list_items and isinstance(v, (list, tuple)):
+                want = list_items_error(self._list_items[k], v)
             if want is not None:
                 raise ValueError(f"{self.name}.load_state_dict: {k} must be {want} (as this "
                                  f"policy holds it), got {type(v).__name__} {v!r:.80}")

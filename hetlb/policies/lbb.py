@@ -41,7 +41,7 @@ slope. ``bench/bench_policies.py`` compares it with the paper's plain fine-tune.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -84,6 +84,7 @@ class LBB(SizedPolicy):
 
     name = "lbb"
     _optional_kinds = {"waiting": (), "last_step": 0}  # (a list of sizes; a step)
+    _list_items = {"waiting": int, "actions": str}
     #: Length of the :attr:`actions` log.
     ACTIONS_KEPT = 1024
 
@@ -105,6 +106,17 @@ class LBB(SizedPolicy):
         self.last_se = 0.0
 
     # -- protocol ---------------------------------------------------------------------------
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (errors: :meth:`SizedPolicy.load_state_dict`); the
+        sizes a rapid-tune waits for must be one per rank (else no record would ever match them
+        and the observation window would never close)."""
+        if isinstance(state, Mapping) and isinstance(state.get("waiting"), (list, tuple)):
+            world = state.get("world", getattr(self, "world", None))
+            if isinstance(world, int) and len(state["waiting"]) != world:
+                raise ValueError(f"lbb.load_state_dict: waiting must hold one size per rank "
+                                 f"({world}), got {list(state['waiting'])!r:.80}")
+        super().load_state_dict(state)
 
     def start(self, ctx: Context) -> np.ndarray:
         """Sizes from the profiled models (Eq. 3), else the equal split; remembers each rank's

@@ -101,6 +101,7 @@ class LBBSP(SizedPolicy):
 
     name = "lbbsp"
     _optional_kinds = {"reequilibrate": 0.0, "remove_warning": 0, "last_step": 0}
+    _list_items = {"warned": int}
 
     def __init__(self, mode: str = "gpu", predictor: Optional[Union[SpeedPredictor, NARX]] = None,
                  step: int = 5, window: int = 5, fine_step: int = 1, fine_window: int = 20,

@@ -96,6 +96,7 @@ class WLBS(EpochPolicy):
 
     name = "wlbs"
     _optional_kinds = {"theta_e": 0.0, "steps_per_epoch": 0}
+    _list_items = {"actions": str}
     accepts_no_progress = True
     ACTIONS_KEPT = 1024
 
