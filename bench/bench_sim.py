@@ -137,7 +137,15 @@ def exchange_spec(spec: str) -> dict:
     return {"exchange_every": int(spec.rstrip("a")), "adaptive_exchange": spec.endswith("a")}
 
 
-def part_exchange(everies: List[str]) -> List[str]:
+def exchange_policy(spec: str):
+    """A policy name for :func:`hetlb.sim.simulate`; ``"chronica@F"``: ``Chronica(forget=F)``."""
+    if spec.startswith("chronica@"):
+        from hetlb.policies import Chronica
+        return Chronica(forget=float(spec.split("@", 1)[1]))
+    return spec
+
+
+def part_exchange(everies: List[str], policies: List[str]) -> List[str]:
     from hetlb.sim import builtin_scenarios, simulate
     lines = [f"### Telemetry every k steps in the simulator (exchange_every=k against k = {everies[0]})", "",
              f"| scenario | policy | k | total (virtual s) | / k = {everies[0]} | mean step, last half (ms) "
@@ -145,10 +153,10 @@ def part_exchange(everies: List[str]) -> List[str]:
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name in ("abs-sgd-1234", "abs-sgd-dynamic", "lbb-disturbance", "lbbsp-cluster-a", "mixed"):
         sc = builtin_scenarios()[name]()
-        for pol in ("lbb", "lbbsp", "wlbs", "dbs"):
+        for pol in policies:
             base = None
             for k in everies:
-                r = simulate(sc, pol, **exchange_spec(k))
+                r = simulate(sc, exchange_policy(pol), **exchange_spec(k))
                 base = r.total_time if base is None else base
                 cut = len(r.step_time) // 2
                 half = r.step_time[cut:]
@@ -164,6 +172,8 @@ def main() -> None:
     p.add_argument("--part", nargs="+", choices=["scale", "agree", "exchange"], default=["scale", "agree"])
     p.add_argument("--exchange-every", nargs="+", default=["1", "4", "16", "16a"],
                    help="the k values of part exchange (the first is the baseline); Ka: adaptive")
+    p.add_argument("--policies", nargs="+", default=["lbb", "lbbsp", "wlbs", "dbs"],
+                   help="the policies of part exchange (chronica@F: Chronica(forget=F))")
     p.add_argument("--workers", type=int, default=4096)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
@@ -177,7 +187,7 @@ def main() -> None:
     if "agree" in args.part:
         lines += part_agree("lbb-disturbance", 80, 30) + [""]
     if "exchange" in args.part:
-        lines += part_exchange(args.exchange_every)
+        lines += part_exchange(args.exchange_every, args.policies)
     emit(lines, args.out)
 
 

@@ -317,6 +317,10 @@ class Balancer:
         self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
         self.exchange_every = checks.integer(exchange_every, "exchange_every", 1)
         self.adaptive_exchange = checks.flag(adaptive_exchange, "adaptive_exchange")
+        if history < self.exchange_every:
+            raise ValueError(f"history={history} keeps fewer records than a block of "
+                             f"exchange_every={self.exchange_every} steps, and a policy learns from "
+                             f"every record of a block: pass history >= exchange_every")
         if self.adaptive_exchange and self.exchange_every == 1:
             raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; "
                              "with exchange_every=1 every step is exchanged anyway: pass "

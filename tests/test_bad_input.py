@@ -677,6 +677,8 @@ def test_chronica_and_epoch_meter_states_of_the_wrong_kind_are_refused():
     for cap in ("garbage", -1.0, [1.0, float("nan")], [[1.0]]):
         with pytest.raises(ValueError, match="cap must be None, a positive number or one per rank"):
             hetlb.Chronica().load_state_dict({**state, "cap": cap})
+    with pytest.raises(ValueError, match="Chronica state: last_step"):
+        hetlb.Chronica().load_state_dict({**state, "last_step": "x"})
     ok = hetlb.Chronica()
     ok.load_state_dict({**state, "cap": [4.0, 5.0], "pivot": False})
     assert ok.cap == [4.0, 5.0] and ok.pivot is False

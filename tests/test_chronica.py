@@ -82,6 +82,27 @@ def test_prophet_keeps_slopes_positive_and_handles_constant_work():
     assert np.isnan(a[2]) and np.isnan(b[2])
 
 
+@pytest.mark.parametrize("forget", [1.0, 0.8])
+def test_chronica_learns_from_every_record_of_a_block(forget):
+    # exchange_every=k: one decision after a block of records must fit what k per-step
+    # decisions fit (the prophet's sums and its forgetting are per step).
+    per_step, blocks = hetlb.Chronica(forget=forget), hetlb.Chronica(forget=forget)
+    per_step.start(Context.simple(3, 30))
+    blocks.start(Context.simple(3, 30))
+    h = History(3)
+    rng = np.random.default_rng(1)
+    for k in range(13):
+        w = rng.uniform(100, 300, 3)
+        t = np.array([0.001, 0.002, 0.004]) * (1 + k / 10) * w + 0.01  # slowing down
+        h.append(StepRecord(k, 0, np.array([10, 10, 10]), t, w, np.zeros(3), np.zeros(3)))
+        a = per_step.decide(h)
+        if k in (0, 4, 12):  # blocks of 1, 4 and 8 records
+            b = blocks.decide(h)
+    assert a.slope.tobytes() == b.slope.tobytes() and a.intercept.tobytes() == b.intercept.tobytes()
+    assert blocks.state_dict()["last_step"] == 12
+    assert blocks.decide(h).slope.tobytes() == b.slope.tobytes()  # the same history again
+
+
 def test_chronica_policy_rules_and_state():
     pol = hetlb.Chronica()
     rule = pol.start(Context.simple(3, 30))

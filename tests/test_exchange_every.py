@@ -225,6 +225,13 @@ def test_bad_adaptive_exchange_is_refused(bad):
         hetlb.Balancer(torch.nn.Linear(3, 1), 4, adaptive_exchange=True)
 
 
+def test_history_shorter_than_a_block_is_refused():
+    # A policy learns from every record of a block: a history that drops some would undercount.
+    with pytest.raises(ValueError, match="history=8 keeps fewer records than a block of exchange_every=16"):
+        hetlb.Balancer(torch.nn.Linear(3, 1), 4, exchange_every=16, history=8)
+    hetlb.Balancer(torch.nn.Linear(3, 1), 4, exchange_every=16, history=16)
+
+
 def block_accumulation_worker(rank, world, K, k, n, gb):
     net = _net()
     ddp = DDP(net)

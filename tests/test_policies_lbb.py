@@ -77,6 +77,7 @@ def run(policy, ctx: Context, T, steps: int, steps_per_epoch: int = 10, lag: int
     out = Run()
     h = History(ctx.world)
     s0 = d = check_sizes(policy.start(ctx), ctx, policy.name)
+    since = 0  # steps since the last decision
     out.decisions.append(s0)
     pending = collections.deque([s0] * (lag + 1))
     for k in range(steps):
@@ -86,8 +87,10 @@ def run(policy, ctx: Context, T, steps: int, steps_per_epoch: int = 10, lag: int
         out.used.append(b)
         out.times.append(t)
         out.se.append(straggler_effect(t, b))
-        if k == 0 or (k + 1) % block == 0 or (k + 1) % steps_per_epoch == 0:
+        since += 1
+        if k == 0 or since == block or (k + 1) % steps_per_epoch == 0:
             d = check_sizes(policy.decide(h), ctx, policy.name)
+            since = 0
         out.decisions.append(d)
         pending.append(d)
     out.history = h
@@ -317,6 +320,54 @@ def test_epoch_totals_count_every_record_of_a_block(make):
     blocks = run(make(), ctx, T, 40, block=5)
     assert [u.tolist() for u in blocks.used] == [u.tolist() for u in per_step.used]
     assert len({tuple(u.tolist()) for u in per_step.used}) > 2  # the sizes did move
+
+
+@pytest.mark.parametrize("make", [lambda: DBS(steps_per_epoch=4),
+                                  lambda: WLBS(steps_per_epoch=4, theta_b=1e9, theta_e=1e-3)])
+def test_a_refused_record_is_not_counted_at_the_next_decision(make):
+    # Step 1 made no progress anywhere: the policy refuses it as the newest record, and must not
+    # count it when it reads the records since its last decision at step 2 (k = 1 as before).
+    recs = [record(k, [50, 50], [1.0, 2.0 + 0.1 * k]) for k in range(4)]
+    recs[1] = record(1, [50, 50], [np.inf, np.inf])
+    ctx = Context.simple(2, 100, lower=1)
+    with_refused, without = make(), make()
+    with_refused.start(ctx)
+    without.start(ctx)
+    h, clean = History(2), History(2)
+    for r in recs:
+        h.append(r)
+        try:
+            a = with_refused.decide(h)
+        except UnusableTelemetry:
+            continue
+        clean.append(r)
+        b = without.decide(clean)
+    assert a.tolist() == b.tolist() and a.tolist() != [50, 50]
+
+
+def test_lbb_window_skips_a_refused_record():
+    p = LBB(window=10)
+    p.start(Context.simple(2, 100, lower=0))
+    h = History(2)
+    h.append(record(0, [50, 50], [1.0, 2.0]))
+    p.decide(h)
+    d = p.last.tolist()
+    for k, t in ((1, [1.0, 1.02]), (2, [np.inf, np.inf]), (3, [1.0, 1.02])):
+        h.append(record(k, d, t))
+        try:
+            p.decide(h)
+        except UnusableTelemetry:
+            pass
+    assert p.window_left == 8  # records 1 and 3; the refused step 2 is not counted
+
+
+def test_lbb_state_saved_without_last_step_counts_from_the_restored_history():
+    p = LBB()
+    p.start(Context.simple(2, 100))
+    p.last_step = 50  # an instance that has decided before
+    old = {k: v for k, v in p.state_dict().items() if k != "last_step"}
+    p.load_state_dict(old)
+    assert p.last_step is None
 
 
 def test_lbb_memory_limit_never_exceeded():

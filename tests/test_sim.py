@@ -425,3 +425,6 @@ def test_adaptive_exchange_balances_at_the_per_step_pace_with_fewer_exchanges(po
         assert b - a == length or (epoch_end and b - a < length), (a, b, length)
     with pytest.raises(ValueError, match="adaptive_exchange=True needs exchange_every > 1"):
         simulate(sc, policy, steps=3, adaptive_exchange=True)
+    with pytest.raises(ValueError, match="history=8 keeps fewer records than a block"):
+        simulate(sc, policy, steps=3, exchange_every=16, history=8)
+    assert simulate(sc, policy, steps=3, exchange_every=100).exchanges == [0]  # (history: 100)

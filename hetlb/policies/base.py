@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -346,6 +346,16 @@ class SizedPolicy(Policy):
             require_progress(rec, self.name)
         return rec
 
+    def usable(self, rec: StepRecord) -> bool:
+        """Whether the policy acts on ``rec`` (:meth:`latest` refuses the others): of its world
+        size, with progress on every rank unless :attr:`accepts_no_progress`, and then on one
+        rank at least. Earlier records of a block are filtered with it, so a record refused as the
+        newest is not counted later."""
+        if rec.world != getattr(self, "world", rec.world):
+            return False
+        stuck = np.isinf(rec.compute)
+        return not stuck.all() if self.accepts_no_progress else not stuck.any()
+
     def ran_latest(self, rec: StepRecord) -> bool:
         """Whether ``rec`` ran this policy's latest decision. A decision can reach the ranks a few
         steps late (the loader's prefetch); incremental moves act only on records that ran it."""
@@ -391,12 +401,16 @@ class EpochMeter:
         self.samples = np.zeros(self.world)
         self.time = np.zeros(self.world)
 
-    def add_new(self, history: History) -> Optional[Dict[str, Any]]:
-        """:meth:`add` every record of ``history`` after the latest one counted (a block of them
-        with ``exchange_every > 1``); the totals of the latest epoch they closed, if any."""
+    def add_new(self, history: History, usable: Callable[[StepRecord], bool]) -> Optional[Dict[str, Any]]:
+        """:meth:`add` every record of ``history`` after the latest one seen (a block of them
+        with ``exchange_every > 1``) that ``usable`` accepts (the policy's own test: a record it
+        refused when it was the newest must not count later); the totals of the latest epoch
+        they closed, if any."""
         closed = None
         for rec in records_after(history, self.last_step):
-            closed = self.add(rec) or closed
+            if usable(rec):
+                closed = self.add(rec) or closed
+            self.last_step = int(rec.step)
         return closed
 
     def add(self, rec: StepRecord) -> Optional[Dict[str, Any]]:
@@ -407,7 +421,7 @@ class EpochMeter:
         if not self.steps:
             self.epoch = int(rec.epoch)
         self.steps += 1
-        self.last_step = int(rec.step)
+        self.last_step = int(rec.step)  # (also set by add_new for a record it skips)
         self.samples = self.samples + rec.batch
         self.time = self.time + rec.compute
         spe = self.steps_per_epoch

@@ -27,10 +27,10 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..checks import flag, integer, number
+from ..checks import flag, integer, number, optional_integer
 from ..plan import ScheduleRule
 from ..telemetry import History, require_progress
-from .base import Context, Policy, check_state
+from .base import Context, Policy, check_state, records_after
 
 __all__ = ["RuntimeProphet", "Chronica"]
 
@@ -226,6 +226,7 @@ class Chronica(Policy):
         self.pivot = flag(pivot, "Chronica: pivot")
         self.cap = _check_cap(cap, self.quadratic, "Chronica")
         self.world = 0
+        self.last_step: Optional[int] = None  # step of the latest record the prophet learnt from
         self._prophet: Optional[RuntimeProphet] = None
 
     def start(self, ctx: Context) -> ScheduleRule:
@@ -236,6 +237,7 @@ class Chronica(Policy):
         if self.cap is not None and np.ndim(self.cap) == 1 and len(self.cap) != self.world:
             raise ValueError(f"Chronica: cap has {len(self.cap)} entries for {self.world} ranks")
         self._prophet = RuntimeProphet(self.world, self.forget, self.quadratic)
+        self.last_step = None
         return self._rule()
 
     def _rule(self) -> ScheduleRule:
@@ -260,7 +262,8 @@ class Chronica(Policy):
         return None if self.cap is None else np.broadcast_to(np.asarray(self.cap, np.float64), (self.world,))
 
     def decide(self, history: History) -> ScheduleRule:
-        """Feed the latest record to the prophet and return the next step's rule."""
+        """Feed the records since the previous decision (one, or a block's with
+        ``exchange_every > 1``) to the prophet and return the next step's rule."""
         if self._prophet is None:
             raise RuntimeError("Chronica: call start(ctx) (or load_state_dict) before decide")
         if len(history) == 0:
@@ -270,8 +273,15 @@ class Chronica(Policy):
             raise ValueError(f"Chronica.decide: record has {rec.world} ranks, policy was started "
                              f"with world={self.world}")
         require_progress(rec, self.name)
-        # Without sample sizes every sample counts 1, so the squares sum to the count.
-        self._prophet.update(rec.data, rec.compute, rec.data if rec.sq is None else rec.sq)
+        # With exchange_every=k the prophet learns from every record of the block (its least
+        # squares and its forgetting are per step), not from the newest alone. An earlier record
+        # without progress on some rank teaches nothing and is skipped.
+        new = records_after(history, self.last_step)
+        for r in new:
+            if r is rec or (r.world == self.world and np.isfinite(r.compute).all()):
+                # Without sample sizes every sample counts 1, so the squares sum to the count.
+                self._prophet.update(r.data, r.compute, r.data if r.sq is None else r.sq)
+        self.last_step = int(rec.step)
         return self._rule()
 
     def state_dict(self) -> Dict[str, Any]:
@@ -280,7 +290,8 @@ class Chronica(Policy):
                                "made by start(ctx), which the Balancer calls at its first step)")
         return {"forget": self.forget, "pivot": self.pivot, "cap": self.cap,
                 "quadratic": self.quadratic, "world": self.world,
-                "global_batch": self.global_batch, "prophet": self._prophet.state_dict()}
+                "global_batch": self.global_batch, "last_step": self.last_step,
+                "prophet": self._prophet.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output. A policy already started refuses the state of
@@ -301,10 +312,12 @@ class Chronica(Policy):
             prophet.load_state_dict(state["prophet"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"Chronica.load_state_dict: malformed prophet state ({e!r})") from None
+        last_step = optional_integer(state.get("last_step"), "Chronica state: last_step", 0)
         pivot = flag(state.get("pivot", True), "Chronica state: pivot")
         cap = _check_cap(state.get("cap"), prophet.quadratic, "Chronica state")
         self.forget, self.world, self.global_batch = forget, world, gb
         self.pivot = pivot
         self.cap = cap
+        self.last_step = last_step
         self.quadratic = prophet.quadratic
         self._prophet = prophet

@@ -45,7 +45,7 @@ class DBS(EpochPolicy):
     def decide(self, history: History) -> np.ndarray:
         """Count the new records; at the end of an epoch, re-split by its speeds."""
         rec = self.latest(history)
-        done = self._meter.add_new(history)
+        done = self._meter.add_new(history, self.usable)
         if done is not None:
             self.last = self._resplit(done["samples"], done["time"])
         return self.emit(self.last)

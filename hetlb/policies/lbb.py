@@ -116,7 +116,8 @@ class LBB(SizedPolicy):
             if isinstance(world, int) and len(state["waiting"]) != world:
                 raise ValueError(f"lbb.load_state_dict: waiting must hold one size per rank "
                                  f"({world}), got {list(state['waiting'])!r:.80}")
-        super().load_state_dict(state)
+        # A state saved before last_step was kept: count from the restored history's next record.
+        super().load_state_dict({"last_step": None, **state} if isinstance(state, Mapping) else state)
 
     def start(self, ctx: Context) -> np.ndarray:
         """Sizes from the profiled models (Eq. 3), else the equal split; remembers each rank's
@@ -146,7 +147,8 @@ class LBB(SizedPolicy):
         # every one of them, not one per decision (which would stretch it k-fold).
         new = records_after(history, self.last_step)
         for old in new[:-1]:
-            self._count(old)
+            if self.usable(old):  # (a record refused as the newest does not count later either)
+                self._count(old)
         in_window = self._count(rec) if new else self.waiting is not None or self.window_left > 0
         self.last_step = int(rec.step)
         se = straggler_effect(rec.compute, rec.batch)

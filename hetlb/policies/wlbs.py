@@ -142,7 +142,7 @@ class WLBS(EpochPolicy):
                                     f"every rank)")
         stalled = self._stalled(rec)
         self.stalled_epoch = self.stalled_epoch | stalled
-        epoch = self._meter.add_new(history)
+        epoch = self._meter.add_new(history, self.usable)
         action, sizes = "none", self.last
         # Keep at least one working rank: with none left there is nothing to share to.
         if (stalled & ~self.failed).any() and not (stalled | self.failed).all():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
@@ -206,7 +207,7 @@ def _profiles(sc: Scenario, idx: np.ndarray, upper: np.ndarray) -> List[Dict[str
 
 def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Policy, str],
              steps: Optional[int] = None, *, profile: bool = False, seed: Optional[int] = None,
-             progress: bool = False, history: int = 64, exchange_every: int = 1,
+             progress: bool = False, history: Optional[int] = None, exchange_every: int = 1,
              adaptive_exchange: bool = False) -> SimResult:
     """Run ``policy`` on ``scenario`` for ``steps`` steps (default ``scenario.steps``).
 
@@ -220,7 +221,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
             is bounded but by the global batch, as in training.
         seed: overrides ``scenario.seed``.
         progress: a tqdm bar over the steps.
-        history: records the policy can look back on (the Balancer's ``history`` argument).
+        history: records the policy can look back on (the Balancer's ``history`` argument; at
+            least ``exchange_every``); None: 64, or ``exchange_every`` if larger.
         exchange_every: the Balancer's ``exchange_every``: the policy sees the records of ``k``
             steps at once (a block also ends at an epoch's end, and at a restart's, and the
             first step after a (re)start is an exchange of its own, as in the Balancer) and
@@ -244,6 +246,10 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         raise ValueError(f"steps must be >= 1, got {steps}")
     every = checks.integer(exchange_every, "exchange_every", 1)
     adaptive = checks.flag(adaptive_exchange, "adaptive_exchange")
+    history = max(64, every) if history is None else checks.integer(history, "history", 1, sys.maxsize)
+    if history < every:
+        raise ValueError(f"history={history} keeps fewer records than a block of "
+                         f"exchange_every={every} steps: pass history >= exchange_every")
     if adaptive and every == 1:
         raise ValueError("adaptive_exchange=True needs exchange_every > 1 (the largest block)")
     rng = np.random.default_rng(sc.seed if seed is None else seed)
