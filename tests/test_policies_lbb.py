@@ -286,16 +286,21 @@ def test_lbb_observation_window_counts_records_that_ran_the_rapid_tune():
     assert p.waiting == p.last.tolist() != d.tolist()  # the new rapid-tune's wait
 
 
-def test_lbb_observation_window_counts_every_record_of_a_block():
-    # With exchange_every=k the policy decides once per block of k records: all of them count
-    # in the window (8 of 10 here), not one per decision, which would stretch the window k-fold.
+def rapid_tuned_lbb():
+    """An LBB(window=10) that rapid-tuned on step 0; its history and the sizes it waits for."""
     p = LBB(window=10)
     p.start(Context.simple(2, 100, lower=0))
     h = History(2)
     h.append(record(0, [50, 50], [1.0, 2.0]))
     p.decide(h)
     assert p.actions == ["rapid"] and p.window_left == 10
-    d = p.last.tolist()
+    return p, h, p.last.tolist()
+
+
+def test_lbb_observation_window_counts_every_record_of_a_block():
+    # With exchange_every=k the policy decides once per block of k records: all of them count
+    # in the window (8 of 10 here), not one per decision, which would stretch the window k-fold.
+    p, h, d = rapid_tuned_lbb()
     for k in range(1, 9):
         h.append(record(k, d, [1.0, 1.02]))
     p.decide(h)
@@ -346,12 +351,7 @@ def test_a_refused_record_is_not_counted_at_the_next_decision(make):
 
 
 def test_lbb_window_skips_a_refused_record():
-    p = LBB(window=10)
-    p.start(Context.simple(2, 100, lower=0))
-    h = History(2)
-    h.append(record(0, [50, 50], [1.0, 2.0]))
-    p.decide(h)
-    d = p.last.tolist()
+    p, h, d = rapid_tuned_lbb()
     for k, t in ((1, [1.0, 1.02]), (2, [np.inf, np.inf]), (3, [1.0, 1.02])):
         h.append(record(k, d, t))
         try:
