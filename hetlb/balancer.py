@@ -195,7 +195,8 @@ class Balancer:
         watchdog: a :class:`hetlb.Watchdog` (one per Balancer): heartbeats to the group's store;
             a job stalled for its ``stall`` seconds is diagnosed (which rank, which host) and,
             by default, this worker exits for torchrun to restart the group.
-        history: number of steps of telemetry kept (>= 1).
+        history: number of steps of telemetry kept (>= 1, and >= ``exchange_every``: a policy
+            reads every record of a block).
         max_bad_steps: consecutive steps with unusable telemetry tolerated, keeping the previous
             sizes, before raising :class:`hetlb.UnusableTelemetry`: NaN, negative or implausible
             compute times (outside ``[MIN_COMPUTE, MAX_COMPUTE]`` of :mod:`hetlb.telemetry`),
