@@ -25,7 +25,6 @@ import importlib.util
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -45,7 +44,7 @@ from .shard import Partition, epoch_rates
 from .policies.base import Context, Policy, SizedPolicy, check_decision, from_state, to_state
 from .watchdog import Watchdog
 from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
-                        UnusableTelemetry, hardware_info, next_block_length)
+                        UnusableTelemetry, block_history, hardware_info, next_block_length)
 
 log = logging.getLogger("hetlb.balancer")
 
@@ -293,7 +292,6 @@ class Balancer:
                 raise TypeError(f"policy must be a hetlb policy (e.g. hetlb.LBB()) with start, "
                                 f"decide, state_dict and load_state_dict; got "
                                 f"{type(policy).__name__} {policy!r}, which lacks {missing}")
-        history = checks.integer(history, "history", 1, sys.maxsize)  # (a deque's maxlen)
         native_hook = checks.flag(native_hook, "native_hook")
         if tensorboard is not None:
             tensorboard = checks.flag(tensorboard, "tensorboard")
@@ -318,10 +316,7 @@ class Balancer:
         self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
         self.exchange_every = checks.integer(exchange_every, "exchange_every", 1)
         self.adaptive_exchange = checks.flag(adaptive_exchange, "adaptive_exchange")
-        if history < self.exchange_every:
-            raise ValueError(f"history={history} keeps fewer records than a block of "
-                             f"exchange_every={self.exchange_every} steps, and a policy learns from "
-                             f"every record of a block: pass history >= exchange_every")
+        history = block_history(history, self.exchange_every)
         if self.adaptive_exchange and self.exchange_every == 1:
             raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; "
                              "with exchange_every=1 every step is exchanged anyway: pass "

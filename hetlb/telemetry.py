@@ -389,7 +389,7 @@ def hardware_info(device: Optional[torch.device] = None) -> Dict[str, float]:
 __all__ = ["FIELDS", "NUM_FIELDS", "COL", "RECORD_ARRAYS", "MIN_COMPUTE", "MAX_COMPUTE",
            "UnusableTelemetry", "StepRecord",
            "History", "validate_record", "require_progress", "straggler_effect", "Probe",
-           "hardware_info", "next_block_length"]
+           "hardware_info", "next_block_length", "block_history"]
 
 
 def next_block_length(length: int, steady: bool, largest: int) -> int:
@@ -398,3 +398,14 @@ def next_block_length(length: int, steady: bool, largest: int) -> int:
     ``length``, capped at ``largest`` (``exchange_every``). Shared by the Balancer and the
     simulator, so both ship at the same steps."""
     return min(2 * length, largest) if steady else 1
+
+
+def block_history(history: Any, exchange_every: int) -> int:
+    """``history`` (records kept) checked to hold a whole block of ``exchange_every`` steps: a
+    policy learns from every record of a block, and a shorter history would drop some."""
+    history = integer(history, "history", 1, sys.maxsize)  # (a deque's maxlen)
+    if history < exchange_every:
+        raise ValueError(f"history={history} keeps fewer records than a block of "
+                         f"exchange_every={exchange_every} steps, and a policy learns from "
+                         f"every record of a block: pass history >= exchange_every")
+    return history

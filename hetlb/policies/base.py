@@ -220,6 +220,20 @@ class Policy:
     #: than silently never matching later (e.g. LBB's ``waiting`` sizes).
     _list_items: Dict[str, type] = {}
 
+    #: Whether the policy acts on ``+inf`` compute (a rank that made no progress); others refuse
+    #: such a record (the Balancer then keeps the previous sizes and counts the step as bad).
+    accepts_no_progress = False
+
+    def usable(self, rec: StepRecord) -> bool:
+        """Whether the policy acts on ``rec`` (it refuses the others as the newest record): of
+        its world size, with progress on every rank unless :attr:`accepts_no_progress`, and then
+        on one rank at least. Earlier records of a block are filtered with it, so a record
+        refused as the newest is not counted later."""
+        if rec.world != getattr(self, "world", rec.world):
+            return False
+        stuck = np.isinf(rec.compute)
+        return not stuck.all() if self.accepts_no_progress else not stuck.any()
+
     def start(self, ctx: Context) -> np.ndarray:
         """Remember ``ctx`` and return the int64 sizes of the first step."""
         raise NotImplementedError
@@ -271,9 +285,6 @@ class SizedPolicy(Policy):
     once emitted: moves work on a copy).
     """
 
-    #: Whether the policy acts on ``+inf`` compute (a rank that made no progress); others refuse
-    #: such a record (the Balancer then keeps the previous sizes and counts the step as bad).
-    accepts_no_progress = False
 
     def _setup(self, ctx: Context) -> None:
         if not isinstance(ctx, Context):
@@ -346,16 +357,6 @@ class SizedPolicy(Policy):
             require_progress(rec, self.name)
         return rec
 
-    def usable(self, rec: StepRecord) -> bool:
-        """Whether the policy acts on ``rec`` (:meth:`latest` refuses the others): of its world
-        size, with progress on every rank unless :attr:`accepts_no_progress`, and then on one
-        rank at least. Earlier records of a block are filtered with it, so a record refused as the
-        newest is not counted later."""
-        if rec.world != getattr(self, "world", rec.world):
-            return False
-        stuck = np.isinf(rec.compute)
-        return not stuck.all() if self.accepts_no_progress else not stuck.any()
-
     def ran_latest(self, rec: StepRecord) -> bool:
         """Whether ``rec`` ran this policy's latest decision. A decision can reach the ranks a few
         steps late (the loader's prefetch); incremental moves act only on records that ran it."""
@@ -392,7 +393,7 @@ class EpochMeter:
     def __init__(self, world: int, steps_per_epoch: Optional[int] = None) -> None:
         self.world = int(world)
         self.steps_per_epoch = steps_per_epoch
-        self.last_step: Optional[int] = None  # step of the latest record counted
+        self.last_step: Optional[int] = None  # step of the latest record add_new has seen
         self.reset(-1)
 
     def reset(self, epoch: int) -> None:
@@ -421,7 +422,6 @@ class EpochMeter:
         if not self.steps:
             self.epoch = int(rec.epoch)
         self.steps += 1
-        self.last_step = int(rec.step)  # (also set by add_new for a record it skips)
         self.samples = self.samples + rec.batch
         self.time = self.time + rec.compute
         spe = self.steps_per_epoch

@@ -274,11 +274,9 @@ class Chronica(Policy):
                              f"with world={self.world}")
         require_progress(rec, self.name)
         # With exchange_every=k the prophet learns from every record of the block (its least
-        # squares and its forgetting are per step), not from the newest alone. An earlier record
-        # without progress on some rank teaches nothing and is skipped.
-        new = records_after(history, self.last_step)
-        for r in new:
-            if r is rec or (r.world == self.world and np.isfinite(r.compute).all()):
+        # squares and its forgetting are per step), not from the newest alone.
+        for r in records_after(history, self.last_step):
+            if self.usable(r):
                 # Without sample sizes every sample counts 1, so the squares sum to the count.
                 self._prophet.update(r.data, r.compute, r.data if r.sq is None else r.sq)
         self.last_step = int(rec.step)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
@@ -31,8 +30,8 @@ from ..plan import ScheduleRule, decision_checksum
 from ..policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
 from ..solve import schedule
 from ..policies.base import Context, Policy, check_decision
-from ..telemetry import (History, StepRecord, UnusableTelemetry, next_block_length,
-                         straggler_effect)
+from ..telemetry import (History, StepRecord, UnusableTelemetry, block_history,
+                         next_block_length, straggler_effect)
 from .scenario import Scenario, load_scenario
 
 __all__ = ["simulate", "SimResult", "make_policy", "unknown_policies", "POLICY_NAMES"]
@@ -246,10 +245,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         raise ValueError(f"steps must be >= 1, got {steps}")
     every = checks.integer(exchange_every, "exchange_every", 1)
     adaptive = checks.flag(adaptive_exchange, "adaptive_exchange")
-    history = max(64, every) if history is None else checks.integer(history, "history", 1, sys.maxsize)
-    if history < every:
-        raise ValueError(f"history={history} keeps fewer records than a block of "
-                         f"exchange_every={every} steps: pass history >= exchange_every")
+    history = block_history(max(64, every) if history is None else history, every)
     if adaptive and every == 1:
         raise ValueError("adaptive_exchange=True needs exchange_every > 1 (the largest block)")
     rng = np.random.default_rng(sc.seed if seed is None else seed)
