@@ -32,6 +32,9 @@ variants share the caches: every step starts after another model's, alike for al
 ``side@first`` and ``side+backward@first`` issue the side transport's table before the last
 bucket's all-reduce, as hetlb did before session 12 (now: once that all-reduce is done).
 
+``default`` (and ``default+backward``, ``default/K``...) passes no ``transport=``: the Balancer's
+own choice ("carry", or "side" under ``--bucket-view``, where DDP would copy carry's bucket back).
+
 A variant ``NAME/K`` (e.g. ``carry/16``, ``side+backward/16``) is hetlb's ``NAME`` with
 ``Balancer(exchange_every=K)``: the telemetry of K steps in one exchange (opt-in; the papers
 decide every step, ``/1``). ``NAME/Ka`` adds ``adaptive_exchange=True`` (blocks grow from 1 to K
@@ -117,8 +120,8 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
         loader = torch.utils.data.DataLoader(ds, batch_size=args.global_batch // world, sampler=sampler)
         bal = None
     else:
-        transport = variant.partition("+")[0]
-        kw = {"transport": transport} if new_api else {}
+        transport = variant.partition("+")[0]  # "default": the Balancer's own choice
+        kw = {"transport": transport} if new_api and transport != "default" else {}
         if every:  # "16", or "16a": adaptive blocks up to 16
             kw["exchange_every"] = int(every.rstrip("a"))
             kw["adaptive_exchange"] = every.endswith("a")

@@ -118,18 +118,31 @@ def carry_blocker(model: Any, group: Any) -> Optional[str]:
     return None
 
 
-def choose_transport(requested: Sequence[Optional[str]], blockers: Sequence[Optional[str]]) -> str:
-    """The transport every rank uses, from each rank's request (None: no preference) and carry
-    blocker (:func:`carry_blocker`). With no request, "carry" when every rank can carry (it costs
-    less: no collective of its own, see ``bench/RESULTS.md``), else "side". Raises ``ValueError``
-    naming the ranks when the requests cannot be met together."""
+def carry_penalty(model: Any) -> Optional[str]:
+    """Why carrying the table would cost this rank more than the side transport (None if it
+    would not): with ``gradient_as_bucket_view=True`` DDP's gradients are views of its buckets,
+    so the carried bucket (the last bucket in a buffer of its own, beside the table) is copied
+    back into them, a pass the side transport does not make (``bench/RESULTS.md``, session 18)."""
+    if getattr(model, "gradient_as_bucket_view", False):
+        return "DDP(gradient_as_bucket_view=True) would copy the carried bucket back"
+    return None
+
+
+def choose_transport(requested: Sequence[Optional[str]], blockers: Sequence[Optional[str]],
+                     penalties: Optional[Sequence[Optional[str]]] = None) -> str:
+    """The transport every rank uses, from each rank's request (None: no preference), carry
+    blocker (:func:`carry_blocker`) and carry penalty (:func:`carry_penalty`). With no request,
+    "carry" when every rank can carry and none would pay for it (it costs less: no collective of
+    its own, see ``bench/RESULTS.md``), else "side". An explicit "carry" is honoured despite a
+    penalty. Raises ``ValueError`` naming the ranks when the requests cannot be met together."""
     asked = {r: t for r, t in enumerate(requested) if t is not None}
     kinds = set(asked.values())
     if len(kinds) > 1:
         raise ValueError("ranks asked for different telemetry transports: " + ", ".join(
             f"rank {r}: {t!r}" for r, t in sorted(asked.items())))
     if not kinds:
-        return "carry" if all(b is None for b in blockers) else "side"
+        costly = any(p is not None for p in penalties or ())
+        return "carry" if all(b is None for b in blockers) and not costly else "side"
     want = kinds.pop()
     if want == "carry":
         blocked = {r: b for r, b in enumerate(blockers) if b is not None}
@@ -256,5 +269,5 @@ def make_side_group(group: Any, own: bool = False) -> Any:
     return dist.new_group(ranks=ranks, backend="gloo")
 
 
-__all__ = ["WEIGHTINGS", "TRANSPORTS", "weights_for", "is_nccl", "carry_blocker", "choose_transport",
-           "StepTelemetry", "make_side_group"]
+__all__ = ["WEIGHTINGS", "TRANSPORTS", "weights_for", "is_nccl", "carry_blocker", "carry_penalty",
+           "choose_transport", "StepTelemetry", "make_side_group"]

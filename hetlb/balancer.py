@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checks
-from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, choose_transport, is_nccl,
-                        make_side_group, weights_for)
+from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty, choose_transport,
+                        is_nccl, make_side_group, weights_for)
 from .data import BalancedLoader, check_loader_config
 from .runlog import ENV_LOG_DIR, RunLog
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
@@ -212,8 +212,10 @@ class Balancer:
         transport: how the telemetry table travels: "carry" (in the last gradient bucket; Gloo
             with CPU float32/float64 only) or "side" (its own small all-reduce on a Gloo group of
             its own, issued with the last bucket; the one to pair with :meth:`backward` on
-            Gloo). None (default): "carry" where every rank can, else "side". Ranks that ask for
-            different transports get an error.
+            Gloo). None (default): "carry" where every rank can, else "side"; also "side" when
+            some rank's DDP has ``gradient_as_bucket_view=True`` (DDP would copy the carried
+            bucket back into its gradient views). Ranks that ask for different transports get
+            an error.
         native_hook: False registers the pure-Python reference hook instead of the native one
             (debugging; same collectives, so ranks may mix).
         exchange_every: steps per telemetry exchange (default 1: every step, as the papers
@@ -379,11 +381,13 @@ class Balancer:
                            "adaptive_exchange": self.adaptive_exchange},
                 "transport": transport,
                 "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
+                "carry_penalty": carry_penalty(model),
                 **self._bounds(lower, upper, profile)}
         everyone = self._all_gather(mine, side)
         self._agree(everyone, "config")
         self.transport = choose_transport([e["transport"] for e in everyone],
-                                          [e["carry"] for e in everyone])
+                                          [e["carry"] for e in everyone],
+                                          [e["carry_penalty"] for e in everyone])
         self.context = Context(self.world, global_batch, [e["lower"] for e in everyone],
                                [e["upper"] for e in everyone],
                                hardware=[e["hardware"] for e in everyone],
@@ -682,8 +686,9 @@ class Balancer:
         so the hook multiplies every bucket by the weight in a pass of its own (plain DDP fuses
         its averaging into that copy; Gloo has no pre-multiplied sum). Since ``grad(w * loss) =
         w * grad(loss)``, scaling the loss gives the same weighted gradient and the hook only sums.
-        On CPU Gloo pair it with ``Balancer(..., transport="side")``: "carry" still copies the
-        last bucket next to the table. On NCCL the weight rides in PREMUL_SUM either way.
+        On CPU Gloo pair it with ``Balancer(..., transport="side")`` (the default under
+        ``gradient_as_bucket_view=True``): "carry" still copies the last bucket next to the
+        table. On NCCL the weight rides in PREMUL_SUM either way.
 
         It falls back to plain ``loss.backward()`` (the hook then weighs, as always) when a
         parameter already holds a gradient (``zero_grad(set_to_none=False)``, or gradients kept

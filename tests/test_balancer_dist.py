@@ -168,14 +168,19 @@ def test_four_ranks_with_an_idle_rank_and_changing_sizes():
 
 @pytest.mark.parametrize("options", [
     {"gradient_as_bucket_view": True},
+    {"gradient_as_bucket_view": True, "transport": "carry"},
     {"static_graph": True},
     {"bucket_cap_mb": 1e-4, "gradient_as_bucket_view": True, "static_graph": True},
     {"find_unused_parameters": True},
 ])
 def test_ddp_options(options):
     res = unwrap(run(grad_worker, 2, "samples", [2, 8], options, "float64", 4))
+    # With bucket views the default is "side" (carry's bucket would be copied back); an explicit
+    # request is kept.
+    want = options.get("transport", "side" if options.get("gradient_as_bucket_view") else "carry")
     for r in res:
         assert max(r["errs"]) < 1e-12, r["errs"]
+        assert r["transport"] == want
 
 
 @pytest.mark.parametrize("world, weighting, options", [

@@ -180,6 +180,12 @@ def test_transport_choice_over_the_ranks():
         choose_transport(["side", None, "carry"], [None] * 3)
     assert carry_blocker(torch.nn.Linear(2, 2).to(torch.bfloat16), None) == "a parameter is torch.bfloat16 on cpu"
     assert carry_blocker(torch.nn.Linear(2, 2), None) is None
+    # A penalty (one rank's DDP would copy the carried bucket back) moves the default to "side";
+    # an explicit "carry" is still honoured.
+    view = "DDP(gradient_as_bucket_view=True) would copy the carried bucket back"
+    assert choose_transport([None, None], [None, None], [None, view]) == "side"
+    assert choose_transport([None, None], [None, None], [None, None]) == "carry"
+    assert choose_transport(["carry", None], [None, None], [view, view]) == "carry"
 
 
 def outside_worker(rank, world):
