@@ -138,23 +138,29 @@ def exchange_spec(spec: str) -> dict:
 
 
 def exchange_policy(spec: str):
-    """A policy name for :func:`hetlb.sim.simulate`; ``"chronica@F"``: ``Chronica(forget=F)``."""
-    if spec.startswith("chronica@"):
+    """A policy name for :func:`hetlb.sim.simulate`; ``"chronica@F"``: ``Chronica(forget=F)``;
+    ``"chronica~H"``: ``Chronica(hold=H)`` (``"chronica@F~H"``: both)."""
+    if spec.startswith("chronica") and spec != "chronica":
         from hetlb.policies import Chronica
-        return Chronica(forget=float(spec.split("@", 1)[1]))
+        rest, _, hold = spec[len("chronica"):].partition("~")
+        forget = float(rest[1:]) if rest.startswith("@") else 1.0
+        return Chronica(forget=forget, hold=float(hold) if hold else 0.0)
     return spec
 
 
-def part_exchange(everies: List[str], policies: List[str]) -> List[str]:
+def part_exchange(everies: List[str], policies: List[str], first_policy: bool = False) -> List[str]:
     from hetlb.sim import builtin_scenarios, simulate
-    lines = [f"### Telemetry every k steps in the simulator (exchange_every=k against k = {everies[0]})", "",
-             f"| scenario | policy | k | total (virtual s) | / k = {everies[0]} | mean step, last half (ms) "
+    against = f"{policies[0]}, k = {everies[0]}" if first_policy else f"k = {everies[0]}"
+    lines = [f"### Telemetry every k steps in the simulator (exchange_every=k against {against})", "",
+             f"| scenario | policy | k | total (virtual s) | / {against} | mean step, last half (ms) "
              f"| exchanges (last half) | decide (wall ms) |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name in ("abs-sgd-1234", "abs-sgd-dynamic", "lbb-disturbance", "lbbsp-cluster-a", "mixed"):
         sc = builtin_scenarios()[name]()
+        base = None
         for pol in policies:
-            base = None
+            if not first_policy:
+                base = None
             for k in everies:
                 r = simulate(sc, exchange_policy(pol), **exchange_spec(k))
                 base = r.total_time if base is None else base
@@ -173,7 +179,10 @@ def main() -> None:
     p.add_argument("--exchange-every", nargs="+", default=["1", "4", "16", "16a"],
                    help="the k values of part exchange (the first is the baseline); Ka: adaptive")
     p.add_argument("--policies", nargs="+", default=["lbb", "lbbsp", "wlbs", "dbs"],
-                   help="the policies of part exchange (chronica@F: Chronica(forget=F))")
+                   help="the policies of part exchange (chronica@F: Chronica(forget=F); "
+                        "chronica~H: Chronica(hold=H))")
+    p.add_argument("--against-first-policy", action="store_true",
+                   help="part exchange: ratios to the first policy's first k (else each policy's own)")
     p.add_argument("--workers", type=int, default=4096)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
@@ -187,7 +196,7 @@ def main() -> None:
     if "agree" in args.part:
         lines += part_agree("lbb-disturbance", 80, 30) + [""]
     if "exchange" in args.part:
-        lines += part_exchange(args.exchange_every, args.policies)
+        lines += part_exchange(args.exchange_every, args.policies, args.against_first_policy)
     emit(lines, args.out)
 
 

@@ -394,10 +394,12 @@ class Balancer:
                                profiles=[e["profile"] for e in everyone])
         # Before any hook is registered: a policy refusing the context leaves the model as it was.
         self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
-        if self.adaptive_exchange and isinstance(self._decision, ScheduleRule):
+        if self.adaptive_exchange and isinstance(self._decision, ScheduleRule) and \
+                not getattr(policy, "hold", 0):
             log.warning("adaptive_exchange: %s decides a rule of fitted time models, refitted at "
-                        "every decision, so its blocks stay single steps (exchange_every=%d "
-                        "without adaptive_exchange gives fixed blocks)", type(policy).__name__,
+                        "every decision, so its blocks stay single steps (Chronica(hold=0.02) "
+                        "keeps a rule while refits change it little; exchange_every=%d without "
+                        "adaptive_exchange gives fixed blocks)", type(policy).__name__,
                         self.exchange_every)
         if self.transport == "side" and self.distributed and not nccl:
             side = make_side_group(group, own=True)  # not queued behind the gradient's transfers

@@ -195,6 +195,24 @@ def _check_cap(cap: Any, quadratic: float, who: str) -> Any:
     return c.tolist()
 
 
+def _close(held: ScheduleRule, rule: ScheduleRule, data: np.ndarray, sq: np.ndarray,
+           hold: float) -> bool:
+    """Whether ``rule`` predicts every rank's time for the work it ran (sizes summing to
+    ``data``, squares to ``sq``) within ``hold`` times ``held``'s predicted step of ``held``'s
+    prediction, each rule with its own quadratic term; and the rules share cap and pivot."""
+    if rule.pivot != held.pivot or (rule.cap is None) != (held.cap is None) or \
+            (rule.cap is not None and not np.array_equal(rule.cap, held.cap)):
+        return False
+    data = np.asarray(data, np.float64)
+    sq = np.asarray(sq, np.float64)
+    before = held.intercept + held.slope * (data + held.quadratic * sq)
+    after = rule.intercept + rule.slope * (data + rule.quadratic * sq)
+    step = float(np.max(before))
+    if not (np.all(np.isfinite(before)) and np.all(np.isfinite(after)) and step > 0):
+        return False
+    return bool(np.max(np.abs(after - before)) <= hold * step)
+
+
 class Chronica(Policy):
     """Size-aware scheduling (CHRONICA): each step's samples go to ranks by estimated time.
 
@@ -210,6 +228,14 @@ class Chronica(Policy):
         quadratic: the work of a sample of size ``s`` is ``s + c*s^2``: 0 (the paper's linear
             model, the default), a given ``c``, or ``"fit"`` (estimated from the feedback; for
             attention-bound models, where a sequence's cost grows with its length squared).
+        hold: keep the previous rule while the refitted one predicts nearly the same times
+            (opt-in, not in the paper; 0, the default, refits at every decision as the paper
+            does). A refitted rule replaces the held one only when, for some rank, its predicted
+            time for the work that rank ran in the newest step differs from the held rule's by
+            more than ``hold`` times the held rule's predicted step (its largest such time).
+            E.g. 0.02: changes under 2 % of a step are not acted on. Its use is
+            ``Balancer(exchange_every=k, adaptive_exchange=True)``: an unchanged decision lets
+            the blocks grow, where a rule refitted at every decision keeps them at one step.
 
     Until a rank has fed back, it is modelled as the others' mean (equal speeds at the start:
     the first steps are balanced by data amount, as token balancing does). Needs the loader's
@@ -220,8 +246,10 @@ class Chronica(Policy):
     name = "chronica"
 
     def __init__(self, forget: float = 1.0, pivot: bool = True, cap: Any = None,
-                 quadratic: Any = 0.0) -> None:
+                 quadratic: Any = 0.0, hold: float = 0.0) -> None:
         self.forget = number(forget, "Chronica: forget", above=0.0, maximum=1.0)
+        self.hold = number(hold, "Chronica: hold", minimum=0.0, below=1.0)
+        self._held: Optional[ScheduleRule] = None  # the rule in force (hold > 0)
         self.quadratic = check_quadratic(quadratic, "Chronica")
         self.pivot = flag(pivot, "Chronica: pivot")
         self.cap = _check_cap(cap, self.quadratic, "Chronica")
@@ -238,7 +266,9 @@ class Chronica(Policy):
             raise ValueError(f"Chronica: cap has {len(self.cap)} entries for {self.world} ranks")
         self._prophet = RuntimeProphet(self.world, self.forget, self.quadratic)
         self.last_step = None
-        return self._rule()
+        rule = self._rule()
+        self._held = rule if self.hold > 0 else None
+        return rule
 
     def _rule(self) -> ScheduleRule:
         """The rule from the prophet's models. A rank whose model is unknown (no feedback yet) or
@@ -280,7 +310,13 @@ class Chronica(Policy):
                 # Without sample sizes every sample counts 1, so the squares sum to the count.
                 self._prophet.update(r.data, r.compute, r.data if r.sq is None else r.sq)
         self.last_step = int(rec.step)
-        return self._rule()
+        rule = self._rule()
+        if self.hold > 0:
+            if self._held is not None and \
+                    _close(self._held, rule, rec.data, rec.data if rec.sq is None else rec.sq, self.hold):
+                return self._held
+            self._held = rule
+        return rule
 
     def state_dict(self) -> Dict[str, Any]:
         if self._prophet is None:
@@ -289,6 +325,8 @@ class Chronica(Policy):
         return {"forget": self.forget, "pivot": self.pivot, "cap": self.cap,
                 "quadratic": self.quadratic, "world": self.world,
                 "global_batch": self.global_batch, "last_step": self.last_step,
+                "hold": self.hold,
+                "held": None if self._held is None else self._held.to_dict(),
                 "prophet": self._prophet.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -313,7 +351,22 @@ class Chronica(Policy):
         last_step = optional_integer(state.get("last_step"), "Chronica state: last_step", 0)
         pivot = flag(state.get("pivot", True), "Chronica state: pivot")
         cap = _check_cap(state.get("cap"), prophet.quadratic, "Chronica state")
+        # A state saved before `hold` existed has no say in it: this policy's own is kept.
+        hold = number(state["hold"], "Chronica state: hold", minimum=0.0, below=1.0) \
+            if "hold" in state else self.hold
+        held = state.get("held")
+        if held is not None:
+            try:
+                held = ScheduleRule.from_dict(held)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"Chronica.load_state_dict: malformed held rule ({e!r})") from None
+            if len(held.slope) != world:
+                raise ValueError(f"Chronica.load_state_dict: the held rule has {len(held.slope)} "
+                                 f"ranks, the state's world is {world}")
         self.forget, self.world, self.global_batch = forget, world, gb
+        self.hold = hold
+        # A state without a held rule (saved before `hold` existed) holds the next rule it fits.
+        self._held = held if hold > 0 else None
         self.pivot = pivot
         self.cap = cap
         self.last_step = last_step
