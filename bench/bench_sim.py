@@ -140,12 +140,16 @@ def exchange_spec(spec: str) -> dict:
 def exchange_policy(spec: str):
     """A policy name for :func:`hetlb.sim.simulate`; ``"chronica@F"``: ``Chronica(forget=F)``;
     ``"chronica~H"``: ``Chronica(hold=H)`` (``"chronica@F~H"``: both)."""
-    if spec.startswith("chronica") and spec != "chronica":
-        from hetlb.policies import Chronica
-        rest, _, hold = spec[len("chronica"):].partition("~")
-        forget = float(rest[1:]) if rest.startswith("@") else 1.0
-        return Chronica(forget=forget, hold=float(hold) if hold else 0.0)
-    return spec
+    import re
+    m = re.fullmatch(r"chronica(?:@([0-9.eE+-]+))?(?:~([0-9.eE+-]+))?", spec)
+    if m is None or spec == "chronica":
+        if spec.startswith("chronica") and spec != "chronica":
+            raise SystemExit(f"bench_sim: policy {spec!r}: expected chronica, chronica@F, "
+                             f"chronica~H or chronica@F~H")
+        return spec
+    from hetlb.policies import Chronica
+    forget, hold = m.groups()
+    return Chronica(forget=float(forget) if forget else 1.0, hold=float(hold) if hold else 0.0)
 
 
 def part_exchange(everies: List[str], policies: List[str], first_policy: bool = False) -> List[str]:

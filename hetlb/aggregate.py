@@ -17,7 +17,8 @@ one place the hook and Python both read and write) and the strategies it calls (
 memory probe). The Balancer owns it; DDP's reducer holds its core; it refers to nothing else.
 
 How the table travels (every rank uses the same transport, agreed at start-up; by default
-"carry" where every rank can, else "side"):
+"carry" where every rank can, else "side", and "side" also where some rank's DDP has
+``gradient_as_bucket_view=True``, see :func:`carry_penalty`):
 
 * ``"carry"``: Gloo with CPU float32/float64 buckets only: the rank's row is written into a zeroed
   slot region appended to the last bucket in a persistent buffer (the scaled gradient is written

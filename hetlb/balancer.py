@@ -244,8 +244,9 @@ class Balancer:
             there the blocks are single steps again. Every rank derives the lengths from the
             same decisions, so they agree. A size-aware policy (:class:`~hetlb.Chronica`, whose
             decision is a rule of fitted time models) refits at every decision, so its blocks
-            stay single steps (a warning says so). Needs ``exchange_every > 1``. The same on
-            every rank.
+            stay single steps (a warning says so) unless it holds its rule
+            (``Chronica(hold=0.02)``, opt-in). Needs ``exchange_every > 1``. The same on every
+            rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.

@@ -186,7 +186,7 @@ def test_chronica_hold_keeps_a_rule_until_a_refit_moves_a_rank_by_more_than_hold
     assert mine.slope[0] / mine.slope[1] > 1.0  # rank 0 from half rank 1's slope to 1.5 times
 
 
-def test_chronica_hold_state_round_trip_and_bad_input():
+def test_chronica_hold_state_round_trip_and_bad_input(tmp_path):
     rng = np.random.default_rng(4)
     h = _noisy_history(2, [0.001, 0.003], 30, rng, 0.02)
     pol = hetlb.Chronica(hold=0.05)
@@ -195,17 +195,25 @@ def test_chronica_hold_state_round_trip_and_bad_input():
     for r in list(h)[:20]:
         sub.append(r)
         pol.decide(sub)
-    path = "/tmp/hetlb_chronica_hold_state.pt"
+    path = tmp_path / "chronica.pt"
     torch.save(pol.state_dict(), path)
     state = torch.load(path)  # the default weights_only=True: plain values
     assert state["hold"] == 0.05 and state["held"] is not None
-    again = hetlb.Chronica()
+    again = hetlb.Chronica(hold=0.05)
     again.load_state_dict(state)
-    assert again.hold == 0.05
+    again.load_state_dict(state)  # twice: harmless
     for r in list(h)[20:]:
         sub.append(r)
         a, b = pol.decide(sub), again.decide(sub)
         assert a.to_dict() == b.to_dict()
+    # `hold` is the policy's own, not the checkpoint's: the paper's Chronica loading this state
+    # refits (no held rule), and another hold starts holding from its next refit.
+    unheld = hetlb.Chronica()
+    unheld.load_state_dict(state)
+    assert unheld.hold == 0.0 and unheld.state_dict()["held"] is None
+    other = hetlb.Chronica(hold=0.2)
+    other.load_state_dict(state)
+    assert other.state_dict()["held"] is None
     # The paper's default keeps no rule; a state saved before `hold` existed keeps the policy's
     # own hold, and its next refit becomes the held rule.
     paper = hetlb.Chronica()
@@ -339,23 +347,27 @@ def test_chronica_trains_every_sample_once_with_counts_that_follow_speed():
     assert np.median(se) < 0.15, se
 
 
-def chronica_resume_worker(rank, world, n, gb, epochs, state=None, stop_after=None, num_workers=0):
+def chronica_resume_worker(rank, world, n, gb, epochs, state=None, stop_after=None, num_workers=0,
+                           hold=0.0, every=1):
     from torch.nn.parallel import DistributedDataParallel as DDP
     sizes = np.clip(np.random.default_rng(3).normal(45, 30, n), 1, None).round()
     ddp = DDP(torch.nn.Linear(1, 1).double())
     emu = Emulator.for_rank(rank, [1.0, 3.0, 2.0][:world], model=hetlb.LinearModel(0.001, 2e-5),
                             by="data", spin=0.0005)
-    bal = hetlb.Balancer(ddp, gb, policy=hetlb.Chronica(), weighting="sizes", lower=0, emulator=emu)
+    blocks = {"exchange_every": every, "adaptive_exchange": True} if every > 1 else {}
+    bal = hetlb.Balancer(ddp, gb, policy=hetlb.Chronica(hold=hold), weighting="sizes", lower=0,
+                         emulator=emu, **blocks)
     ds = torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float64)[:, None])
     kw = {"num_workers": num_workers, "prefetch_factor": 2} if num_workers else {}
     loader = bal.loader(ds, sample_sizes=sizes, seed=4, **kw)
     if state is not None:
         loader.load_state_dict(state)
-    seen, steps = {}, 0
+    seen, steps, lens = {}, 0, []
     epoch = loader.epoch
     while epoch < epochs:
         loader.set_epoch(epoch)
         for (xb,) in loader:
+            lens.append(len(bal.history))  # grows at each exchange
             ddp(xb).sum().backward()
             seen.setdefault(epoch, []).extend(int(v) for v in xb[:, 0].tolist())
             steps += 1
@@ -364,7 +376,7 @@ def chronica_resume_worker(rank, world, n, gb, epochs, state=None, stop_after=No
                         "batch": [r.batch.tolist() for r in bal.history]}
         epoch += 1
     return {"seen": seen, "steps": steps, "state": bal.state_dict(),
-            "batch": [r.batch.tolist() for r in bal.history]}
+            "batch": [r.batch.tolist() for r in bal.history], "exchanges": len(set(lens))}
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -381,6 +393,24 @@ def test_chronica_resumes_mid_epoch_exactly_once(num_workers):
     assert sorted(sum((r["seen"][1] for r in rest), [])) == list(range(n))
     counts = {tuple(b) for b in rest[0]["batch"]}
     assert len(counts) > 2  # the counts per rank follow the samples, not a fixed split
+
+
+def test_chronica_hold_with_adaptive_blocks_on_two_ranks_resumes_exactly_once():
+    # Chronica(hold) + adaptive blocks on two emulated ranks (speeds 1:3 on data amounts): a
+    # checkpoint mid-epoch (inside a block) carries the held rule; the resumed run covers every
+    # sample once, and both ranks run the same plans.
+    from distributed import run, unwrap
+    n, gb = 240, 16  # 15 steps an epoch
+    first = unwrap(run(chronica_resume_worker, 2, n, gb, 3, None, 9, 0, 0.05, 8))
+    state = first[0]["state"]
+    assert state["policy"]["hold"] == 0.05 and state["policy"]["held"] is not None
+    rest = unwrap(run(chronica_resume_worker, 2, n, gb, 3, state, None, 0, 0.05, 8))
+    whole0 = sorted(sum((r["seen"].get(0, []) for r in first + rest), []))
+    assert whole0 == list(range(n)), "epoch 0: every sample once across the checkpoint"
+    for e in (1, 2):
+        assert sorted(sum((r["seen"][e] for r in rest), [])) == list(range(n))
+    assert rest[0]["batch"] == rest[1]["batch"]
+    assert rest[0]["exchanges"] < rest[0]["steps"] * 0.75, rest[0]  # the held rule let blocks grow
 
 
 def test_rule_pivot_cap_checksum_and_checkpoint_form():

@@ -230,7 +230,8 @@ class Chronica(Policy):
             attention-bound models, where a sequence's cost grows with its length squared).
         hold: keep the previous rule while the refitted one predicts nearly the same times
             (opt-in, not in the paper; 0, the default, refits at every decision as the paper
-            does). A refitted rule replaces the held one only when, for some rank, its predicted
+            does). Not taken from a checkpoint: a state loaded keeps this policy's ``hold``
+            (and its held rule only if saved under the same ``hold``). A refitted rule replaces the held one only when, for some rank, its predicted
             time for the work that rank ran in the newest step differs from the held rule's by
             more than ``hold`` times the held rule's predicted step (its largest such time).
             E.g. 0.02: changes under 2 % of a step are not acted on. Its use is
@@ -351,9 +352,9 @@ class Chronica(Policy):
         last_step = optional_integer(state.get("last_step"), "Chronica state: last_step", 0)
         pivot = flag(state.get("pivot", True), "Chronica state: pivot")
         cap = _check_cap(state.get("cap"), prophet.quadratic, "Chronica state")
-        # A state saved before `hold` existed has no say in it: this policy's own is kept.
-        hold = number(state["hold"], "Chronica state: hold", minimum=0.0, below=1.0) \
-            if "hold" in state else self.hold
+        # `hold` is this policy's (as constructed), not the checkpoint's: resuming with another
+        # hold is how a user turns it on or off. The held rule is kept only under the same hold.
+        saved_hold = number(state.get("hold", 0.0), "Chronica state: hold", minimum=0.0, below=1.0)
         held = state.get("held")
         if held is not None:
             try:
@@ -364,9 +365,8 @@ class Chronica(Policy):
                 raise ValueError(f"Chronica.load_state_dict: the held rule has {len(held.slope)} "
                                  f"ranks, the state's world is {world}")
         self.forget, self.world, self.global_batch = forget, world, gb
-        self.hold = hold
-        # A state without a held rule (saved before `hold` existed) holds the next rule it fits.
-        self._held = held if hold > 0 else None
+        # Otherwise (another hold, or a state saved before `hold` existed) the next refit is held.
+        self._held = held if self.hold > 0 and saved_hold == self.hold else None
         self.pivot = pivot
         self.cap = cap
         self.last_step = last_step
