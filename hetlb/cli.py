@@ -207,8 +207,17 @@ def _simulate(args: argparse.Namespace) -> int:
         raise CLIError(f"--exchange-every must be >= 1, got {args.exchange_every}")
     if args.adaptive_exchange and args.exchange_every == 1:
         raise CLIError("--adaptive-exchange grows blocks up to --exchange-every K steps: pass K > 1")
+    hold = args.chronica_hold
+    if hold is not None:
+        if not (0.0 <= hold < 1.0):
+            raise CLIError(f"--chronica-hold must be in [0, 1), got {hold}")
+        if not any(p.strip().lower() == "chronica" for p in policies):
+            raise CLIError("--chronica-hold sets Chronica(hold=H): add chronica to --policy")
     results = []
     for p in policies:
+        if hold is not None and p.strip().lower() == "chronica":
+            from .policies import Chronica
+            p = Chronica(hold=hold)
         results.append(simulate(sc, p, steps, profile=args.profile, seed=args.seed,
                                 progress=not args.json, exchange_every=args.exchange_every,
                                 adaptive_exchange=args.adaptive_exchange))
@@ -512,6 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--adaptive-exchange", action="store_true",
                     help="Balancer(adaptive_exchange=True): blocks of 1 step while the sizes move, "
                          "doubling up to K while they hold still")
+    sm.add_argument("--chronica-hold", type=float, metavar="H",
+                    help="Chronica(hold=H) for --policy chronica (opt-in, not in the paper): keep its "
+                         "rule while refits move every rank's predicted time by at most H of the "
+                         "step, so --adaptive-exchange blocks can grow")
     sm.add_argument("--plot", help="write a PNG of step times and batch sizes")
     sm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sm.set_defaults(func=_simulate)

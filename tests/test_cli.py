@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -145,6 +146,18 @@ def test_simulate_compares_policies_and_plots(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "simulate", "lbb-disturbance", "--policy", "wlbs", "--steps",
                            "120", "--exchange-every", "8", "--adaptive-exchange")
     assert code == 0 and "exchanges" in out.splitlines()[2], out
+    # Chronica refits every decision (blocks of one step) unless it holds its rule.
+    chron = {}
+    for extra in ([], ["--chronica-hold", "0.02"]):
+        code, out, _ = run_cli(capsys, "simulate", "mixed", "--policy", "chronica", "--steps", "100",
+                               "--exchange-every", "16", "--adaptive-exchange", "--json", *extra)
+        assert code == 0
+        chron[bool(extra)] = json.loads(out)["results"][0]
+    assert chron[False]["exchanges"] == 100 and chron[True]["exchanges"] < 40, chron
+    for bad, msg in ((["--policy", "lbb", "--chronica-hold", "0.02"], "add chronica"),
+                     (["--policy", "chronica", "--chronica-hold", "1.5"], r"\[0, 1\)")):
+        code, _, err = run_cli(capsys, "simulate", "mixed", "--steps", "5", *bad)
+        assert code != 0 and re.search(msg, err), err
 
 
 @pytest.mark.parametrize("sub", [[], ["plan"], ["simulate"]])
