@@ -236,6 +236,32 @@ def test_chronica_hold_state_round_trip_and_bad_input(tmp_path):
         hetlb.Chronica().load_state_dict(dict(state, held={"slope": [1.0, 2.0]}))
 
 
+def test_chronica_hold_compares_after_a_block_also_at_its_mean_work(monkeypatch):
+    # Two rules trading slope for intercept agree at one total only. Held: T = 0.1 + 0.001 W;
+    # the refit: T = 0.2 + 0.0005 W, equal at W = 200 (the newest step), 0.05 apart at W = 100
+    # (the block's mean with an earlier step of W = 0). After one record the rule holds; after a
+    # block of two it is replaced.
+    held = ScheduleRule(np.array([0.001, 0.001]), np.array([0.1, 0.1]))
+    refit = ScheduleRule(np.array([0.0005, 0.0005]), np.array([0.2, 0.2]))
+
+    def record(k, w):
+        return StepRecord(k, 0, np.array([5, 5]), np.full(2, 0.1 + 0.001 * w), np.full(2, float(w)),
+                          np.zeros(2), np.zeros(2))
+
+    for works, kept in (([200.0], True), ([0.0, 200.0], False)):
+        pol = hetlb.Chronica(hold=0.1)  # 0.1 of the held step (0.3 s): 0.03 s
+        pol.start(Context.simple(2, 10))
+        h = History(2)
+        h.append(record(0, 150.0))
+        pol.decide(h)  # the first record consumed; then a block of len(works) records
+        for k, w in enumerate(works):
+            h.append(record(k + 1, w))
+        pol._held = held
+        monkeypatch.setattr(pol, "_rule", lambda: refit)
+        got = pol.decide(h)
+        assert (got is held) == kept, works
+
+
 def test_chronica_hold_lets_adaptive_blocks_grow_in_the_simulator():
     from hetlb.sim import builtin_scenarios, simulate
     sc = builtin_scenarios()["mixed"]()

@@ -195,6 +195,12 @@ def _check_cap(cap: Any, quadratic: float, who: str) -> Any:
     return c.tolist()
 
 
+def _squares(rec: Any) -> np.ndarray:
+    """A record's summed squared sample sizes per rank (without sample sizes every sample counts
+    1, so they are the data amounts)."""
+    return rec.data if rec.sq is None else rec.sq
+
+
 def _close(held: ScheduleRule, rule: ScheduleRule, data: np.ndarray, sq: np.ndarray,
            hold: float) -> bool:
     """Whether ``rule`` predicts every rank's time for the work it ran (sizes summing to
@@ -233,7 +239,8 @@ class Chronica(Policy):
             does). Not taken from a checkpoint: a state loaded keeps this policy's ``hold``
             (and its held rule only if saved under the same ``hold``). A refitted rule replaces the held one only when, for some rank, its predicted
             time for the work that rank ran in the newest step differs from the held rule's by
-            more than ``hold`` times the held rule's predicted step (its largest such time).
+            more than ``hold`` times the held rule's predicted step (its largest such time);
+            after a block of records (``exchange_every > 1``) also for the block's mean work.
             E.g. 0.02: changes under 2 % of a step are not acted on. Its use is
             ``Balancer(exchange_every=k, adaptive_exchange=True)``: an unchanged decision lets
             the blocks grow, where a rule refitted at every decision keeps them at one step.
@@ -306,15 +313,22 @@ class Chronica(Policy):
         require_progress(rec, self.name)
         # With exchange_every=k the prophet learns from every record of the block (its least
         # squares and its forgetting are per step), not from the newest alone.
-        for r in records_after(history, self.last_step):
+        new = records_after(history, self.last_step)
+        for r in new:
             if self.usable(r):
                 # Without sample sizes every sample counts 1, so the squares sum to the count.
-                self._prophet.update(r.data, r.compute, r.data if r.sq is None else r.sq)
+                self._prophet.update(r.data, r.compute, _squares(r))
         self.last_step = int(rec.step)
         rule = self._rule()
         if self.hold > 0:
+            # Compared at the newest step's work and, after a block, at the block's mean work
+            # too: two rules that trade slope for intercept agree at one total only.
+            points = [(rec.data, _squares(rec))]
+            if len(new) > 1:
+                points.append((np.mean([r.data for r in new], axis=0),
+                               np.mean([_squares(r) for r in new], axis=0)))
             if self._held is not None and \
-                    _close(self._held, rule, rec.data, rec.data if rec.sq is None else rec.sq, self.hold):
+                    all(_close(self._held, rule, d, q, self.hold) for d, q in points):
                 return self._held
             self._held = rule
         return rule
