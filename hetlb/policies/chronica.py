@@ -236,14 +236,15 @@ class Chronica(Policy):
             attention-bound models, where a sequence's cost grows with its length squared).
         hold: keep the previous rule while the refitted one predicts nearly the same times
             (opt-in, not in the paper; 0, the default, refits at every decision as the paper
-            does). Not taken from a checkpoint: a state loaded keeps this policy's ``hold``
-            (and its held rule only if saved under the same ``hold``). A refitted rule replaces the held one only when, for some rank, its predicted
-            time for the work that rank ran in the newest step differs from the held rule's by
-            more than ``hold`` times the held rule's predicted step (its largest such time);
-            after a block of records (``exchange_every > 1``) also for the block's mean work.
-            E.g. 0.02: changes under 2 % of a step are not acted on. Its use is
+            does). A refitted rule replaces the held one only when, for some rank, its
+            predicted time for the work that rank ran in the newest step differs from the held
+            rule's by more than ``hold`` times the held rule's predicted step (its largest such
+            time); after a block of records (``exchange_every > 1``) also for the block's mean
+            work. E.g. 0.02: changes under 2 % of a step are not acted on. Its use is
             ``Balancer(exchange_every=k, adaptive_exchange=True)``: an unchanged decision lets
             the blocks grow, where a rule refitted at every decision keeps them at one step.
+            Not taken from a checkpoint: a state loaded keeps this policy's ``hold`` (and its
+            held rule only if saved under the same ``hold``).
 
     Until a rank has fed back, it is modelled as the others' mean (equal speeds at the start:
     the first steps are balanced by data amount, as token balancing does). Needs the loader's
