@@ -178,8 +178,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .sim import (POLICY_NAMES, builtin_scenarios, generate_cluster, load_scenario, simulate,
-                      unknown_policies)
+    from .sim import (POLICY_NAMES, builtin_scenarios, generate_cluster, load_scenario, make_policy,
+                      simulate, unknown_policies)
+    from .sim.engine import _policy_key
 
     if args.list:
         for name, make in sorted(builtin_scenarios().items()):
@@ -211,13 +212,12 @@ def _simulate(args: argparse.Namespace) -> int:
     if hold is not None:
         if not (0.0 <= hold < 1.0):
             raise CLIError(f"--chronica-hold must be in [0, 1), got {hold}")
-        if not any(p.strip().lower() == "chronica" for p in policies):
+        if not any(_policy_key(p) == "chronica" for p in policies):
             raise CLIError("--chronica-hold sets Chronica(hold=H): add chronica to --policy")
     results = []
     for p in policies:
-        if hold is not None and p.strip().lower() == "chronica":
-            from .policies import Chronica
-            p = Chronica(hold=hold)
+        if hold is not None and _policy_key(p) == "chronica":
+            p = make_policy(p, hold=hold)
         results.append(simulate(sc, p, steps, profile=args.profile, seed=args.seed,
                                 progress=not args.json, exchange_every=args.exchange_every,
                                 adaptive_exchange=args.adaptive_exchange))

@@ -120,6 +120,12 @@ class ScheduleRule:
         s = np.asarray(sizes, np.float64)
         return s + self.quadratic * s * s if self.quadratic else s
 
+    def predict(self, data: np.ndarray, sq: np.ndarray) -> np.ndarray:
+        """Predicted seconds of every rank for samples whose sizes sum to ``data`` and whose
+        squared sizes sum to ``sq`` (float64 ``[world]`` each)."""
+        data = np.asarray(data, np.float64)
+        return self.intercept + self.slope * (data + self.quadratic * np.asarray(sq, np.float64))
+
     def first(self, seed: int, epoch: int, step: int, count: int) -> Optional[int]:
         """The step's first pivot (a sample index in ``[0, count)``), or None without ``pivot``."""
         if not self.pivot or count == 0:

@@ -209,10 +209,7 @@ def _close(held: ScheduleRule, rule: ScheduleRule, data: np.ndarray, sq: np.ndar
     if rule.pivot != held.pivot or (rule.cap is None) != (held.cap is None) or \
             (rule.cap is not None and not np.array_equal(rule.cap, held.cap)):
         return False
-    data = np.asarray(data, np.float64)
-    sq = np.asarray(sq, np.float64)
-    before = held.intercept + held.slope * (data + held.quadratic * sq)
-    after = rule.intercept + rule.slope * (data + rule.quadratic * sq)
+    before, after = held.predict(data, sq), rule.predict(data, sq)
     step = float(np.max(before))
     if not (np.all(np.isfinite(before)) and np.all(np.isfinite(after)) and step > 0):
         return False
