@@ -98,6 +98,12 @@ def _first_tensor(obj: Any) -> Optional[torch.Tensor]:
     return None
 
 
+_SECOND_LOADER = ("this Balancer already drives a loader; iterate that one every epoch "
+                  "(loader.set_epoch(epoch)). A loader for evaluation is a plain "
+                  "torch.utils.data.DataLoader (run it under torch.no_grad() or model.eval(): "
+                  "the Balancer checks only training batches)")
+
+
 class _StepGate:
     """Forward pre-hook on the model: the batch must be the one planned for this rank, and the
     step's compute clock starts at its first forward. Holds the board and the telemetry only."""
@@ -423,6 +429,7 @@ class Balancer:
             self.board.accumulate = self.accumulate
         else:
             self.board = PlanBoard(self.world, self.rank, global_batch, self.accumulate)
+        self.board.lower = np.asarray(self.context.lower, dtype=np.int64).copy()
         model.register_forward_pre_hook(_StepGate(self.board, self.telemetry, batch_dim),
                                         with_kwargs=True)
 
@@ -432,6 +439,7 @@ class Balancer:
         self._open: Optional[_Open] = None
         self._in_with = False
         self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
+        self._last_sizes: Optional[np.ndarray] = None  # the sizes of the last step done
         self._micro = 0  # micro-steps without a loader (window position)
         self._window_data = 0.0
         self._partials: Dict[int, tuple] = {}
@@ -520,6 +528,8 @@ class Balancer:
             **dataloader_kwargs: passed to ``torch.utils.data.DataLoader`` (num_workers,
                 collate_fn, pin_memory, prefetch_factor, persistent_workers, ...).
         """
+        if self._loader_config is not None:  # before the new loader touches the shared board
+            raise ValueError(_SECOND_LOADER)
         loader = BalancedLoader(dataset, batch_size, shuffle, sample_sizes=sample_sizes, seed=seed,
                                 drop_last=drop_last, partition=partition, rebalance=rebalance,
                                 board=self.board, **dataloader_kwargs)
@@ -528,8 +538,7 @@ class Balancer:
 
     def _bind(self, loader: BalancedLoader) -> None:
         if self._loader_config is not None:
-            raise ValueError("this Balancer already drives a loader; iterate that one every epoch "
-                             "(loader.set_epoch(epoch))")
+            raise ValueError(_SECOND_LOADER)
         if loader.board.partition is not None and self.accumulate > 1:
             raise ValueError("a sharded loader (partition=) cannot run with gradient accumulation "
                              "(accumulate > 1): a sharded step's sizes follow the shards")
@@ -552,18 +561,32 @@ class Balancer:
     @property
     def batch_sizes(self) -> np.ndarray:
         """int64 ``[world]``: sizes of the step in progress, else of the batch handed out last,
-        else of the next step to be drawn."""
+        else of the next step to be drawn; under a size-aware rule (:class:`hetlb.Chronica`),
+        whose sizes are drawn with each step's samples, of the last step (zeros before any)."""
         if self._open is not None:
             return self._open.plan.sizes.copy()
         if self.board.current is not None:
             return self.board.current.sizes.copy()
         d = self._decision
-        return d.copy() if isinstance(d, np.ndarray) else np.zeros(self.world, np.int64)
+        if isinstance(d, np.ndarray):
+            return d.copy()
+        last = self._last_sizes
+        return last.copy() if last is not None else np.zeros(self.world, np.int64)
 
     @property
     def steps(self) -> int:
-        """Completed steps (accumulation windows)."""
+        """Completed steps (accumulation windows); a handed step whose backward ran counts."""
+        self._settle()
         return self._step
+
+    def _settle(self) -> None:
+        """Finish a handed step whose backward ran now rather than at the next batch (a loop
+        left after it: ``len(loader)``, ``bal.steps`` and a checkpoint count it). No collective:
+        its hook delivered the table (or one process exchanges with itself)."""
+        o = self._open
+        if o is not None and not o.explicit and not self._in_with and self.telemetry.hooked \
+                and (self._comm_hook or self.world == 1):
+            self._finish()
 
     @property
     def synced(self) -> bool:
@@ -841,6 +864,7 @@ class Balancer:
     def _advance(self, plan: StepPlan) -> None:
         """``plan``'s step is done: the position, the step count and the watchdog move on."""
         self.board.complete(plan)
+        self._last_sizes = plan.sizes
         if self._loader_config is None:
             self._micro = 0
             self.board.current = None
@@ -963,7 +987,25 @@ class Balancer:
                 self._finish()
             else:
                 self._discard()
+        c = self._consumed
+        if c is not None and not c.window_end and self._loader_config is not None:
+            # The previous loop was left inside an accumulation window. The new one starts at the
+            # window's first micro-step (the position counts whole windows, as a checkpoint
+            # must), which is right only if the micro-steps' gradients are gone.
+            if not self._gradients_dropped():
+                raise RuntimeError(
+                    f"hetlb: the previous loop over the loader was left inside an accumulation "
+                    f"window (after micro-step {c.window_pos + 1} of {c.window_len}, step "
+                    f"{c.step} of epoch {c.epoch}) and the parameters still hold that window's "
+                    f"gradients; a new loop trains the window from its first micro-step, so "
+                    f"those samples would count twice. Leave a loop only when bal.synced is "
+                    f"True, or drop the window's gradients (optimizer.zero_grad()) before the "
+                    f"new loop")
         self._consumed = None
+
+    def _gradients_dropped(self) -> bool:
+        """Whether no parameter of the model holds a nonzero gradient."""
+        return all(p.grad is None or not bool(p.grad.any()) for p in self.model.parameters())
 
     def _before_next(self) -> None:
         """The loop asks for the next batch: the previous one's step ends here."""

@@ -1,8 +1,9 @@
 """Argument checks shared by every public constructor: one wording for every error.
 
-Each check returns the value converted (``int`` / ``float`` / ``bool``) or raises ``ValueError``
-(``TypeError`` for :func:`instance`) saying which argument was wrong, what it must be, and what
-was received. Strings are never taken for numbers (``"0.1"`` is refused, not parsed): a number
+Each check returns the value converted (``int`` / ``float`` / ``bool``) or raises saying which
+argument was wrong, what it must be, and what was received: ``ValueError`` for a value out of
+range, :class:`ArgumentTypeError` (both a ``TypeError`` and a ``ValueError``, so either
+``except`` catches it) for a value of the wrong type, ``TypeError`` for :func:`instance`. Strings are never taken for numbers (``"0.1"`` is refused, not parsed): a number
 given as text is almost always a configuration mistake.
 """
 from __future__ import annotations
@@ -13,7 +14,12 @@ from typing import Any, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 
-__all__ = ["integer", "number", "optional_integer", "flag", "choice", "instance"]
+__all__ = ["ArgumentTypeError", "integer", "number", "optional_integer", "flag", "choice", "instance"]
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (a string or a bool for a number, a number for a flag): a
+    ``TypeError`` as Python's own, and a ``ValueError`` as hetlb's checks raised before."""
 
 
 def _show(value: Any) -> str:
@@ -27,14 +33,16 @@ def integer(value: Any, name: str, minimum: Optional[int] = None,
     """``value`` as an ``int`` (bools, strings and non-integral numbers are refused; an integral
     float such as ``2.0`` is taken), within ``[minimum, maximum]`` where given."""
     if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be an integer, got {_show(value)}")
+        raise ArgumentTypeError(f"{name} must be an integer, got {_show(value)}")
     try:
         i = operator.index(value)
     except TypeError:
         if isinstance(value, (float, np.floating)) and float(value).is_integer():
             i = int(value)
-        else:
+        elif isinstance(value, (float, np.floating)):
             raise ValueError(f"{name} must be an integer, got {_show(value)}") from None
+        else:
+            raise ArgumentTypeError(f"{name} must be an integer, got {_show(value)}") from None
     if minimum is not None and i < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {_show(value)}")
     if maximum is not None and i > maximum:
@@ -54,11 +62,11 @@ def number(value: Any, name: str, *, minimum: Optional[float] = None,
     ``above``/``below`` exclusive). NaN is always refused; infinities unless ``finite=False``;
     bools and strings always."""
     if isinstance(value, (bool, np.bool_, str, bytes)):
-        raise ValueError(f"{name} must be a number, got {_show(value)}")
+        raise ArgumentTypeError(f"{name} must be a number, got {_show(value)}")
     try:
         x = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{name} must be a number, got {_show(value)}") from None
+        raise ArgumentTypeError(f"{name} must be a number, got {_show(value)}") from None
     if math.isnan(x) or (finite and math.isinf(x)):
         raise ValueError(f"{name} must be a finite number, got {_show(value)}")
     for bound, ok, word in ((minimum, lambda b: x >= b, ">="), (maximum, lambda b: x <= b, "<="),
@@ -72,7 +80,7 @@ def flag(value: Any, name: str) -> bool:
     """``value`` as a ``bool``: only ``True`` / ``False`` (NumPy's too) are taken, so a string such
     as ``"no"`` is not silently true."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {_show(value)}")
+        raise ArgumentTypeError(f"{name} must be True or False, got {_show(value)}")
     return bool(value)
 
 

@@ -68,6 +68,8 @@ def _empty_rest(rest: Any) -> Any:
     if isinstance(rest, torch.Tensor):
         return rest[:0]
     if isinstance(rest, (tuple, list)):
+        if rest and not any(isinstance(r, (torch.Tensor, tuple, list, dict)) for r in rest):
+            return type(rest)()  # one plain value (a string, say) per sample
         return type(rest)(_empty_rest(r) for r in rest)
     return rest
 
@@ -127,6 +129,11 @@ def block_diagonal_mask(cu_seqlens: torch.Tensor, causal: bool = False) -> torch
 
 
 def to_nested(packed: Packed) -> torch.Tensor:
-    """The packed samples as a nested tensor (jagged layout), one component per sample."""
-    parts = list(torch.split(packed.data, packed.lengths.tolist(), dim=0))
+    """The packed samples as a nested tensor (jagged layout), one component per sample. A batch
+    of no samples (an idle rank's) gives one component of length 0, since a nested tensor
+    cannot have none: it holds no tokens, as the batch."""
+    lengths = packed.lengths.tolist()
+    if not lengths:
+        return torch.nested.nested_tensor([packed.data[:0]], layout=torch.jagged)
+    parts = list(torch.split(packed.data, lengths, dim=0))
     return torch.nested.nested_tensor(parts, layout=torch.jagged)

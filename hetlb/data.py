@@ -26,16 +26,19 @@ dataset at the next epoch: that is how a job moves onto a dataset that changed.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import math
 import zlib
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from .checks import integer
+from .checks import flag, integer
 from .collate import Packed, Padded
 from .plan import PlanBoard, StepPlan
 from .shard import Migration, Partition, even_partition
@@ -67,7 +70,8 @@ class GlobalOrderSampler:
                  drop_last: bool = False, sample_sizes: Optional[np.ndarray] = None) -> None:
         self.length = integer(length, "dataset length", 0)
         self.board = board
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), integer(seed, "seed"), bool(drop_last)
+        self.shuffle, self.drop_last = flag(shuffle, "shuffle"), flag(drop_last, "drop_last")
+        self.seed = integer(seed, "seed", 0, MAX_SEED)
         self.sample_sizes = sample_sizes
         self._perm: Optional[tuple] = None
         board.attach(self.steps_per_epoch)
@@ -237,6 +241,27 @@ def check_sample_sizes(sizes: np.ndarray, source: str) -> None:
             f"samples out of the dataset; a sample with no data has size 0")
 
 
+#: Largest loader seed: an epoch's permutation is seeded with ``seed + epoch`` (a 64-bit seed).
+MAX_SEED = 2 ** 62
+
+
+def _refuse_non_numbers(values: Any, n: int) -> None:
+    """Refuse strings and bools among per-sample sizes (NumPy would read ``"1"`` as 1.0)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype == torch.bool:
+            raise ValueError(f"sample_sizes must be {n} numbers (one per sample), got a bool tensor")
+        return
+    try:
+        raw = np.asarray(values)
+    except (TypeError, ValueError):
+        return  # ragged or odd: the float conversion that follows says what is wrong
+    if raw.dtype.kind in "USb" or (raw.dtype.kind == "O" and any(
+            isinstance(v, (str, bytes, bool, np.bool_)) for v in raw.ravel().tolist())):
+        bad = next((v for v in raw.ravel().tolist() if isinstance(v, (str, bytes, bool))), raw.dtype)
+        raise ValueError(f"sample_sizes must be {n} numbers (one per sample), got {bad!r}: strings "
+                         f"and bools are not taken for numbers")
+
+
 class BalancedLoader:
     """This rank's batches of every step, sized by a :class:`hetlb.Balancer`; a thin shell over a
     ``torch.utils.data.DataLoader``. Public as ``hetlb.DataLoader``.
@@ -274,6 +299,14 @@ class BalancedLoader:
                  sample_sizes: Optional[Any] = None, seed: int = 0, drop_last: bool = False,
                  partition: Any = None, rebalance: bool = True,
                  board: Optional[PlanBoard] = None, **dataloader_kwargs: Any) -> None:
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise TypeError("hetlb loader: the dataset must be map-style (__getitem__ and "
+                            "__len__): the Balancer assigns each step's samples to ranks by "
+                            "index. An IterableDataset cannot be indexed; hetlb.DelayedSync "
+                            "streams, or wrap the data in a map-style dataset")
+        shuffle, drop_last = flag(shuffle, "shuffle"), flag(drop_last, "drop_last")
+        rebalance = flag(rebalance, "rebalance")
+        seed = integer(seed, "seed", 0, MAX_SEED)
         for key, why in _REFUSED.items():
             if key in dataloader_kwargs:
                 raise ValueError(f"hetlb loader: {key}= is not accepted: {why}")
@@ -295,6 +328,7 @@ class BalancedLoader:
         if sample_sizes is None:
             sample_sizes = dataset_sample_sizes(dataset)
         if sample_sizes is not None:
+            _refuse_non_numbers(sample_sizes, n)
             try:
                 # The loader's own read-only copy: sizes changed in place later would change the
                 # plans (and a sharded epoch's steps) under a running epoch.
@@ -353,11 +387,18 @@ class BalancedLoader:
     def epoch(self) -> int:
         """The epoch the next batch belongs to (after a complete epoch: the next one), so
         ``for epoch in range(loader.epoch, epochs)`` resumes where a checkpoint stopped."""
+        settle = getattr(self.balancer, "_settle", None)  # (DelayedSync has no open steps)
+        if settle is not None:
+            settle()
         b = self.board
         return b.epoch + 1 if b.epoch_finished() else b.epoch
 
     def __len__(self) -> int:
-        """Steps the next iteration runs (the rest of a partly trained epoch, else a whole one)."""
+        """Steps the next iteration runs (the rest of a partly trained epoch, else a whole one;
+        a step whose backward ran counts as trained)."""
+        settle = getattr(self.balancer, "_settle", None)  # (DelayedSync has no open steps)
+        if settle is not None:
+            settle()
         return len(self.sampler)
 
     @property
@@ -491,6 +532,7 @@ class _Iteration:
         self._bal._iteration_starts()
         self._board.restart()
         self._generation = self._board.generation
+        self._iteration = self._board.iteration
         self._epoch = self._board.epoch
         self._dl = loader._dl
         self._it = iter(self._dl)
@@ -506,6 +548,14 @@ class _Iteration:
         if self._board.generation != self._generation:
             raise RuntimeError("the loader's state was loaded while this iteration was running; "
                                "start a new `for` loop over the loader")
+        if self._board.iteration != self._iteration:
+            self._done, self._it = True, None
+            raise RuntimeError(
+                "a newer iteration over this loader started (another `for` loop or iter(loader)) "
+                "while this one was running; it went on from the position, so this older "
+                "iterator cannot go on (its next batches would repeat the newer one's samples). "
+                "Use one loop over the loader at a time (a loop for evaluation needs a loader "
+                "of its own)")
         if self._board.epoch != self._epoch:
             return self._epoch_left()
         self._bal._before_next()
@@ -577,20 +627,89 @@ class _Steps:
         return iter(self.sampler)
 
 
+def _is_leaf(v: Any) -> bool:
+    """A value that is neither an array nor a container (a string, a number, None, ...)."""
+    return not isinstance(v, (torch.Tensor, np.ndarray, Mapping, list, tuple, Padded, Packed)) \
+        and not (dataclasses.is_dataclass(v) and not isinstance(v, type))
+
+
+def _mapped(batch: Mapping, f: Callable[[Any, Any], Any]) -> Any:
+    """``batch`` (any mapping: dict, UserDict, BatchEncoding...) with each value ``f(key, value)``."""
+    try:
+        out = copy.copy(batch)
+        for k in batch:
+            out[k] = f(k, batch[k])
+        return out
+    except TypeError:  # an immutable mapping: a dict of the same items
+        return {k: f(k, batch[k]) for k in batch}
+
+
 def _empty_like(batch: Any) -> Any:
-    """``batch`` with zero rows: tensors and arrays sliced ``[:0]``, containers recursed, and
-    :mod:`hetlb.collate`'s batches emptied."""
+    """``batch`` with zero rows: tensors and arrays sliced ``[:0]``, a list or tuple of plain
+    values (strings, numbers: one per sample) emptied, mappings, dataclasses and other
+    containers recursed, and :mod:`hetlb.collate`'s batches emptied."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return batch[:0]
     if isinstance(batch, (Padded, Packed)):
         return batch.empty()
-    if isinstance(batch, dict):
-        return type(batch)((k, _empty_like(v)) for k, v in batch.items())
+    if isinstance(batch, Mapping):
+        return _mapped(batch, lambda k, v: _empty_like(v))
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(_empty_like(v) for v in batch))
     if isinstance(batch, (list, tuple)):
+        if batch and all(_is_leaf(v) for v in batch):
+            return type(batch)()
         return type(batch)(_empty_like(v) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: _empty_like(getattr(batch, f.name))
+                                             for f in dataclasses.fields(batch) if f.init})
     return batch
+
+
+def _empty_of(one: Any, two: Any) -> Any:
+    """The batch of no samples with the structure of ``one``, the collated batch of one sample,
+    read against ``two``, the same sample collated twice: what differs between them is per
+    sample and is emptied (a tensor along the dimension that grew, a list or tuple to no
+    items), what does not is kept (a field that is not per sample)."""
+    if isinstance(one, (Padded, Packed)):
+        empty = one.empty()
+        empty.rest = _empty_of(one.rest, two.rest)
+        return empty
+    if isinstance(one, (torch.Tensor, np.ndarray)):
+        if tuple(one.shape) == tuple(two.shape):
+            return one
+        grew = [d for d, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
+        if one.ndim != two.ndim or len(grew) != 1:
+            raise TypeError(_cannot_empty(one, f"shape {tuple(one.shape)} for one sample and "
+                                               f"{tuple(two.shape)} for two"))
+        index = (slice(None),) * grew[0] + (slice(0, 0),)
+        return one[index]
+    if isinstance(one, Mapping):
+        return _mapped(one, lambda k, v: _empty_of(v, two[k]))
+    if isinstance(one, tuple) and hasattr(one, "_fields"):  # namedtuple: fields, not samples
+        return type(one)(*(_empty_of(a, b) for a, b in zip(one, two)))
+    if isinstance(one, (list, tuple)):
+        if len(one) != len(two):  # one item per sample
+            return type(one)()
+        return type(one)(_empty_of(a, b) for a, b in zip(one, two))
+    if dataclasses.is_dataclass(one) and not isinstance(one, type):
+        return dataclasses.replace(one, **{f.name: _empty_of(getattr(one, f.name), getattr(two, f.name))
+                                           for f in dataclasses.fields(one) if f.init})
+    try:
+        same = bool(one == two)
+    except Exception:  # noqa: BLE001 (an object without a usable equality)
+        same = False
+    if same:
+        return one
+    raise TypeError(_cannot_empty(one, "it differs between one sample and two"))
+
+
+def _cannot_empty(value: Any, why: str) -> str:
+    return (f"hetlb: this rank has no samples in this step (lower=0, or an epoch's short last "
+            f"step with fewer samples than ranks), so it needs an empty batch, and the "
+            f"collate_fn's output holds a {type(value).__name__} that hetlb cannot make empty "
+            f"({why}). Return tensors, arrays, lists, tuples, mappings or dataclasses of them "
+            f"from collate_fn, or make it return its empty batch itself when given no samples")
 
 
 class _EmptySafeCollate:
@@ -603,5 +722,6 @@ class _EmptySafeCollate:
 
     def __call__(self, samples: List[Any]) -> Any:
         if len(samples) == 0:
-            return _empty_like(self.collate([self.dataset[0]]))
+            first = self.dataset[0]
+            return _empty_of(self.collate([first]), self.collate([first, first]))
         return self.collate(samples)

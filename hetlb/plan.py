@@ -61,16 +61,42 @@ def decision_checksum(decision: Any) -> int:
     return zlib.crc32(data) % EXACT_INT
 
 
-def split_last(shares: np.ndarray, count: int) -> np.ndarray:
+def split_last(shares: np.ndarray, count: int, lower: Optional[np.ndarray] = None) -> np.ndarray:
     """Split a short step of ``count`` samples by the current ``shares`` (int64 ``[world]``).
 
-    Largest-remainder rounding of ``count * shares / sum(shares)``; a rank may get 0 when
-    ``count`` is smaller than the world.
+    Largest-remainder rounding of ``count * shares / sum(shares)``. With ``lower`` (int64
+    ``[world]``, the ranks' lower bounds, each at most its share): when ``count >= sum(lower)``
+    every rank gets its bound and the rest is split by each rank's share above its bound (so no
+    rank gets more than its share); otherwise not every rank can have its bound, and ranks in
+    order of share (largest first, ties by rank) get theirs while it fits, the remainder going
+    to the first of them: a rank then has its bound (or more) or no sample (an idle rank, which
+    the loader hands an empty batch), unless ``count`` is below every bound, when one rank takes
+    the whole step. Without bounds a rank may get 0 when ``count`` is smaller
+    than the world.
     """
     shares = np.asarray(shares, dtype=np.int64)
     if count == int(shares.sum()):
         return shares.copy()
-    return allocate_proportional(shares.astype(np.float64), int(count))
+    if lower is None or not np.any(lower):
+        return allocate_proportional(shares.astype(np.float64), int(count))
+    lower = np.minimum(np.asarray(lower, dtype=np.int64), shares)
+    floor = int(lower.sum())
+    if count >= floor:
+        rest = int(count) - floor
+        if rest == 0:
+            return lower.copy()
+        return lower + allocate_proportional((shares - lower).astype(np.float64), rest)
+    sizes = np.zeros_like(shares)
+    left = int(count)
+    order = np.lexsort((np.arange(shares.size), -shares))
+    for r in order:
+        if 0 < lower[r] <= left:
+            sizes[r] = lower[r]
+            left -= int(lower[r])
+    if left:  # to the first rank that took its bound, else to one whose bound the rest meets
+        taking = [r for r in order if sizes[r] > 0] or [r for r in order if lower[r] <= left]
+        sizes[taking[0] if taking else order[0]] += left  # (else no bound can be met: one rank)
+    return sizes
 
 
 @dataclass(frozen=True)
@@ -249,6 +275,12 @@ class PlanBoard:
         self.restored = False
         #: Bumped by a restore; an iterator started before it refuses to go on.
         self.generation = 0
+        #: Bumped by every new iteration over the loader (:meth:`restart`); an older iterator
+        #: refuses to go on (it would hand out steps the newer one trains too).
+        self.iteration = 0
+        #: Per-rank lower bounds on a batch, kept by the short last step where it can
+        #: (:func:`split_last`); set by the Balancer.
+        self.lower = np.zeros(self.world, np.int64)
         #: ``(epoch, whole)`` of the epoch the last :meth:`set_epoch` moved off: ``whole`` when
         #: every step of it had been handed out (an iteration over it then has nothing left).
         self.left: Optional[Tuple[int, bool]] = None
@@ -330,7 +362,7 @@ class PlanBoard:
             elif pos > 0 and self._window is not None and self._window[:2] == (epoch, key):
                 sizes = self._window[2]
             else:
-                sizes = split_last(self.decision, count)
+                sizes = split_last(self.decision, count, self.lower)
             if sizes.shape != (self.world,) or int(sizes.sum()) != count or np.any(sizes < 0):
                 raise RuntimeError(f"step plan {sizes.tolist()} does not split {count} samples over "
                                    f"{self.world} ranks")
@@ -431,6 +463,7 @@ class PlanBoard:
         self.current = None
         self._window = None
         self.restored = False
+        self.iteration += 1
         if self.mode == "stream":
             if self.stream_finished():
                 self._new_epoch(self.epoch + 1)
@@ -611,7 +644,15 @@ class PlanBoard:
             if self.used.shape != (self.world,):
                 raise ValueError(f"a stream position of {self.used.size} ranks cannot resume on {self.world}")
         else:
+            if "step" not in state:
+                raise ValueError(f"not a hetlb data position of balanced steps: it has no 'step' "
+                                 f"(keys {sorted(state)}); expected the dict of Balancer.state_dict() "
+                                 f"or loader.state_dict()")
             done = integer(state["step"], "checkpoint step", 0)
+            spe = self.steps_per_epoch
+            if spe is not None and self.partition is None and done > spe:
+                raise ValueError(f"checkpoint step={done} is past the end of this loader's epoch "
+                                 f"of {spe} steps; the checkpoint is of another dataset or loader")
             saved = state.get("partition")
             defer = saved is not None and self.partition is None and not self.attached
             if (saved is None) != (self.partition is None) and not defer:

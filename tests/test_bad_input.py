@@ -958,3 +958,23 @@ def test_a_history_beyond_a_deques_reach_is_a_named_error(history):
         hetlb.Balancer(torch.nn.Linear(2, 1), 8, history=history)
     with pytest.raises(ValueError, match=r"History: maxlen must be an integer <= \d+"):
         hetlb.telemetry.History(2, maxlen=history)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: hetlb.Balancer(torch.nn.Linear(1, 1), "4"),
+    lambda: hetlb.Balancer(torch.nn.Linear(1, 1), 4, lower=True),
+    lambda: hetlb.LBB(priority="0.1"),
+    lambda: hetlb.Balancer(torch.nn.Linear(1, 1), 4, adaptive_exchange="yes"),
+])
+def test_a_wrong_type_is_a_type_error_as_documented_and_still_a_value_error(make):
+    with pytest.raises(TypeError) as e:
+        make()
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(ValueError, match="must be"):
+        make()
+
+
+def test_a_non_integral_number_for_an_integer_is_a_value_error_only():
+    with pytest.raises(ValueError) as e:
+        hetlb.Balancer(torch.nn.Linear(1, 1), 4.5)
+    assert not isinstance(e.value, TypeError)
