@@ -1,6 +1,6 @@
 """hetlb: load-balanced synchronous data-parallel training for heterogeneous and shared clusters.
 
-Public names only; see DESIGN.md for the architecture.
+Public names only; see docs/architecture.md for the architecture.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed

@@ -129,11 +129,18 @@ def block_diagonal_mask(cu_seqlens: torch.Tensor, causal: bool = False) -> torch
 
 
 def to_nested(packed: Packed) -> torch.Tensor:
-    """The packed samples as a nested tensor (jagged layout), one component per sample. A batch
-    of no samples (an idle rank's) gives one component of length 0, since a nested tensor
-    cannot have none: it holds no tokens, as the batch."""
+    """The packed samples as a nested tensor (jagged layout), one component per sample.
+
+    Raises ``ValueError`` for a batch of no samples (a rank given none this step): a nested
+    tensor cannot have no component, and one of length 0 would count as a sample."""
     lengths = packed.lengths.tolist()
     if not lengths:
-        return torch.nested.nested_tensor([packed.data[:0]], layout=torch.jagged)
+        raise ValueError(
+            "to_nested: this Packed batch has no samples (the Balancer gave this rank none this "
+            "step: lower=0, or a short last step with fewer samples than ranks), and a nested "
+            "tensor cannot be empty. Run the model on the rank's empty input another way (e.g. "
+            "one component of length 0, torch.nested.nested_tensor([batch.data[:0]], "
+            "layout=torch.jagged), counted as 0 samples by your batch_dim), or pass lower=1 to "
+            "the Balancer so a rank idles only on a short last step")
     parts = list(torch.split(packed.data, lengths, dim=0))
     return torch.nested.nested_tensor(parts, layout=torch.jagged)

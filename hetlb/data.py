@@ -1,4 +1,4 @@
-"""Global-order variable-batch loading (DESIGN.md, point 5).
+"""Global-order variable-batch loading (docs/architecture.md).
 
 Every rank draws the same permutation of the dataset per epoch (seeded by ``seed + epoch``). Step
 ``s`` of an epoch takes the next ``global_batch`` indices of the permutation and rank ``r`` takes

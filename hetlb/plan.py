@@ -632,7 +632,9 @@ class PlanBoard:
             raise ValueError(f"checkpoint global_batch={gb} differs from this job's global batch "
                              f"{self.global_batch} (batch_size * world): the checkpoint counts its "
                              f"epoch in steps of {gb} samples, so its position would not line up. "
-                             f"Resume with global_batch={gb}")
+                             f"Resume with global_batch={gb} (with hetlb.DataLoader(batch_size=...): "
+                             f"batch_size={gb} / world, or Balancer(ddp, global_batch={gb}) and "
+                             f"bal.loader(...) when the world does not divide it)")
         epoch = integer(state["epoch"], "checkpoint epoch", 0)
         if self.mode == "stream":
             self.epoch = epoch
@@ -650,7 +652,8 @@ class PlanBoard:
                                  f"or loader.state_dict()")
             done = integer(state["step"], "checkpoint step", 0)
             spe = self.steps_per_epoch
-            if spe is not None and self.partition is None and done > spe:
+            if spe is not None and self.partition is None and done > spe and \
+                    not state.get("epoch_end", False):  # (a finished epoch resumes at the next)
                 raise ValueError(f"checkpoint step={done} is past the end of this loader's epoch "
                                  f"of {spe} steps; the checkpoint is of another dataset or loader")
             saved = state.get("partition")

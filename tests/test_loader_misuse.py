@@ -277,10 +277,10 @@ def test_empty_like_of_a_batch_handles_lists_of_strings_and_mappings():
     assert isinstance(e, UserDict) and e["a"].shape == (0,)
 
 
-def test_to_nested_of_an_empty_packed_batch_has_no_tokens():
+def test_to_nested_of_an_empty_packed_batch_says_what_to_do():
     empty = packed_collate([(torch.ones(3, 4),)]).empty()
-    nt = to_nested(empty)
-    assert nt.values().shape == (0, 4)
+    with pytest.raises(ValueError, match="no samples.*nested_tensor"):
+        to_nested(empty)
 
 
 # ---------------------------------------------------------------------- the loader's arguments
