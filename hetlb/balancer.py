@@ -992,15 +992,18 @@ class Balancer:
             # The previous loop was left inside an accumulation window. The new one starts at the
             # window's first micro-step (the position counts whole windows, as a checkpoint
             # must), which is right only if the micro-steps' gradients are gone.
-            if not self._gradients_dropped():
+            # Asked of every rank (all reach this point together, windows being aligned): an
+            # idle rank's gradients may be zero while the others' are not.
+            everyone = self._all_gather({"dropped": self._gradients_dropped()}, self._side)
+            if not all(e["dropped"] for e in everyone):
                 raise RuntimeError(
                     f"hetlb: the previous loop over the loader was left inside an accumulation "
                     f"window (after micro-step {c.window_pos + 1} of {c.window_len}, step "
                     f"{c.step} of epoch {c.epoch}) and the parameters still hold that window's "
                     f"gradients; a new loop trains the window from its first micro-step, so "
                     f"those samples would count twice. Leave a loop only when bal.synced is "
-                    f"True, or drop the window's gradients (optimizer.zero_grad()) before the "
-                    f"new loop")
+                    f"True, or drop the window's gradients (optimizer.zero_grad()) on every rank "
+                    f"before the new loop")
         self._consumed = None
 
     def _gradients_dropped(self) -> bool:

@@ -137,7 +137,7 @@ def to_nested(packed: Packed) -> torch.Tensor:
     if not lengths:
         raise ValueError(
             "to_nested: this Packed batch has no samples (the Balancer gave this rank none this "
-            "step: lower=0, or a short last step with fewer samples than ranks), and a nested "
+            "step: lower=0, or a short last step too small for every rank), and a nested "
             "tensor cannot be empty. Run the model on the rank's empty input another way (e.g. "
             "one component of length 0, torch.nested.nested_tensor([batch.data[:0]], "
             "layout=torch.jagged), counted as 0 samples by your batch_dim), or pass lower=1 to "

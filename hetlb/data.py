@@ -302,8 +302,8 @@ class BalancedLoader:
         if isinstance(dataset, torch.utils.data.IterableDataset):
             raise TypeError("hetlb loader: the dataset must be map-style (__getitem__ and "
                             "__len__): the Balancer assigns each step's samples to ranks by "
-                            "index. An IterableDataset cannot be indexed; hetlb.DelayedSync "
-                            "streams, or wrap the data in a map-style dataset")
+                            "index, and an IterableDataset cannot be indexed. Wrap the data in a "
+                            "map-style dataset")
         shuffle, drop_last = flag(shuffle, "shuffle"), flag(drop_last, "drop_last")
         rebalance = flag(rebalance, "rebalance")
         seed = integer(seed, "seed", 0, MAX_SEED)
@@ -668,48 +668,39 @@ def _empty_like(batch: Any) -> Any:
 
 def _empty_of(one: Any, two: Any) -> Any:
     """The batch of no samples with the structure of ``one``, the collated batch of one sample,
-    read against ``two``, the same sample collated twice: what differs between them is per
-    sample and is emptied (a tensor along the dimension that grew, a list or tuple to no
-    items), what does not is kept (a field that is not per sample)."""
+    read against ``two``, the same sample collated twice: a list or tuple that grew holds one
+    item per sample and is emptied, a tensor is cut to 0 along every dimension that grew (along
+    its first when none did, as before), mappings, dataclasses and namedtuples are rebuilt, and
+    any other value is kept (a number that counts the samples becomes 0). Never raises: an idle
+    rank that failed here would leave the others waiting in the all-reduce."""
     if isinstance(one, (Padded, Packed)):
         empty = one.empty()
         empty.rest = _empty_of(one.rest, two.rest)
         return empty
     if isinstance(one, (torch.Tensor, np.ndarray)):
-        if tuple(one.shape) == tuple(two.shape):
-            return one
+        if not isinstance(two, (torch.Tensor, np.ndarray)) or one.ndim != two.ndim:
+            return _empty_like(one)
         grew = [d for d, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
-        if one.ndim != two.ndim or len(grew) != 1:
-            raise TypeError(_cannot_empty(one, f"shape {tuple(one.shape)} for one sample and "
-                                               f"{tuple(two.shape)} for two"))
-        index = (slice(None),) * grew[0] + (slice(0, 0),)
-        return one[index]
+        if not grew:
+            return _empty_like(one) if one.ndim else one
+        return one[tuple(slice(0, 0) if d in grew else slice(None) for d in range(one.ndim))]
     if isinstance(one, Mapping):
+        if not isinstance(two, Mapping) or set(one) != set(two):
+            return _empty_like(one)
         return _mapped(one, lambda k, v: _empty_of(v, two[k]))
     if isinstance(one, tuple) and hasattr(one, "_fields"):  # namedtuple: fields, not samples
         return type(one)(*(_empty_of(a, b) for a, b in zip(one, two)))
     if isinstance(one, (list, tuple)):
-        if len(one) != len(two):  # one item per sample
+        if not isinstance(two, (list, tuple)) or len(one) != len(two):  # one item per sample
             return type(one)()
         return type(one)(_empty_of(a, b) for a, b in zip(one, two))
     if dataclasses.is_dataclass(one) and not isinstance(one, type):
         return dataclasses.replace(one, **{f.name: _empty_of(getattr(one, f.name), getattr(two, f.name))
                                            for f in dataclasses.fields(one) if f.init})
-    try:
-        same = bool(one == two)
-    except Exception:  # noqa: BLE001 (an object without a usable equality)
-        same = False
-    if same:
-        return one
-    raise TypeError(_cannot_empty(one, "it differs between one sample and two"))
-
-
-def _cannot_empty(value: Any, why: str) -> str:
-    return (f"hetlb: this rank has no samples in this step (lower=0, or an epoch's short last "
-            f"step with fewer samples than ranks), so it needs an empty batch, and the "
-            f"collate_fn's output holds a {type(value).__name__} that hetlb cannot make empty "
-            f"({why}). Return tensors, arrays, lists, tuples, mappings or dataclasses of them "
-            f"from collate_fn, or make it return its empty batch itself when given no samples")
+    if isinstance(one, (int, float)) and not isinstance(one, bool) and type(one) is type(two) \
+            and one != two and two == 2 * one:
+        return type(one)(0)  # a count of the batch's samples (or of something per sample)
+    return one
 
 
 class _EmptySafeCollate:

@@ -66,12 +66,13 @@ def split_last(shares: np.ndarray, count: int, lower: Optional[np.ndarray] = Non
 
     Largest-remainder rounding of ``count * shares / sum(shares)``. With ``lower`` (int64
     ``[world]``, the ranks' lower bounds, each at most its share): when ``count >= sum(lower)``
-    every rank gets its bound and the rest is split by each rank's share above its bound (so no
-    rank gets more than its share); otherwise not every rank can have its bound, and ranks in
-    order of share (largest first, ties by rank) get theirs while it fits, the remainder going
-    to the first of them: a rank then has its bound (or more) or no sample (an idle rank, which
-    the loader hands an empty batch), unless ``count`` is below every bound, when one rank takes
-    the whole step. Without bounds a rank may get 0 when ``count`` is smaller
+    every rank gets its bound and the rest is split by each rank's share above its bound;
+    otherwise not every rank can have its bound, and ranks in
+    order of share (largest first, ties by rank) get theirs while it fits and the remainder goes
+    to them up to their shares: a rank then has its bound (or more) or no sample (an idle rank,
+    which the loader hands an empty batch), unless the ranks that took theirs have no room left
+    or ``count`` is below every bound, when the rest goes to the others in the same order. No
+    rank gets more than its share (nor so more than its upper bound). Without bounds a rank may get 0 when ``count`` is smaller
     than the world.
     """
     shares = np.asarray(shares, dtype=np.int64)
@@ -93,9 +94,14 @@ def split_last(shares: np.ndarray, count: int, lower: Optional[np.ndarray] = Non
         if 0 < lower[r] <= left:
             sizes[r] = lower[r]
             left -= int(lower[r])
-    if left:  # to the first rank that took its bound, else to one whose bound the rest meets
-        taking = [r for r in order if sizes[r] > 0] or [r for r in order if lower[r] <= left]
-        sizes[taking[0] if taking else order[0]] += left  # (else no bound can be met: one rank)
+    # The rest (less than any bound left) to ranks that took their bound, up to their shares
+    # (upper may be a memory limit), then to the others: room suffices, as count < sum(shares).
+    for r in [r for r in order if sizes[r] > 0] + [r for r in order if sizes[r] == 0]:
+        if not left:
+            break
+        give = min(left, int(shares[r] - sizes[r]))
+        sizes[r] += give
+        left -= give
     return sizes
 
 
