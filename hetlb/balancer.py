@@ -589,10 +589,10 @@ class Balancer:
     def _settle(self) -> None:
         """Finish a handed step whose backward ran now rather than at the next batch (a loop
         left after it: ``len(loader)``, ``bal.steps`` and a checkpoint count it). No collective:
-        its hook delivered the table (or one process exchanges with itself)."""
+        its hook delivered the table (more than one rank means DDP, so a hook; one process
+        exchanges with itself)."""
         o = self._open
-        if o is not None and not o.explicit and not self._in_with and self.telemetry.hooked \
-                and (self._comm_hook or self.world == 1):
+        if o is not None and not o.explicit and not self._in_with and self.telemetry.hooked:
             self._finish()
 
     @property
@@ -845,10 +845,8 @@ class Balancer:
         Raises :class:`DecisionMismatchError` as an exchange would."""
         if self._in_with:
             raise RuntimeError("bal.flush() inside `with bal.step():`; call it between steps")
+        self._settle()  # a step whose backward ran is trained (and may itself exchange)
         o = self._open
-        if o is not None and not o.explicit and self.telemetry.hooked:
-            self._finish()  # its backward ran: that step is trained (and may itself exchange)
-            o = None
         if not self._block:
             return
         steps, self._block = self._block, []
@@ -1051,8 +1049,7 @@ class Balancer:
         """
         if self._in_with:
             raise RuntimeError("state_dict() inside `with bal.step():`; call it between steps")
-        if self._open is not None and not self._open.explicit and self.telemetry.hooked:
-            self._finish()  # its backward ran: that step is trained
+        self._settle()  # a step whose backward ran is trained
         d = self._decision
         decision = d.tolist() if isinstance(d, np.ndarray) else d.to_dict()
         return {"format": _FORMAT, "world": self.world, "global_batch": self.global_batch,
