@@ -153,6 +153,25 @@ def choose_transport(requested: Sequence[Optional[str]], blockers: Sequence[Opti
     return want
 
 
+class _GroupsKept:
+    """Python references to the process groups a native hook holds, kept on the DDP model.
+
+    Set after DDP's own attributes, so dropped after its reducer: the reducer is then never a
+    group's last owner. Its destructor runs holding the GIL and joins Gloo's threads, which hangs
+    when one of them waits for the GIL to free a tensor of the script's own collectives; the
+    last reference dropped from here goes through torch's Python holder, which releases the GIL.
+    Pickles (``torch.save`` / ``copy.deepcopy`` of the model) as an empty holder, since groups
+    do not pickle."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: Sequence[Any] = ()) -> None:
+        self.groups = tuple(groups)
+
+    def __reduce__(self) -> Any:
+        return (_GroupsKept, ())
+
+
 class StepTelemetry:
     """One rank's step telemetry and the hook's state (see the module docstring).
 
@@ -197,6 +216,8 @@ class StepTelemetry:
             pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
             side = self.side_group if self.side_group is not None else pg
             _C.register_comm_hook(model.reducer, self.core, pg, side)
+            kept = getattr(model, "_hetlb_groups_kept", None)
+            model._hetlb_groups_kept = _GroupsKept((kept.groups if kept else ()) + (pg, side))
         else:
             from .reference import ReferenceHookState, weighted_allreduce_hook
             model.register_comm_hook(ReferenceHookState(self.core, self.group, self.side_group),

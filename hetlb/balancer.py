@@ -472,13 +472,6 @@ class Balancer:
             self._bind(loader)
         if watchdog is not None and self.distributed:
             watchdog.attach_to(group)
-        # Set last, so dropped last: a Python reference to the gradient group. When the model
-        # goes before it, DDP's reducer is not the group's last owner; the group is then torn
-        # down here, by a Python object whose destructor releases the GIL, not inside the
-        # reducer's destructor, which joins Gloo's threads holding it (a hang when one of them
-        # waits for the GIL to free a tensor of the script's own collectives).
-        self._group_last = (group if group is not None else dist.distributed_c10d._get_default_group()) \
-            if self.distributed else None
 
     # ------------------------------------------------------------------ setup
 

@@ -614,6 +614,31 @@ def test_process_group_is_torn_down_by_destroy_process_group(native, transport):
         assert after == [], f"Gloo threads still running after destroy_process_group: {after}"
 
 
+def groups_kept_worker(rank, world, transport):
+    import pickle
+    ddp = DDP(_net())
+    bal = hetlb.Balancer(ddp, 12, policy=hetlb.Uniform(), transport=transport)
+    names = list(vars(ddp))
+    kept = ddp._hetlb_groups_kept.groups
+    copy = pickle.loads(pickle.dumps(ddp))  # DDP pickles on the default group; so must its holder
+    del bal
+    return {"after_reducer": names.index("_hetlb_groups_kept") > names.index("reducer"),
+            "kept": [type(g).__name__ for g in kept],
+            "default_kept": any(g is dist.distributed_c10d._get_default_group() for g in kept),
+            "copy_kept": copy._hetlb_groups_kept.groups}
+
+
+@pytest.mark.parametrize("transport", ["carry", "side"])
+def test_the_model_keeps_its_hook_s_groups_after_its_reducer(transport):
+    # The native hook holds its groups in C++, inside DDP's reducer; Python references set on the
+    # model after the reducer make sure the reducer is never a group's last owner, whichever of
+    # the model and the Balancer goes first (tools/exit_hang_repro.py, "outlive").
+    for r in unwrap(run(groups_kept_worker, 2, transport)):
+        assert r["after_reducer"] and r["default_kept"], r
+        assert r["kept"] == ["ProcessGroup", "ProcessGroup"], r
+        assert r["copy_kept"] == (), r
+
+
 # ---------------------------------------------------------------- records and their steps
 
 
