@@ -446,7 +446,8 @@ struct StepCore {
                 "hetlb: a backward pass of the DDP model ran outside a balanced step. Iterate "
                 "the Balancer's loader (each batch it hands out is one step), or wrap forward and "
                 "backward in `with bal.step():`; with a plain DataLoader the gradient weights "
-                "would be wrong");
+                "would be wrong. This DDP model cannot be used again (its reducer stopped inside "
+                "the backward pass): fix the loop and start over");
     TORCH_CHECK(buf.is_contiguous(), "hetlb comm hook: bucket buffer is not contiguous");
     NoPythonState no_python;
     ++hooks_run;

@@ -67,7 +67,10 @@ def train(policy_name: str, args: argparse.Namespace, rank: int, world: int) -> 
         out["time"].append(now - t_prev)
         t_prev = now
         out["sizes"].append(bal.batch_sizes.tolist())
-        out["loss"].append(loss.item())
+        # The global batch's mean loss (every rank's own mean is over a batch of its own size).
+        part = torch.tensor([loss.item() * len(y) if len(y) else 0.0, float(len(y))], dtype=torch.float64)
+        dist.all_reduce(part)
+        out["loss"].append(float(part[0] / part[1]))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -125,7 +128,7 @@ def main() -> None:
     log.info("%d ranks, speeds %s, global batch %d, T(b) = %g ms + %g ms/sample", world, speeds,
              args.global_batch, 1e3 * args.a0, 1e3 * args.a1)
     for n, r in runs.items():
-        log.info("%-8s median step %7.2f ms (compute-only ideal %.2f ms), final sizes %s, loss %.3f -> %.3f",
+        log.info("%-8s median step %7.2f ms (compute-only ideal %.2f ms), final sizes %s, global loss %.3f -> %.3f",
                  n, 1e3 * med[n], 1e3 * ideal, r["sizes"][-1], r["loss"][0], r["loss"][-1])
     log.info("speed-up of %s over Uniform: %.2fx", args.policy, med["Uniform"] / med[args.policy])
     if args.plot:

@@ -47,6 +47,23 @@ def _ints(text: str, what: str) -> List[int]:
     return vals
 
 
+def _writable(path: Optional[str], flag: str, plot: bool = False) -> None:
+    """Refuse an output path before the work, not after it: its directory must exist, and a
+    plot needs matplotlib."""
+    if not path:
+        return
+    import os
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CLIError(f"{flag} {path}: the directory {parent} does not exist")
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CLIError(f"{flag} needs matplotlib, one of the optional packages of hetlb[demo]: "
+                           f"pip install 'hetlb[demo]'") from None
+
+
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], align: str = "") -> str:
     cells = [[str(h) for h in header]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -135,6 +152,13 @@ def _plan(args: argparse.Namespace) -> int:
             upper = [w.limit if w.limit is not None else 2 ** 62 for w in active]
     if global_batch is None:
         raise CLIError("--global-batch is required (samples per step over all workers)")
+    from .plan import EXACT_INT
+    if not 1 <= global_batch < EXACT_INT:
+        raise CLIError(f"--global-batch must be in [1, {EXACT_INT}) (the Balancer's range), got "
+                       f"{global_batch}")
+    if len(models) > global_batch:
+        raise CLIError(f"--global-batch {global_batch} is smaller than the {len(models)} workers: "
+                       f"every worker takes at least one sample")
     if args.upper is not None:
         up = _ints(args.upper, "--upper")
         if len(up) not in (1, len(models)):
@@ -187,6 +211,13 @@ def _simulate(args: argparse.Namespace) -> int:
             sc = make()
             print(f"{name:18s} {sc.world:5d} workers  batch {sc.global_batch:6d}  {sc.description}")
         return 0
+    if args.seed is not None and args.seed < 0:
+        raise CLIError(f"--seed must be >= 0, got {args.seed}")
+    if args.steps is not None and args.steps < 1:
+        raise CLIError(f"--steps must be >= 1, got {args.steps}")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise CLIError(f"--global-batch must be >= 1, got {args.global_batch}")
+    _writable(args.plot, "--plot", plot=True)
     if args.workers is not None:
         if args.scenario:
             raise CLIError("give a scenario or --workers N, not both")
@@ -203,7 +234,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if bad or not policies:
         raise CLIError(f"--policy: unknown {bad or policies}; expected a comma-separated subset of "
                        f"{','.join(POLICY_NAMES)}")
-    steps = args.steps or sc.steps
+    steps = sc.steps if args.steps is None else args.steps
     if args.exchange_every < 1:
         raise CLIError(f"--exchange-every must be >= 1, got {args.exchange_every}")
     if args.adaptive_exchange and args.exchange_every == 1:
@@ -345,7 +376,17 @@ def _load_factory(spec: str) -> Any:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    import torch
     from .profile import profile
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise CLIError(f"--device: expected cpu or cuda[:N], got {args.device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {args.device}: this torch build sees no CUDA device")
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        raise CLIError(f"--memory-limit (MiB above the start) must be > 0, got {args.memory_limit}")
+    _writable(args.out, "--out")
     factory = _load_factory(args.workload)
     made = factory(device=args.device)
     if not (isinstance(made, tuple) and len(made) == 3 and all(callable(m) for m in made)):
@@ -356,10 +397,10 @@ def _profile(args: argparse.Namespace) -> int:
     planned = sizes or [2 ** k for k in range(1, 31) if 2 ** k <= args.max_batch]
     bar = None
     if not args.json:
-        from tqdm import tqdm
+        from .progress import progress_bar
         # every size runs one warm-up call and the timed repeats; it stops early at out of memory
-        bar = tqdm(total=len(planned) * (1 + args.repeats), desc=f"profile {args.workload}",
-                   unit="step", leave=False, disable=None)
+        bar = progress_bar(total=len(planned) * (1 + args.repeats), desc=f"profile {args.workload}",
+                           unit="step", leave=False, disable=None)
 
     def step(b: int) -> None:
         x, y = make_batch(b)
@@ -399,6 +440,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from .runlog import read_run
+    _writable(args.plot, "--plot", plot=True)
     try:
         steps = read_run(args.log)
     except (OSError, ValueError) as e:
@@ -571,6 +613,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(args.func(args) or 0)
     except (CLIError, ScenarioError) as e:
         print(f"hetlb {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, OSError) as e:
+        # Wrong input that reached a library call (which names it): a message, not a traceback.
+        if args.verbose:
+            log.exception("hetlb %s failed", args.command)
+        print(f"hetlb {args.command}: error: {e}"
+              + ("" if args.verbose else f" (hetlb -v {args.command} ... shows the traceback)"),
+              file=sys.stderr)
         return 2
 
 

@@ -372,11 +372,12 @@ class BalancedLoader:
 
     @property
     def migration(self) -> Optional[Migration]:
-        """Sharded mode: the moves decided for the next epoch (sample, source, target), or None.
-        Set when an epoch ends (and when a checkpoint is resumed on another world size); applied
-        when the next iteration starts, so move the files in between: ``migration.incoming(rank)``
-        and ``migration.outgoing(rank)``."""
-        return self._partition().pending
+        """Sharded mode: the moves decided for the next epoch (sample, source, target), or None
+        when nothing moves. Set when an epoch ends (and when a checkpoint is resumed on another
+        world size); applied when the next iteration starts, so move the files in between:
+        ``migration.incoming(rank)`` and ``migration.outgoing(rank)``."""
+        m = self._partition().pending
+        return m if m is not None and len(m) else None
 
     def _partition(self) -> Partition:
         if self.board.partition is None:

@@ -108,9 +108,9 @@ def _worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         runs: Dict[str, Dict[str, Any]] = {}
         bar = None
         if rank == 0 and cfg["progress"]:
-            from tqdm import tqdm
-            bar = tqdm(total=len(cfg["policies"]) * cfg["epochs"] * (len(train) // gb), unit="step",
-                       desc="hetlb demo", leave=False, disable=None)
+            from .progress import progress_bar
+            bar = progress_bar(total=len(cfg["policies"]) * cfg["epochs"] * (len(train) // gb), unit="step",
+                               desc="hetlb demo", leave=False, disable=None)
         for name in cfg["policies"]:
             torch.manual_seed(0)  # the same initial weights for every policy and rank
             net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))

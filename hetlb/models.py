@@ -101,7 +101,10 @@ class TimeModel:
 
 
 class LinearModel(TimeModel):
-    """``T(b) = a0 + a1 * b``: start-up overhead ``a0`` and per-sample time ``a1`` (both >= 0)."""
+    """``T(b) = a0 + a1 * b``: start-up overhead ``a0`` and per-sample time ``a1`` (both >= 0).
+
+    Seconds where the model meets measured times (profiles, the emulator, the simulator, the
+    Balancer's telemetry); the solvers take any unit, since only ratios of times matter to them."""
 
     def __init__(self, a0: float, a1: float) -> None:
         a0, a1 = float(a0), float(a1)

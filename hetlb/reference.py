@@ -361,7 +361,9 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
 
     core = state.core
     if not core.open:
-        raise RuntimeError("hetlb: a backward pass of the DDP model ran outside a balanced step")
+        raise RuntimeError("hetlb: a backward pass of the DDP model ran outside a balanced step. "
+                           "This DDP model cannot be used again (its reducer stopped inside the "
+                           "backward pass): fix the loop and start over")
     state.buckets += 1
     buf = bucket.buffer()
     w = float(core.weight)

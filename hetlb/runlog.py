@@ -17,6 +17,7 @@ step also becomes scalars under ``<log_dir>`` (``step/time``, ``step/se``, ``bat
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any, Dict, List, Optional, Union
@@ -26,6 +27,8 @@ import numpy as np
 from .telemetry import StepRecord, straggler_effect
 
 __all__ = ["RunLog", "read_run", "LOG_NAME", "ENV_LOG_DIR"]
+
+log = logging.getLogger(__name__)
 
 #: File name of the JSON-lines log inside ``log_dir``.
 LOG_NAME = "run.jsonl"
@@ -105,23 +108,37 @@ class RunLog:
 
 def read_run(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
     """The steps of a run log (a ``run.jsonl`` file or the directory holding one), in order.
-    Raises ``ValueError`` naming the line that is not a step record."""
+    Raises ``ValueError`` naming the line that is not a step record. A last line cut off
+    without its newline (a run that crashed while writing it) is skipped with a warning."""
     p = os.fspath(path)
     if os.path.isdir(p):
         p = os.path.join(p, LOG_NAME)
+        if not os.path.exists(p):
+            raise ValueError(f"{os.fspath(path)}: no {LOG_NAME} in this directory (a run log is "
+                             f"written by Balancer(log_dir=...))")
     steps = []
-    with open(p, encoding="utf-8") as f:
-        for i, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                d = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{i}: not JSON ({e})") from None
-            missing = [k for k in ("step", "batch", "compute", "se", "step_time") if k not in d]
-            if missing:
-                raise ValueError(f"{p}:{i}: not a hetlb step record (missing {missing})")
-            steps.append(d)
+    try:
+        with open(p, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{p}: not a text file (a run log is {LOG_NAME}, one JSON step record "
+                         f"per line)") from None
+    for i, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            if i == len(lines) and not text.endswith("\n") and steps:
+                log.warning("%s:%d: the last line is cut off (the run stopped while writing it); "
+                            "reading the %d steps before it", p, i, len(steps))
+                break
+            raise ValueError(f"{p}:{i}: not JSON ({e})") from None
+        missing = [k for k in ("step", "batch", "compute", "se", "step_time") if k not in d] \
+            if isinstance(d, dict) else ["a JSON object"]
+        if missing:
+            raise ValueError(f"{p}:{i}: not a hetlb step record (missing {missing})")
+        steps.append(d)
     if not steps:
         raise ValueError(f"{p}: no step records")
     return steps

@@ -96,10 +96,36 @@ def test_plan_from_the_builtin_scenario_and_from_profiles(capsys, tmp_path):
     (["simulate", "abs-sgd-1234", "--workers", "4"], "not both"),
     (["simulate", "--exchange-every", "0"], "--exchange-every must be >= 1, got 0"),
     (["simulate", "--adaptive-exchange"], "--adaptive-exchange grows blocks up to --exchange-every K"),
+    # zero used to mean "the scenario's steps", silently
+    (["simulate", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["simulate", "--steps", "-3"], "--steps must be >= 1, got -3"),
+    (["simulate", "--workers", "2", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    # wrong input reaching a library call: its message, no traceback
+    (["simulate", "--workers", "3", "--global-batch", "2"], "global_batch=2 is smaller than"),
+    (["simulate", "--plot", "/nonexistent-dir/x.png"], "the directory /nonexistent-dir does not exist"),
+    (["profile", "mlp", "--device", "foo"], "--device: expected cpu or cuda[:N], got 'foo'"),
+    (["profile", "mlp", "--memory-limit", "-1"], "--memory-limit (MiB above the start) must be > 0"),
+    # refused before the profiling, not after it
+    (["profile", "mlp", "--out", "/nonexistent-dir/x.json"], "the directory /nonexistent-dir"),
+    (["plan", "--global-batch", "0", "--linear", "1,1"], "--global-batch must be in [1, 16777216)"),
+    (["plan", "--global-batch", "16777216", "--linear", "1,1"], "(the Balancer's range)"),
+    (["plan", "--global-batch", "1", "--linear", "1,1", "--linear", "1,1"],
+     "--global-batch 1 is smaller than the 2 workers"),
+    (["report", "/"], "/: no run.jsonl in this directory"),
 ])
 def test_errors_say_what_to_do(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and message in err and out == ""
+
+
+def test_without_the_demo_extras_simulate_runs_and_plot_says_what_to_install(capsys, monkeypatch):
+    # tqdm and matplotlib are optional (hetlb[demo]); a progress bar is not worth a traceback
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, err = run_cli(capsys, "simulate", "--workers", "2", "--steps", "5", "--policy", "lbb")
+    assert code == 0 and "lbb" in out, err
+    code, out, err = run_cli(capsys, "simulate", "--workers", "2", "--plot", "x.png")
+    assert code == 2 and "pip install 'hetlb[demo]'" in err and out == ""
 
 
 def test_malformed_scenario_file_names_the_field(capsys, tmp_path):

@@ -1,5 +1,6 @@
 """The README's runnable example keeps working."""
 import os
+import re
 import subprocess
 import sys
 
@@ -25,3 +26,7 @@ def test_balanced_training_example_runs_under_torchrun(tmp_path):
     text = out.stdout + out.stderr
     assert "speed-up of LBB over Uniform" in text, text[-4000:]
     assert plot.exists() and plot.stat().st_size > 10_000
+    # The same samples per step, weighted to the global mean: LBB's loss curve is Uniform's,
+    # whatever split it chose (the summary prints the global batch's loss, not rank 0's).
+    losses = dict(re.findall(r"(\w+)\s+median step .* global loss ([\d.]+ -> [\d.]+)", text))
+    assert set(losses) == {"Uniform", "LBB"} and losses["Uniform"] == losses["LBB"], losses

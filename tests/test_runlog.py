@@ -103,6 +103,25 @@ def test_report_prints_and_plots_and_names_a_bad_line(tmp_path, capsys):
     assert "run.jsonl:5: not a hetlb step record" in capsys.readouterr().err
 
 
+def test_report_reads_a_crashed_run_s_log_and_names_a_binary_file(tmp_path, capsys, caplog):
+    model = torch.nn.Linear(2, 1)
+    bal = hetlb.Balancer(model, 4, policy=hetlb.Uniform(), log_dir=str(tmp_path), tensorboard=False)
+    train_steps(bal, model, 4)
+    bal.close()
+    log = tmp_path / "run.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + whole.splitlines()[-1][:17])  # a run that stopped mid-line
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 4
+    assert "the last line is cut off" in caplog.text
+    log.write_text(whole + whole.splitlines()[-1][:17] + "\n")  # a whole line that is not JSON
+    assert main(["report", str(tmp_path)]) == 2
+    assert "run.jsonl:5: not JSON" in capsys.readouterr().err
+    log.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    assert main(["report", str(log)]) == 2
+    assert "run.jsonl: not a text file" in capsys.readouterr().err
+
+
 def test_profile_command_writes_a_profile_plan_reads(tmp_path, capsys):
     out = tmp_path / "mlp.json"
     assert main(["profile", "mlp", "--batch-sizes", "2,4,8", "--repeats", "2", "--trim", "0",

@@ -68,6 +68,20 @@ def test_migration_values():
     assert Migration.from_state(m.to_state()).sample.tolist() == [1, 3]
 
 
+def test_loader_migration_is_none_when_nothing_moves():
+    # The README's loop copies files only `if m is not None`: no moves must read as None.
+    ds = torch.utils.data.TensorDataset(torch.arange(12.0))
+    loader = hetlb.DataLoader(ds, board=PlanBoard(2, 0, 4), partition="even")
+    part = loader.board.partition
+    home = part.home.copy()
+    part.pending = Migration.between(home, home)
+    assert len(part.pending) == 0 and loader.migration is None
+    moved = home.copy()
+    moved[0] = 1 - moved[0]
+    part.pending = Migration.between(home, moved)
+    assert loader.migration is part.pending and len(loader.migration) == 1
+
+
 def test_plan_moves_work_to_the_fast_rank():
     work = np.ones(90)
     part = Partition(np.arange(90) % 3, 3, 9, work)

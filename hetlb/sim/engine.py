@@ -219,7 +219,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
             and with them the memory limits as upper bounds. Without profiles no rank's batch
             is bounded but by the global batch, as in training.
         seed: overrides ``scenario.seed``.
-        progress: a tqdm bar over the steps.
+        progress: a progress bar over the steps (tqdm's, where it is installed).
         history: records the policy can look back on (the Balancer's ``history`` argument; at
             least ``exchange_every``); None: 64, or ``exchange_every`` if larger.
         exchange_every: the Balancer's ``exchange_every``: the policy sees the records of ``k``
@@ -311,9 +311,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     error: Optional[str] = None
     bar = None
     if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=steps, desc=f"simulate {sc.name or 'scenario'} / {name}", unit="step",
-                   leave=False, disable=None)
+        from ..progress import progress_bar
+        bar = progress_bar(total=steps, desc=f"simulate {sc.name or 'scenario'} / {name}", unit="step",
+                           leave=False, disable=None)
     start_policy(0)
     done = 0
     for k in range(steps):
