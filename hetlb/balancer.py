@@ -391,7 +391,7 @@ class Balancer:
                 "carry_penalty": carry_penalty(model),
                 **self._bounds(lower, upper, profile)}
         everyone = self._all_gather(mine, side)
-        self._agree(everyone, "config")
+        checks.agree(everyone, "config", "Balancer")
         self.transport = choose_transport([e["transport"] for e in everyone],
                                           [e["carry"] for e in everyone],
                                           [e["carry_penalty"] for e in everyone])
@@ -498,16 +498,6 @@ class Balancer:
         dist.all_gather_object(everyone, mine, group=side)
         return everyone
 
-    def _agree(self, everyone: List[Dict[str, Any]], key: str) -> None:
-        ref = everyone[0][key]
-        for r, e in enumerate(everyone):
-            if e[key] != ref:
-                diff = {k: (ref.get(k), e[key].get(k)) for k in set(ref) | set(e[key])
-                        if ref.get(k) != e[key].get(k)}
-                raise ValueError(f"ranks disagree on the {'Balancer' if key == 'config' else key} "
-                                 f"settings: rank 0 has " + ", ".join(f"{k}={a!r}" for k, (a, _) in diff.items()) +
-                                 f"; rank {r} has " + ", ".join(f"{k}={b!r}" for k, (_, b) in diff.items()))
-
     def loader(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True, *,
                sample_sizes: Optional[Sequence[float]] = None, seed: int = 0,
                drop_last: bool = False, partition: Any = None, rebalance: bool = True,
@@ -546,7 +536,7 @@ class Balancer:
             raise ValueError('weighting="sizes" needs per-sample sizes: '
                              'bal.loader(dataset, sample_sizes=...)')
         everyone = self._all_gather({"loader": loader.sampler.config()}, self._side)
-        self._agree(everyone, "loader")
+        checks.agree(everyone, "loader", "loader")
         if self._pending_check is not None:  # a checkpoint loaded before this loader existed
             check_loader_config(self._pending_check, loader.sampler.config())
             self._pending_check = None

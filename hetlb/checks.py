@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 
-__all__ = ["ArgumentTypeError", "integer", "number", "optional_integer", "flag", "choice", "instance"]
+__all__ = ["ArgumentTypeError", "integer", "number", "optional_integer", "flag", "choice", "instance",
+           "agree"]
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -100,3 +101,16 @@ def instance(value: Any, name: str, types: Union[Type, Tuple[Type, ...]], what: 
     if not isinstance(value, types):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {_show(value)}")
     return value
+
+
+def agree(everyone: Sequence[Dict[str, Any]], key: str, what: str) -> None:
+    """Raise ``ValueError`` naming the settings under ``key`` (dicts) on which a rank differs from
+    rank 0; ``everyone`` is every rank's all-gathered dict, so every rank raises the same."""
+    ref = everyone[0][key]
+    for r, e in enumerate(everyone):
+        if e[key] != ref:
+            diff = {k: (ref.get(k), e[key].get(k)) for k in set(ref) | set(e[key])
+                    if ref.get(k) != e[key].get(k)}
+            raise ValueError(f"ranks disagree on the {what} settings: rank 0 has "
+                             + ", ".join(f"{k}={a!r}" for k, (a, _) in diff.items())
+                             + f"; rank {r} has " + ", ".join(f"{k}={b!r}" for k, (_, b) in diff.items()))

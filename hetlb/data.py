@@ -438,7 +438,9 @@ class BalancedLoader:
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole Balancer state with the data position (the same object as
-        :meth:`hetlb.Balancer.state_dict`)."""
+        :meth:`hetlb.Balancer.state_dict`, which one rank may take alone). A
+        :class:`hetlb.DelayedSync` loader's is :meth:`hetlb.DelayedSync.state_dict`, which flushes:
+        a collective every rank must call at the same update."""
         if self.balancer is not None:
             return self.balancer.state_dict()
         if self._pending is not None:

@@ -411,6 +411,8 @@ class PlanBoard:
         spe = self.steps_per_epoch
         if self._closed:
             return True
+        if self.mode == "stream":  # rounds of shards, not steps
+            return self.stream_finished()
         if spe is None:
             return False
         if spe > 0:

@@ -185,6 +185,46 @@ def test_checkpoint_with_an_all_reduce_in_flight_resumes_exactly_once(stop_at):
     assert sorted(sum((r["seen"][1] for r in rest), [])) == list(range(n))
 
 
+def epoch_loop_worker(rank, world, n, epochs, state=None):
+    # The README's loop: `for epoch in range(loader.epoch, epochs)`, checkpoint at an epoch's end.
+    torch.manual_seed(0)
+    net = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    ds = hetlb.DelayedSync(net, opt, reference_batch=4)
+    loader = ds.loader(torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float32)[:, None]), seed=2)
+    if state is not None:
+        loader.load_state_dict(state)
+    start = loader.epoch
+    seen = {}
+    for epoch in range(loader.epoch, epochs):
+        loader.set_epoch(epoch)
+        for (x,) in loader:
+            net(x).sum().backward()
+            seen.setdefault(epoch, []).extend(int(v) for v in x[:, 0].tolist())
+            ds.step()
+    out = {"start": start, "seen": seen, "end": loader.epoch, "state": loader.state_dict(),
+           "again": None}
+    try:
+        loader.set_epoch(epochs - 1)
+    except ValueError as e:
+        out["again"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("worlds", [(2, 2), (3, 2), (2, 3)])
+def test_resume_at_an_epoch_end_runs_the_next_epoch_also_on_another_world(worlds):
+    # A stream's finished epoch used to read as unfinished: loader.epoch stayed put and the
+    # resumed loop trained an extra epoch under the script's earlier label; on another world
+    # the old ranks' records crashed the next round's shares.
+    n = 60
+    first = unwrap(run(epoch_loop_worker, worlds[0], n, 1))
+    assert all(r["end"] == 1 and "already complete" in r["again"] for r in first), first[0]["again"]
+    assert sorted(sum((r["seen"][0] for r in first), [])) == list(range(n))
+    rest = unwrap(run(epoch_loop_worker, worlds[1], n, 2, first[0]["state"]))
+    assert all(r["start"] == 1 and r["end"] == 2 and set(r["seen"]) <= {1} for r in rest)
+    assert sorted(sum((r["seen"].get(1, []) for r in rest), [])) == list(range(n))
+
+
 def stop_worker(rank, world, stop):
     torch.manual_seed(0)
     net = torch.nn.Linear(1, 1)
@@ -267,8 +307,38 @@ def test_bad_input():
     with pytest.raises(ValueError, match='scale_lr=True scales by samples; it needs weighting="samples"'):
         hetlb.DelayedSync(net, opt, 4, weighting="none", scale_lr=True)
     ds = hetlb.DelayedSync(net, opt, 4)
+    for data in (float("nan"), -5.0, "3"):  # NaN made the parameters NaN, with no error
+        net(torch.ones(4, 1)).sum().backward()
+        with pytest.raises(ValueError, match="data must be"):
+            ds.step(data=data)
     with pytest.raises(ValueError, match="batch_size= is not accepted"):
         ds.loader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=4)
+
+
+def mismatch_worker(rank, world, case):
+    net = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    kw = {"lam": 0.5 + 0.25 * rank} if case == "lam" else {}
+    kw.update({"weighting": ("samples", "none")[rank]} if case == "weighting" else {})
+    try:
+        ds = hetlb.DelayedSync(net, opt, 4 + rank if case == "reference_batch" else 4, **kw)
+        n = 40 + 2 * rank if case == "length" else 40
+        ds.loader(torch.utils.data.TensorDataset(torch.zeros(n, 1)),
+                  seed=rank if case == "seed" else 0)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, named", [
+    ("seed", "seed=0; rank 1 has seed=1"), ("length", "length=40; rank 1 has length=42"),
+    ("reference_batch", "reference_batch=4; rank 1 has reference_batch=5"),
+    ("lam", "lam=0.5; rank 1 has lam=0.75"), ("weighting", "weighting='samples'; rank 1 has weighting='none'")])
+def test_ranks_that_disagree_on_a_setting_fail_at_start_up(case, named):
+    # Each used to train on with no error: samples lost and repeated (seed, length,
+    # reference_batch) or the replicas drifting apart (lam, weighting).
+    for msg in unwrap(run(mismatch_worker, 2, case)):
+        assert msg is not None and "ranks disagree on the" in msg and named in msg, msg
 
 
 def test_measured_speeds_leave_out_times_that_cannot_describe_work():

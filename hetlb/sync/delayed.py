@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..checks import choice, instance, integer, number
+from ..checks import agree, choice, instance, integer, number
 from ..data import BalancedLoader
 from ..emulate import sleep_until
 from ..plan import PlanBoard, StreamPlan
@@ -226,8 +226,22 @@ class DelayedSync:
         self._loader: Optional[BalancedLoader] = None
         self._used = 0  # samples of this rank's shard trained this epoch
         self.watchdog = watchdog
+        # Ranks that differ here would weigh, scale or cut their shares differently: a silent
+        # drift of the replicas, so one exchange at start-up compares them.
+        self._agree({"reference_batch": self.reference_batch, "lam": self.lam, "weighting": weighting,
+                     "scale_lr": scale_lr, "batches_per_iteration": self.fixed,
+                     "probe_batches": self.probe_batches, "dtype": str(self.dtype),
+                     "parameters": (len(self.params), sum(p.numel() for p in self.params))},
+                    "DelayedSync")
         if watchdog is not None and on:
             watchdog.attach_to(group)
+
+    def _agree(self, mine: Dict[str, Any], what: str) -> None:
+        if self.world == 1:
+            return
+        everyone: List[Any] = [None] * self.world
+        dist.all_gather_object(everyone, {what: mine}, group=self.group)
+        agree(everyone, what, what)
 
     # ------------------------------------------------------------------ the loop
 
@@ -252,7 +266,8 @@ class DelayedSync:
             return applied
         m = integer(batch_size if batch_size is not None else (plan.count if plan else self.reference_batch),
                     "batch_size", 1)
-        amount = float(data if data is not None else (plan.data if plan is not None and plan.data is not None else m))
+        amount = number(data, "data", minimum=0.0) if data is not None else \
+            float(plan.data if plan is not None and plan.data is not None else m)
         if self.emulator is not None:
             by_data = getattr(self.emulator, "by", "batch") == "data"
             self.emulator.stretch(self.references, amount if by_data else m, self._mark)
@@ -404,6 +419,8 @@ class DelayedSync:
                                 drop_last=drop_last, board=self.board, **dataloader_kwargs)
         if self.weighting == "sizes" and loader.sample_sizes is None:
             raise ValueError('weighting="sizes" needs per-sample sizes: ds.loader(dataset, sample_sizes=...)')
+        # Each rank cuts its shard from the shared order: another order loses and repeats samples.
+        self._agree(loader.sampler.config(), "loader")
         loader.balancer = self
         self._loader = loader
         return loader
@@ -523,6 +540,9 @@ class DelayedSync:
         self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
         self.references = int(state["references"])
         self.history = deque((IterationRecord.from_dict(d) for d in state["history"]), maxlen=4096)
+        if int(state["world"]) != self.world:
+            # Its records describe other ranks: the next round is a probe on the new world.
+            self.history.clear()
         self._flight, self._prev = None, None
         self._waited = self._link = 0.0
         for a in self._acc:
