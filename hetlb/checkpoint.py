@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 from typing import Any, Dict, List, Optional
 
@@ -50,12 +51,18 @@ class Checkpointer:
             raise TypeError(f"directory must be a path (str or os.PathLike), got "
                             f"{type(directory).__name__} {directory!r}")
         self.directory = os.fspath(directory)
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise ValueError(f"directory {self.directory!r} is a file, not a directory")
         self.keep = integer(keep, "keep", 1)
+        import torch.distributed as dist
+        on = dist.is_available() and dist.is_initialized()
         if rank is None:
-            import torch.distributed as dist
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = dist.get_rank() if on else 0
         self.rank = integer(rank, "rank", 0)
         self.writer = integer(writer, "writer", 0)
+        if on and self.writer >= dist.get_world_size():
+            raise ValueError(f"writer={self.writer} is not a rank of this job of "
+                             f"{dist.get_world_size()}: no checkpoint would ever be written")
 
     def steps(self) -> List[int]:
         """The steps of the checkpoints in the directory, oldest first."""
@@ -70,7 +77,11 @@ class Checkpointer:
 
     def save(self, state: Dict[str, Any], step: int) -> Optional[str]:
         """Write ``state`` as the checkpoint of ``step`` (on the writer rank; elsewhere nothing)
-        and delete all but the newest ``keep``. Returns the path written, or None."""
+        and delete all but the newest ``keep`` (never the one just written). Returns the path
+        written, or None.
+
+        Raises ``ValueError`` (and writes nothing) when :meth:`latest` could not load the state:
+        it loads with ``weights_only=True``, which takes tensors and plain Python values only."""
         if not isinstance(state, dict):
             raise ValueError(f"state must be a dict of state_dicts, got {type(state).__name__}")
         path = self.path(step)
@@ -82,8 +93,26 @@ class Checkpointer:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        try:
+            # Unpickles the structure only (the tensors' data is mapped, not read): a state that
+            # latest() would skip must fail here, not at the restart that needs it.
+            torch.load(tmp, weights_only=True, mmap=True)
+        except pickle.UnpicklingError as e:
+            os.remove(tmp)
+            raise ValueError(
+                f"checkpoint of step {step} not written: torch.load(weights_only=True), which "
+                f"latest() uses, refuses it ({str(e).splitlines()[0]}). Keep tensors and plain "
+                f"Python values in the state (float()/int() for NumPy scalars, torch.from_numpy "
+                f"for arrays)") from None
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
-        for old in self.steps()[:-self.keep]:
+        steps = self.steps()
+        if steps[-1] != step:
+            log.warning("checkpoint of step %d written below newer ones %s in %s: latest() "
+                        "returns step %d", step, [s for s in steps if s > step], self.directory,
+                        steps[-1])
+        for old in steps[:-self.keep]:
+            if old == step:
+                continue
             try:
                 os.remove(self.path(old))
             except FileNotFoundError:

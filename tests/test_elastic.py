@@ -178,6 +178,24 @@ def test_checkpointer_keeps_the_last_k_and_skips_a_damaged_file(tmp_path):
         ck.save([1], step=1)
 
 
+def test_checkpointer_refuses_what_latest_cannot_load_and_keeps_what_it_wrote(tmp_path, caplog):
+    import numpy as np
+    ck = hetlb.Checkpointer(tmp_path / "c", keep=2, rank=0)
+    for step in (100, 200):
+        ck.save({"x": torch.tensor([float(step)])}, step=step)
+    # A NumPy scalar used to be saved, then skipped by latest() (weights_only): a silent fresh
+    # start, whose own checkpoints keep= then deleted at once (older step numbers).
+    with pytest.raises(ValueError, match="not written: torch.load.weights_only=True"):
+        ck.save({"x": torch.zeros(1), "best": np.float64(0.5)}, step=300)
+    assert ck.steps() == [100, 200] and not [n for n in os.listdir(tmp_path / "c") if ".tmp" in n]
+    assert ck.latest()["step"] == 200
+    ck.save({"x": torch.zeros(1)}, step=10)  # steps went backwards (a run restarted from scratch)
+    assert 10 in ck.steps() and "written below newer ones [100, 200]" in caplog.text
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        hetlb.Checkpointer(tmp_path / "f")
+
+
 def test_outside_torchrun_it_is_torch_s(monkeypatch):
     # No agent store: the arguments go to torch unchanged (a FileStore rendezvous here).
     import tempfile
