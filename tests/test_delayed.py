@@ -313,6 +313,13 @@ def test_bad_input():
             ds.step(data=data)
     with pytest.raises(ValueError, match="batch_size= is not accepted"):
         ds.loader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=4)
+    with pytest.raises(ValueError, match="an epoch has no sample to train .dataset of 0 samples"):
+        ds.loader(torch.utils.data.TensorDataset(torch.zeros(0, 1)))  # used to crash at the drain
+    with pytest.raises(ValueError, match="not a hetlb.DelayedSync/1 checkpoint .list"):
+        ds.load_state_dict([])
+    other = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="the optimizer holds none of the model's parameters"):
+        hetlb.DelayedSync(net, other, 4)  # used to report updates while the model never moved
 
 
 def mismatch_worker(rank, world, case):

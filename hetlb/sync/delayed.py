@@ -185,6 +185,10 @@ class DelayedSync:
             instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
         if watchdog is not None:
             instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not any(id(p) in mine for p in model.parameters() if p.requires_grad):
+            raise ValueError("DelayedSync: the optimizer holds none of the model's parameters (an "
+                             "optimizer of another model?): the updates would never reach it")
         self.model, self.optimizer = model, optimizer
         self.reference_batch = integer(reference_batch, "reference_batch", 1)
         self.lam = number(lam, "lam", minimum=0.0)
@@ -421,6 +425,11 @@ class DelayedSync:
             raise ValueError('weighting="sizes" needs per-sample sizes: ds.loader(dataset, sample_sizes=...)')
         # Each rank cuts its shard from the shared order: another order loses and repeats samples.
         self._agree(loader.sampler.config(), "loader")
+        if loader.sampler.epoch_length == 0:
+            raise ValueError(f"DelayedSync.loader: an epoch has no sample to train (dataset of "
+                             f"{len(dataset)} samples" + (f", drop_last=True with fewer than world * "
+                             f"reference_batch = {self.world * self.reference_batch}" if drop_last else "")
+                             + ")")
         loader.balancer = self
         self._loader = loader
         return loader
@@ -532,8 +541,9 @@ class DelayedSync:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (load the model and optimizer as saved with it)."""
-        if state.get("format") != _FORMAT:
-            raise ValueError(f"not a {_FORMAT} checkpoint (format={state.get('format')!r})")
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            got = f"format={state.get('format')!r}" if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a {_FORMAT} checkpoint ({got})")
         if int(state["reference_batch"]) != self.reference_batch:
             raise ValueError(f"checkpoint reference_batch={state['reference_batch']} differs from "
                              f"{self.reference_batch}")
