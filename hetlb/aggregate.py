@@ -160,8 +160,7 @@ class _GroupsKept:
     group's last owner. Its destructor runs holding the GIL and joins Gloo's threads, which hangs
     when one of them waits for the GIL to free a tensor of the script's own collectives; the
     last reference dropped from here goes through torch's Python holder, which releases the GIL.
-    Pickles (``torch.save`` / ``copy.deepcopy`` of the model) as an empty holder, since groups
-    do not pickle."""
+    Pickles as an empty holder, since groups do not pickle."""
 
     __slots__ = ("groups",)
 
@@ -212,12 +211,13 @@ class StepTelemetry:
     def register(self, model: Any, native: bool = True) -> None:
         """Register the weighted all-reduce hook on the DDP ``model`` (the native one, or the
         Python reference with ``native=False``; both issue the same collectives)."""
+        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        side = self.side_group if self.side_group is not None else pg
+        # Popped and set again, so it always comes after the reducer in the model's __dict__.
+        kept = model.__dict__.pop("_hetlb_groups_kept", None)
+        model._hetlb_groups_kept = _GroupsKept((kept.groups if kept else ()) + (pg, side))
         if native:
-            pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-            side = self.side_group if self.side_group is not None else pg
             _C.register_comm_hook(model.reducer, self.core, pg, side)
-            kept = getattr(model, "_hetlb_groups_kept", None)
-            model._hetlb_groups_kept = _GroupsKept((kept.groups if kept else ()) + (pg, side))
         else:
             from .reference import ReferenceHookState, weighted_allreduce_hook
             model.register_comm_hook(ReferenceHookState(self.core, self.group, self.side_group),

@@ -81,7 +81,8 @@ class Checkpointer:
         written, or None.
 
         Raises ``ValueError`` (and writes nothing) when :meth:`latest` could not load the state:
-        it loads with ``weights_only=True``, which takes tensors and plain Python values only."""
+        it loads with ``weights_only=True``, which takes tensors and plain Python values only.
+        Only the writer rank raises; under torchrun the job then stops."""
         if not isinstance(state, dict):
             raise ValueError(f"state must be a dict of state_dicts, got {type(state).__name__}")
         path = self.path(step)
@@ -94,11 +95,13 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         try:
-            # Unpickles the structure only (the tensors' data is mapped, not read): a state that
-            # latest() would skip must fail here, not at the restart that needs it.
-            torch.load(tmp, weights_only=True, mmap=True)
-        except pickle.UnpicklingError as e:
+            # Unpickles the structure only (the tensors' data is mapped on the CPU, not read): a
+            # state that latest() would skip must fail here, not at the restart that needs it.
+            torch.load(tmp, weights_only=True, mmap=True, map_location="cpu")
+        except BaseException as e:
             os.remove(tmp)
+            if not isinstance(e, pickle.UnpicklingError):
+                raise
             raise ValueError(
                 f"checkpoint of step {step} not written: torch.load(weights_only=True), which "
                 f"latest() uses, refuses it ({str(e).splitlines()[0]}). Keep tensors and plain "

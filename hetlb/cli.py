@@ -114,6 +114,10 @@ def _plan(args: argparse.Namespace) -> int:
         raise CLIError("give the workers one way: profile JSON files, --linear A0,A1 (one per "
                        "worker), or --scenario NAME|FILE")
     global_batch = args.global_batch
+    from .plan import EXACT_INT
+    if global_batch is not None and not 1 <= global_batch < EXACT_INT:
+        raise CLIError(f"--global-batch must be in [1, {EXACT_INT}) (the Balancer's range), got "
+                       f"{global_batch}")
     if args.profiles:
         limits = []
         for path in args.profiles:
@@ -143,19 +147,15 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         sc = load_scenario(args.scenario)
         active = [w for w in sc.workers if w.active]
-        top = global_batch or sc.global_batch
+        top = sc.global_batch if global_batch is None else global_batch
         models = [w.time_model.as_piecewise(top) for w in active]
         names = [w.name or f"worker {i}" for i, w in enumerate(active)]
         descs = [_describe(w.time_model) for w in active]
-        global_batch = global_batch or sc.global_batch
+        global_batch = sc.global_batch if global_batch is None else global_batch
         if any(w.limit is not None for w in active):
             upper = [w.limit if w.limit is not None else 2 ** 62 for w in active]
     if global_batch is None:
         raise CLIError("--global-batch is required (samples per step over all workers)")
-    from .plan import EXACT_INT
-    if not 1 <= global_batch < EXACT_INT:
-        raise CLIError(f"--global-batch must be in [1, {EXACT_INT}) (the Balancer's range), got "
-                       f"{global_batch}")
     if len(models) > global_batch:
         raise CLIError(f"--global-batch {global_batch} is smaller than the {len(models)} workers: "
                        f"every worker takes at least one sample")

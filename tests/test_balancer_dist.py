@@ -614,26 +614,28 @@ def test_process_group_is_torn_down_by_destroy_process_group(native, transport):
         assert after == [], f"Gloo threads still running after destroy_process_group: {after}"
 
 
-def groups_kept_worker(rank, world, transport):
+def groups_kept_worker(rank, world, transport, native):
     import pickle
     ddp = DDP(_net())
-    bal = hetlb.Balancer(ddp, 12, policy=hetlb.Uniform(), transport=transport)
+    bal = hetlb.Balancer(ddp, 12, policy=hetlb.Uniform(), transport=transport, native_hook=native)
     names = list(vars(ddp))
-    kept = ddp._hetlb_groups_kept.groups
-    copy = pickle.loads(pickle.dumps(ddp))  # DDP pickles on the default group; so must its holder
+    kept = ddp._hetlb_groups_kept
+    copy = pickle.loads(pickle.dumps(kept))  # groups do not pickle: the holder pickles empty
     del bal
     return {"after_reducer": names.index("_hetlb_groups_kept") > names.index("reducer"),
-            "kept": [type(g).__name__ for g in kept],
-            "default_kept": any(g is dist.distributed_c10d._get_default_group() for g in kept),
-            "copy_kept": copy._hetlb_groups_kept.groups}
+            "kept": [type(g).__name__ for g in kept.groups],
+            "default_kept": any(g is dist.distributed_c10d._get_default_group() for g in kept.groups),
+            "copy_kept": copy.groups}
 
 
 @pytest.mark.parametrize("transport", ["carry", "side"])
-def test_the_model_keeps_its_hook_s_groups_after_its_reducer(transport):
-    # The native hook holds its groups in C++, inside DDP's reducer; Python references set on the
-    # model after the reducer make sure the reducer is never a group's last owner, whichever of
-    # the model and the Balancer goes first (tools/exit_hang_repro.py, "outlive").
-    for r in unwrap(run(groups_kept_worker, 2, transport)):
+@pytest.mark.parametrize("native", [True, False])
+def test_the_model_keeps_its_hook_s_groups_after_its_reducer(transport, native):
+    # The hook's groups are held inside DDP's reducer (the native hook's in C++, the reference
+    # hook's state through it); Python references set on the model after the reducer make sure
+    # the reducer is never a group's last owner, whichever of the model and the Balancer goes
+    # first (tools/exit_hang_repro.py, "outlive").
+    for r in unwrap(run(groups_kept_worker, 2, transport, native)):
         assert r["after_reducer"] and r["default_kept"], r
         assert r["kept"] == ["ProcessGroup", "ProcessGroup"], r
         assert r["copy_kept"] == (), r

@@ -108,6 +108,7 @@ def test_plan_from_the_builtin_scenario_and_from_profiles(capsys, tmp_path):
     # refused before the profiling, not after it
     (["profile", "mlp", "--out", "/nonexistent-dir/x.json"], "the directory /nonexistent-dir"),
     (["plan", "--global-batch", "0", "--linear", "1,1"], "--global-batch must be in [1, 16777216)"),
+    (["plan", "--scenario", "abs-sgd-1234", "--global-batch", "0"], "--global-batch must be in [1,"),
     (["plan", "--global-batch", "16777216", "--linear", "1,1"], "(the Balancer's range)"),
     (["plan", "--global-batch", "1", "--linear", "1,1", "--linear", "1,1"],
      "--global-batch 1 is smaller than the 2 workers"),

@@ -320,6 +320,9 @@ def test_bad_input():
     other = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     with pytest.raises(ValueError, match="the optimizer holds none of the model's parameters"):
         hetlb.DelayedSync(net, other, 4)  # used to report updates while the model never moved
+    frozen = torch.nn.Linear(1, 1).requires_grad_(False)
+    with pytest.raises(ValueError, match="the model has no parameter that requires a gradient"):
+        hetlb.DelayedSync(frozen, other, 4)
 
 
 def mismatch_worker(rank, world, case):

@@ -185,10 +185,6 @@ class DelayedSync:
             instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
         if watchdog is not None:
             instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
-        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if not any(id(p) in mine for p in model.parameters() if p.requires_grad):
-            raise ValueError("DelayedSync: the optimizer holds none of the model's parameters (an "
-                             "optimizer of another model?): the updates would never reach it")
         self.model, self.optimizer = model, optimizer
         self.reference_batch = integer(reference_batch, "reference_batch", 1)
         self.lam = number(lam, "lam", minimum=0.0)
@@ -208,6 +204,10 @@ class DelayedSync:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("DelayedSync: the model has no parameter that requires a gradient")
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if not any(id(p) in mine for p in self.params):
+            raise ValueError("DelayedSync: the optimizer holds none of the model's parameters (an "
+                             "optimizer of another model?): the updates would never reach it")
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
         self.device = self.params[0].device
         self._acc = [torch.zeros(p.shape, dtype=self.dtype, device=self.device) for p in self.params]
