@@ -154,7 +154,7 @@ def choose_transport(requested: Sequence[Optional[str]], blockers: Sequence[Opti
 
 
 class _GroupsKept:
-    """Python references to the process groups a native hook holds, kept on the DDP model.
+    """Python references to the process groups the hook holds, kept on the DDP model.
 
     Set after DDP's own attributes, so dropped after its reducer: the reducer is then never a
     group's last owner. Its destructor runs holding the GIL and joins Gloo's threads, which hangs
