@@ -549,10 +549,10 @@ class DelayedSync:
                              f"{self.reference_batch}")
         self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
         self.references = int(state["references"])
-        self.history = deque((IterationRecord.from_dict(d) for d in state["history"]), maxlen=4096)
-        if int(state["world"]) != self.world:
-            # Its records describe other ranks: the next round is a probe on the new world.
-            self.history.clear()
+        # Records of another world describe other ranks: the next round probes the new ones.
+        same_world = int(state["world"]) == self.world
+        self.history = deque((IterationRecord.from_dict(d) for d in state["history"] if same_world),
+                             maxlen=4096)
         self._flight, self._prev = None, None
         self._waited = self._link = 0.0
         for a in self._acc:
