@@ -73,6 +73,13 @@ def _num(v: float) -> str:
     return str(int(v)) if math.isfinite(v) and v == int(v) else repr(v)
 
 
+def _policy_settings(policy: Any) -> Dict[str, Any]:
+    """A policy's settings to compare across ranks (none for a duck-typed policy without
+    ``settings()``)."""
+    f = getattr(policy, "settings", None)
+    return dict(f()) if callable(f) else {}
+
+
 def _groups(values: np.ndarray) -> str:
     """Which ranks hold which value (a corrupt table's NaN and infinities too)."""
     labels = [_num(v) for v in values.tolist()]
@@ -386,12 +393,14 @@ class Balancer:
                            "accumulate": self.accumulate, "policy": type(policy).__name__,
                            "exchange_every": self.exchange_every,
                            "adaptive_exchange": self.adaptive_exchange},
+                "policy_settings": _policy_settings(policy),
                 "transport": transport,
                 "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
                 "carry_penalty": carry_penalty(model),
                 **self._bounds(lower, upper, profile)}
         everyone = self._all_gather(mine, side)
         checks.agree(everyone, "config", "Balancer")
+        checks.agree(everyone, "policy_settings", f"{type(policy).__name__} policy")
         self.transport = choose_transport([e["transport"] for e in everyone],
                                           [e["carry"] for e in everyone],
                                           [e["carry_penalty"] for e in everyone])

@@ -109,8 +109,8 @@ def agree(everyone: Sequence[Dict[str, Any]], key: str, what: str) -> None:
     ref = everyone[0][key]
     for r, e in enumerate(everyone):
         if e[key] != ref:
-            diff = {k: (ref.get(k), e[key].get(k)) for k in set(ref) | set(e[key])
-                    if ref.get(k) != e[key].get(k)}
+            keys = list(ref) + [k for k in e[key] if k not in ref]  # rank 0's order, then the rest
+            diff = {k: (ref.get(k), e[key].get(k)) for k in keys if ref.get(k) != e[key].get(k)}
             raise ValueError(f"ranks disagree on the {what} settings: rank 0 has "
                              + ", ".join(f"{k}={a!r}" for k, (a, _) in diff.items())
                              + f"; rank {r} has " + ", ".join(f"{k}={b!r}" for k, (_, b) in diff.items()))

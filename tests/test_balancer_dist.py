@@ -686,3 +686,36 @@ def test_each_record_holds_the_compute_time_of_its_own_step(transport):
                 assert min(compute) >= naps[step], (step, compute)
             else:
                 assert max(compute) < 0.1, (step, compute)
+
+
+def _settings_mismatch_worker(rank, world, case):
+    ddp = DDP(_net())
+    policy = {"policy": [hetlb.LBB(), hetlb.Uniform()][rank],
+              "lbb": hetlb.LBB(fine=(0.05, 0.1)[rank]),
+              "chronica": hetlb.Chronica(forget=(1.0, 0.9)[rank]),
+              "narx": hetlb.LBBSP(mode="cpu", predictor=hetlb.NARX(hidden=(16, 8)[rank])),
+              "same": hetlb.LBB(fine=0.1)}.get(case, hetlb.LBB())
+    try:
+        hetlb.Balancer(ddp, 8 + (rank if case == "global_batch" else 0), policy,
+                       weighting=("samples", "none")[rank] if case == "weighting" else "samples")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, named", [
+    ("global_batch", "global_batch=8; rank 1 has global_batch=9"),
+    ("weighting", "weighting='samples'; rank 1 has weighting='none'"),
+    ("policy", "policy='LBB'; rank 1 has policy='Uniform'"),
+    ("lbb", "LBB policy settings: rank 0 has fine=0.05; rank 1 has fine=0.1"),
+    ("chronica", "Chronica policy settings: rank 0 has forget=1.0; rank 1 has forget=0.9"),
+    ("narx", "LBBSP policy settings: rank 0 has predictor={'type': 'NARX', 'lookback': 2, 'hidden': 16"),
+    ("same", None)])
+def test_ranks_that_disagree_on_a_balancer_or_policy_setting_fail_at_start_up(case, named):
+    # A policy setting used to be caught only at step 2 as a DecisionMismatchError (or never,
+    # where both settings happened to decide the same early on).
+    for msg in unwrap(run(_settings_mismatch_worker, 2, case)):
+        if named is None:
+            assert msg is None, msg
+        else:
+            assert msg is not None and "ranks disagree on the " in msg and named in msg, msg

@@ -15,6 +15,7 @@ state conversions the Balancer applies to every policy.
 from __future__ import annotations
 
 import copy
+import inspect
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional
@@ -200,6 +201,23 @@ def list_items_error(kind: type, value: Any) -> Optional[str]:
     return None if all(isinstance(x, kind) for x in value) else f"a list of {kind.__name__}"
 
 
+def _plain(value: Any) -> Any:
+    """``value`` as plain Python values that compare by value across processes."""
+    if value is None or isinstance(value, (bool, str, int, float)):
+        return value
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    for method in ("settings", "config", "_config"):
+        f = getattr(value, method, None)
+        if callable(f):
+            return {"type": type(value).__name__, **_plain(f())}
+    return {"type": type(value).__name__}
+
+
 class Policy:
     """Base class. Subclasses implement :meth:`start` and :meth:`decide`.
 
@@ -248,6 +266,20 @@ class Policy:
         publishes a value in the rank's telemetry row, e.g. LB-BSP's NARX speed prediction), or
         None. The policy reads only the published values, so it stays a function of the table."""
         return None
+
+    def settings(self) -> Dict[str, Any]:
+        """The constructor's arguments as this policy holds them, in plain values (a predictor
+        or other object as its type name and configuration). The Balancer compares them across
+        ranks at start-up: ranks with different settings would decide differently and fail only
+        later, with a :class:`hetlb.DecisionMismatchError`. A subclass whose attributes are not
+        named after its arguments overrides this."""
+        out: Dict[str, Any] = {}
+        for name, p in inspect.signature(type(self).__init__).parameters.items():
+            if name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            if name in vars(self):
+                out[name] = _plain(getattr(self, name))
+        return out
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to continue deciding identically (public attributes)."""
