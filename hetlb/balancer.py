@@ -895,10 +895,14 @@ class Balancer:
             for col, what in (("checksum", "batch-size decision"), ("plan", "step plan (sizes used)")):
                 c = table[:, COL[col]]
                 if (c != c[0]).any():
+                    sharded = (col == "plan" and getattr(getattr(self, "board", None),
+                                                         "partition", None) is not None)
                     raise DecisionMismatchError(
                         f"step {g}: ranks disagree on the {what}; checksums by rank: {_groups(c)}. "
                         f"The policy must be a deterministic function of the shared telemetry and "
-                        f"all ranks must draw their batches at the same point of the loop")
+                        f"all ranks must draw their batches at the same point of the loop"
+                        + ("; with a sharded loader every rank must also pass the same "
+                           "partition= (the same home of every sample)" if sharded else ""))
         if table[:, COL["batch"]].tolist() != plan.sizes.tolist():  # exact: sizes < 2^24 ride in floats
             batch = table[:, COL["batch"]]
             bad = np.flatnonzero(~(batch == plan.sizes)).tolist()

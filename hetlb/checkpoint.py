@@ -34,6 +34,7 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger("hetlb")
 
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_TMP = re.compile(r"^ckpt-(\d+)\.pt\.tmp\.\d+$")  # a save in progress, or one killed mid-write
 
 
 class Checkpointer:
@@ -77,8 +78,9 @@ class Checkpointer:
 
     def save(self, state: Dict[str, Any], step: int) -> Optional[str]:
         """Write ``state`` as the checkpoint of ``step`` (on the writer rank; elsewhere nothing)
-        and delete all but the newest ``keep`` (never the one just written). Returns the path
-        written, or None.
+        and delete all but the newest ``keep`` (never the one just written), and the temporary
+        files that interrupted saves of steps up to ``step`` left. Returns the path written, or
+        None.
 
         Raises ``ValueError`` (and writes nothing) when :meth:`latest` could not load the state:
         it loads with ``weights_only=True``, which takes tensors and plain Python values only.
@@ -120,7 +122,20 @@ class Checkpointer:
                 os.remove(self.path(old))
             except FileNotFoundError:
                 pass
+        self._remove_stale(step)
         return path
+
+    def _remove_stale(self, step: int) -> None:
+        """Delete the temporary files a writer killed mid-save left behind (a checkpoint's size
+        each): those of steps up to ``step``, which this save superseded."""
+        for name in os.listdir(self.directory):
+            m = _TMP.match(name)
+            if m and int(m.group(1)) <= step:
+                try:
+                    os.remove(os.path.join(self.directory, name))
+                    log.info("removed %s, left by an interrupted save", name)
+                except FileNotFoundError:
+                    pass
 
     def latest(self) -> Optional[Dict[str, Any]]:
         """The newest checkpoint that loads (``torch.load`` with ``weights_only=True``), or None.

@@ -196,6 +196,21 @@ def test_checkpointer_refuses_what_latest_cannot_load_and_keeps_what_it_wrote(tm
         hetlb.Checkpointer(tmp_path / "f")
 
 
+def test_checkpointer_removes_what_a_killed_save_left_behind(tmp_path):
+    ck = hetlb.Checkpointer(tmp_path, keep=2, rank=0)
+    ck.save({"x": torch.zeros(1)}, step=1)
+    # A writer killed mid-save (the previous attempt's pid) leaves a temporary file as large as a
+    # checkpoint; it used to stay for good.
+    for name in ("ckpt-000000002.pt.tmp.4242", "ckpt-000000005.pt.tmp.77"):
+        (tmp_path / name).write_bytes(b"partial")
+    ck.save({"x": torch.ones(1)}, step=3)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000001.pt", "ckpt-000000003.pt",
+                                            "ckpt-000000005.pt.tmp.77"]  # (a later step: kept)
+    assert ck.latest()["step"] == 3
+    ck.save({"x": torch.ones(1)}, step=5)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000003.pt", "ckpt-000000005.pt"]
+
+
 def test_outside_torchrun_it_is_torch_s(monkeypatch):
     # No agent store: the arguments go to torch unchanged (a FileStore rendezvous here).
     import tempfile

@@ -291,4 +291,4 @@ def disagree_worker(rank, world):
 
 def test_ranks_that_disagree_on_the_partition_fail_the_first_step():
     res = unwrap(run(disagree_worker, 2))
-    assert all(r is not None and "step plan" in r for r in res), res
+    assert all(r is not None and "step plan" in r and "same partition=" in r for r in res), res
