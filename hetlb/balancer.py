@@ -546,6 +546,15 @@ class Balancer:
                              'bal.loader(dataset, sample_sizes=...)')
         everyone = self._all_gather({"loader": loader.sampler.config()}, self._side)
         checks.agree(everyone, "loader", "loader")
+        d = self._decision
+        if isinstance(d, ScheduleRule) and d.cap is not None and loader.sample_sizes is not None:
+            # Checked here, not when the sample's step comes (possibly hours in); every rank has
+            # the same sizes (agreed above), so every rank raises.
+            big = int(np.argmax(loader.sample_sizes))
+            if loader.sample_sizes[big] > d.cap.max():
+                raise ValueError(f"sample {big} (size {loader.sample_sizes[big]:g}) fits in no "
+                                 f"rank's cap (largest {d.cap.max():g}): its step would fail. "
+                                 f"Raise the policy's cap= or drop the sample from the dataset")
         if self._pending_check is not None:  # a checkpoint loaded before this loader existed
             check_loader_config(self._pending_check, loader.sampler.config())
             self._pending_check = None

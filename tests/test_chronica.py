@@ -486,6 +486,27 @@ def test_chronica_cap_bounds_every_rank():
     assert (capped.data[:, 0] <= 1400).all() and (capped.data[:, 1] <= 2000).all()
 
 
+def cap_worker(rank, world, big):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sizes = np.full(40, 5.0)
+    sizes[33] = big
+    ds = torch.utils.data.TensorDataset(torch.arange(40))
+    bal = hetlb.Balancer(DDP(torch.nn.Linear(1, 1)), 8, policy=hetlb.Chronica(cap=[40.0, 60.0]))
+    try:
+        loader = bal.loader(ds, sample_sizes=sizes, shuffle=False)
+    except ValueError as e:
+        return str(e)
+    return sum(1 for _ in loader)
+
+
+def test_a_sample_larger_than_every_cap_is_refused_at_the_loader():
+    # It used to fail only when its step came (here step 4 of 5; in a real run, hours in).
+    from distributed import run, unwrap
+    for msg in unwrap(run(cap_worker, 2, 61.0)):
+        assert isinstance(msg, str) and "sample 33 (size 61) fits in no rank's cap (largest 60)" in msg, msg
+    assert unwrap(run(cap_worker, 2, 30.0)) == [5, 5]
+
+
 # ------------------------------------------------------------------ the quadratic work term
 
 
