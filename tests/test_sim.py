@@ -174,6 +174,34 @@ def test_events_change_times_and_revert_at_stop():
     assert res.comm[6] == pytest.approx(2 * 0.5 * 1e6 / 1e7)  # the slowest link sets the ring's pace
 
 
+def test_later_events_hold_and_an_ended_event_hands_back_to_one_still_running():
+    # An event's stop used to reset the value to the default: a back-to-back event was lost
+    # (speed 0.25 from step 10 ran at full speed) and an outer event ended with an inner one.
+    d = scen(workers=[{"model": [0.0, 0.001]}, {"model": [0.0, 0.001]}],
+             events=[{"kind": "speed", "worker": 0, "start": 0, "stop": 4, "speed": 0.5},
+                     {"kind": "speed", "worker": 0, "start": 4, "speed": 0.25},
+                     {"kind": "load", "worker": 1, "start": 0, "stop": 10, "load": 0.5},
+                     {"kind": "load", "worker": 1, "start": 3, "stop": 6, "load": 0.75}])
+    res = simulate(Scenario.from_dict(d), "uniform", steps=12)
+    base = 20 * 0.001
+    np.testing.assert_allclose(res.compute[:, 0], [base * 2] * 4 + [base * 4] * 8)
+    np.testing.assert_allclose(res.compute[:, 1], [base * 2] * 3 + [base * 4] * 3 + [base * 2] * 4
+                               + [base] * 2)
+
+
+def test_a_worker_without_its_own_link_runs_at_the_network_s():
+    # Workers without a link of their own were left out of the ring's slowest link: one faster
+    # worker link set the pace of the whole ring (10x too fast here).
+    d = scen(network={"model_bytes": 1e8, "bandwidth": 1e8},
+             workers=[{"model": [0.01, 0.001], "bandwidth": 1e9}, {"model": [0.01, 0.001]}],
+             events=[{"kind": "bandwidth", "worker": 0, "start": 2, "bandwidth": 1e10}])
+    res = simulate(Scenario.from_dict(d), "uniform", steps=4)
+    np.testing.assert_allclose(res.comm, [2 * 0.5 * 1e8 / 1e8] * 4)
+    d["network"] = {"model_bytes": 1e8}  # an infinite network: the workers' own links set it
+    np.testing.assert_allclose(simulate(Scenario.from_dict(d), "uniform", steps=4).comm,
+                               [1e8 / 1e9] * 2 + [1e8 / 1e10] * 2)
+
+
 def test_failed_worker_reports_no_progress_and_wlbs_redistributes():
     d = scen(global_batch=60, workers=[{"model": [0.01, 0.001], "count": 3}], lower=0,
              events=[{"kind": "disturb", "worker": 2, "start": 5, "stop": 15, "fail": True}])

@@ -321,25 +321,21 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         while ev_i < len(state_ev) and state_ev[ev_i].start <= k:
             e = state_ev[ev_i]
             ev_i += 1
-            if e.kind == "speed":
-                speed_f[e.workers] = e.speed
-            elif e.kind == "load":
-                load[e.workers] = e.load
-            elif e.kind == "bandwidth":
-                bw[e.workers] = e.bandwidth
-            elif e.kind in ("leave", "join"):
+            if e.kind in ("leave", "join"):
                 before = active.copy()
                 active[e.workers] = e.kind == "join"
                 changed |= not np.array_equal(before, active)
-        # Events with a stop revert when it is reached.
+        # A worker's speed, load and link at step k: those of the latest-started event active then
+        # (an event ending hands back to one that still runs, not to the default), else the default.
+        speed_f[:], load[:], bw[:] = 1.0, 0.0, cl.bandwidth
         for e in state_ev[:ev_i]:
-            if e.stop is not None and e.stop == k:
+            if e.stop is None or k < e.stop:
                 if e.kind == "speed":
-                    speed_f[e.workers] = 1.0
+                    speed_f[e.workers] = e.speed
                 elif e.kind == "load":
-                    load[e.workers] = 0.0
+                    load[e.workers] = e.load
                 elif e.kind == "bandwidth":
-                    bw[e.workers] = cl.bandwidth[e.workers]
+                    bw[e.workers] = e.bandwidth
         if changed and k in membership:
             restarts.append(k)
             log.info("step %d: %d workers active, %s restarts", k, int(active.sum()), name)
@@ -384,10 +380,10 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
                 if e.fail:
                     failed |= sel
         t = np.where(b > 0, t, 0.0)
-        links = bw[idx]
-        links = links[~np.isnan(links)]
-        slowest = float(links.min()) if links.size else None
-        c = sc.network.exposed(n, slowest if slowest is not None else sc.network.bandwidth)
+        # The ring runs at its slowest link; a worker without a link of its own has the network's.
+        net = np.inf if sc.network.bandwidth is None else sc.network.bandwidth
+        slowest = float(np.where(np.isnan(bw[idx]), net, bw[idx]).min(initial=np.inf))
+        c = sc.network.exposed(n, slowest if np.isfinite(slowest) else None)
         step_time[k] = float(t.max()) + c
         comm[k] = c
         reported = np.where(failed, np.inf, t)

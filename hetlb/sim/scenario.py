@@ -60,9 +60,12 @@ Worker indices count the expanded list (after ``count``). ``model`` is a
 first; ``piecewise``: ``batch_sizes``, ``times``) or the shorthands ``[a0, a1]`` (linear) and
 ``{"linear": [a0, a1]}`` / ``{"cubic": [c3, c2, c1, c0]}``. A ``load`` event is a co-located job
 taking a fraction of the worker: its time is divided by ``1 - load`` and its CPU reading rises by
-``load`` (LB-BSP's CPU clusters). The all-reduce is a ring:
-``2 (n - 1) latency + 2 (n - 1) / n * model_bytes / bandwidth`` with the slowest link's
-bandwidth; ``overlap`` is the fraction of it hidden behind computation.
+``load`` (LB-BSP's CPU clusters). An event runs for steps ``start <= k < stop`` (``stop``
+null: to the end); where ``speed``, ``load`` or ``bandwidth`` events of a worker overlap, the one
+started last holds, and when it ends the one still running takes over again. The all-reduce is a
+ring: ``2 (n - 1) latency + 2 (n - 1) / n * model_bytes / bandwidth`` with the slowest link's
+bandwidth (a worker without a ``bandwidth`` of its own has the network's); ``overlap`` is the
+fraction of it hidden behind computation.
 """
 from __future__ import annotations
 
