@@ -229,7 +229,15 @@ def test_out_of_memory_stops_the_run_unless_profiles_bound_the_batch():
     assert res.error is not None and "worker 0 ran out of memory" in res.error and "limit 60" in res.error
     assert res.steps < 30 and (res.sizes[:, 0] <= 60).all()
     ok = simulate(Scenario.from_dict(d), "lbb", steps=30, profile=True)
-    assert ok.error is None and ok.steps == 30 and ok.sizes[-1, 0] == 60
+    # The cap is what Balancer(profile=p) takes from a real profile of such a worker: the largest
+    # size measured (a power of two), not the worker's true limit (which used to be taken).
+
+    def step(b):
+        if b > 60:
+            raise MemoryError
+    p = hetlb.profile(step, repeats=1, trim=0, max_batch=128)
+    assert p.limit == 32 and p.oom_at == 64
+    assert ok.error is None and ok.steps == 30 and ok.sizes[-1, 0] == p.limit
 
 
 # ------------------------------------------------------------------------------- policies

@@ -182,25 +182,28 @@ class _Cluster:
         return np.maximum(t, 0.0)
 
 
-def _profiles(sc: Scenario, idx: np.ndarray, upper: np.ndarray) -> List[Dict[str, Any]]:
-    """What LBB's profiling phase would measure on each worker: the model at powers of two up
-    to its limit (noise-free), fitted as the Balancer fits a :class:`hetlb.Profile`. Profiles are
-    in samples; with ``work="data"`` a batch of ``b`` samples holds ``b`` times the mean size
-    (estimated from the scenario's size distribution)."""
+def _profiles(sc: Scenario, idx: np.ndarray) -> List[Dict[str, Any]]:
+    """What LBB's profiling phase (:func:`hetlb.profile`) would measure on each worker: the model
+    at powers of two up to the first one that reaches the global batch (noise-free), stopping at
+    the first that runs out of memory (``oom_at``, ``limit`` the largest that fit), fitted as the
+    Balancer fits a :class:`hetlb.Profile`. Profiles are in samples; with ``work="data"`` a batch
+    of ``b`` samples holds ``b`` times the mean size (estimated from the scenario's size
+    distribution)."""
     per_sample = 1.0
     if sc.work == "data" and sc.samples is not None:
         per_sample = float(sc.samples.draw(np.random.default_rng(0), 100_000).mean())
+    tried = [2 ** k for k in range(1, max(1, (sc.global_batch - 1).bit_length()) + 1)]
     out = []
-    for r, w in enumerate(idx.tolist()):
+    for w in idx.tolist():
         spec = sc.workers[w]
-        top = int(min(upper[r], spec.limit or sc.global_batch))
-        bs = [b for b in (2 ** k for k in range(1, 31)) if b <= top] or [1]
+        fit = [b for b in tried if spec.limit is None or b <= spec.limit] or [1]
+        oom_at = next((b for b in tried if spec.limit is not None and b > spec.limit), None)
+        bs = list(fit)
         ts = spec.time_model.time(np.array(bs, np.float64) * per_sample)
         if len(bs) == 1:
             bs, ts = bs + [bs[0] + 1], np.append(ts, spec.time_model.time((bs[0] + 1) * per_sample))
         out.append({"model": PolyModel.fit(bs, ts, degree=min(3, len(bs) - 1)),
-                    "linear": LinearModel.fit(bs, ts), "limit": int(bs[-1]),
-                    "oom_at": None if spec.limit is None else spec.limit + 1})
+                    "linear": LinearModel.fit(bs, ts), "limit": int(fit[-1]), "oom_at": oom_at})
     return out
 
 
@@ -279,11 +282,13 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         length = 1 if adaptive else every
         idx = np.flatnonzero(active)
         n = idx.size
-        # As in the Balancer, only a profile (that ran out of memory) bounds a rank's batch.
-        upper = np.minimum(cl.limit[idx], sc.global_batch) if profile else np.full(n, sc.global_batch)
+        # As in the Balancer, only a profile that ran out of memory bounds a rank's batch, at the
+        # largest size it measured (a power of two: below the worker's true limit).
+        profs = _profiles(sc, idx) if profile else []
+        upper = np.array([min(p["limit"], sc.global_batch) if p["oom_at"] is not None
+                          else sc.global_batch for p in profs] or [sc.global_batch] * n, np.int64)
         ctx = Context(world=n, global_batch=sc.global_batch, lower=np.full(n, sc.lower),
-                      upper=upper, hardware=[{} for _ in range(n)],
-                      profiles=_profiles(sc, idx, upper) if profile else [])
+                      upper=upper, hardware=[{} for _ in range(n)], profiles=profs)
         t0 = time.perf_counter()
         first = check_decision(pol.start(ctx), ctx, name)
         spent += time.perf_counter() - t0
