@@ -110,7 +110,7 @@ def test_step_times_match_a_plain_per_worker_computation(spec, seed):
     ws = []
     for kind, a0, a1, speed, sat, over in spec:
         model = {"linear": [a0, a1], "cubic": {"cubic": [1e-7, -1e-6, a1, a0]},
-                 "piecewise": {"kind": "piecewise", "batch_sizes": [1, 8, 64], "times": [a0, a0 + 8 * a1, a0 + 80 * a1]}}[kind]
+                 "piecewise": {"kind": "piecewise", "batch_sizes": [1, 8, 64], "times": [a0 + a1, a0 + 8 * a1, a0 + 80 * a1]}}[kind]
         ws.append({"model": model, "speed": speed, "saturation": sat, "overhead": over})
     net = {"latency": 1e-4, "bandwidth": 1e9, "model_bytes": 4e7, "overlap": 0.25}
     gb = 16 * len(ws)
@@ -200,6 +200,19 @@ def test_a_worker_without_its_own_link_runs_at_the_network_s():
     d["network"] = {"model_bytes": 1e8}  # an infinite network: the workers' own links set it
     np.testing.assert_allclose(simulate(Scenario.from_dict(d), "uniform", steps=4).comm,
                                [1e8 / 1e9] * 2 + [1e8 / 1e10] * 2)
+
+
+def test_a_time_model_that_reaches_zero_is_refused():
+    # It used to load; every step's telemetry was then refused (logged at DEBUG) and LBB never
+    # acted, with no error in the result.
+    d = scen(global_batch=256, workers=[{"model": {"cubic": [-1e-7, 0, 0.001, 0.01]}},
+                                        {"model": [0.01, 0.004]}])
+    with pytest.raises(ScenarioError, match=r"workers\[0\].model: the time at batch 1\d\d is "):
+        Scenario.from_dict(d)
+    d["workers"][0]["limit"] = 100  # never given more than 100: positive where it runs
+    Scenario.from_dict(d)
+    with pytest.raises(ScenarioError, match="positive and finite"):
+        Scenario.from_dict(scen(workers=[{"model": [0.0, 0.0]}]))
 
 
 def test_failed_worker_reports_no_progress_and_wlbs_redistributes():

@@ -497,8 +497,9 @@ class Scenario:
         return s
 
     def check(self, where: str = "scenario") -> None:
-        """Cross-field checks: the active workers can hold the global batch within their bounds at
-        every membership the events produce."""
+        """Cross-field checks: every worker's time is positive, and the active workers can hold
+        the global batch within their bounds at every membership the events produce."""
+        self._check_times(where)
         active = np.array([w.active for w in self.workers])
         steps = sorted({e.start for e in self.events if e.kind in ("leave", "join")})
         for s in [0] + steps:
@@ -517,6 +518,25 @@ class Scenario:
                 raise ScenarioError(f"{where}.workers: the memory limits of the {n} workers active "
                                     f"at step {s} hold {cap} samples, fewer than global_batch="
                                     f"{self.global_batch}")
+
+    def _check_times(self, where: str) -> None:
+        """Every worker takes a positive time for every batch it could get: a model that reaches
+        zero (a cubic dipping below 0) would make every step's telemetry unusable, and a policy
+        would silently never act."""
+        for i, w in enumerate(self.workers):
+            top = min(w.limit or self.global_batch, self.global_batch)
+            if self.work == "data" and self.samples is not None:
+                top = top * float(self.samples.draw(np.random.default_rng(0), 4096).max())
+            x = np.unique(np.concatenate([np.arange(1.0, min(top, 4096.0) + 1),
+                                          np.round(np.linspace(1.0, max(top, 1.0), 4096))]))
+            t = np.asarray(w.time_model.time(x), np.float64)
+            bad = np.flatnonzero(~(t > 0) | ~np.isfinite(t))
+            if bad.size:
+                unit = "data amount" if self.work == "data" else "batch"
+                raise ScenarioError(
+                    f"{where}.workers[{i}].model: the time at {unit} {x[bad[0]]:g} is "
+                    f"{t[bad[0]]:g} s; a worker's time must be positive and finite for every "
+                    f"{unit} up to {top:g} (add an overhead, or fix the coefficients)")
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready; :meth:`from_dict` inverts it (workers expanded, ``count`` 1)."""
