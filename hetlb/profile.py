@@ -7,7 +7,8 @@ The largest size that fit is ``B_lim`` (:attr:`Profile.limit`), the memory bound
 :meth:`Profile.fit` turns the points into the cubic (profiling) or linear (online) model of Eq. (1).
 
 Out of memory means: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``), a
-``RuntimeError`` whose message contains "out of memory", a ``MemoryError``, or, with
+``RuntimeError`` whose message contains "out of memory" or "cannot allocate memory" (the CPU
+allocator's failure), a ``MemoryError``, or, with
 ``memory_limit``, a measured peak above the limit (how it is measured: :func:`profile`).
 
 Note: ``hetlb.profile`` (the package attribute) is the function; import the module's other names
@@ -365,10 +366,15 @@ def _make_timer(dev: torch.device) -> Callable[[Callable[[], Any]], float]:
     return host_time
 
 
+#: How an allocation failure reads in a ``RuntimeError``: torch's CUDA and XPU wording, and its CPU
+#: allocator's ("DefaultCPUAllocator: can't allocate memory ... (Cannot allocate memory)").
+_OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
 def _is_oom(exc: BaseException) -> bool:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _OOM_WORDS)
 
 
 def _release(dev: torch.device) -> None:
