@@ -1062,7 +1062,27 @@ class Balancer:
                 "position": self.board.position(),
                 "loader": self._loader_config,
                 "decision": decision, "policy": to_state(self.policy.state_dict()),
+                "policy_type": type(self.policy).__name__,
+                "policy_settings": _policy_settings(self.policy),
                 "history": self.history.state_dict()}
+
+    def _check_policy_of(self, state: Dict[str, Any]) -> None:
+        """The checkpoint's policy is this one's class with these settings (checkpoints written
+        before they were recorded are not checked)."""
+        mine, theirs = type(self.policy).__name__, state.get("policy_type")
+        hint = ('; to switch at this resume, set state["policy"] = None before loading (the new '
+                'policy then starts afresh)')
+        if theirs is not None and theirs != mine:
+            raise ValueError(f"the checkpoint holds the state of a {theirs} policy, this Balancer "
+                             f"runs {mine}: resume with {theirs}(...){hint}")
+        saved, now = state.get("policy_settings"), _policy_settings(self.policy)
+        if isinstance(saved, dict) and saved != now:
+            diff = [k for k in list(now) + [k for k in saved if k not in now]
+                    if saved.get(k) != now.get(k)]
+            raise ValueError(f"the checkpoint's {mine} policy has "
+                             + ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
+                             + ", this one " + ", ".join(f"{k}={now.get(k)!r}" for k in diff)
+                             + f": its state would replace these settings{hint}")
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (or the loader's: the same object); loading twice is
@@ -1072,7 +1092,13 @@ class Balancer:
         Raises ``TypeError`` for something other than a dict, and ``ValueError`` naming the field
         for a checkpoint of another format, one that lacks a field, or one of another
         ``global_batch`` or ``accumulate`` (the checkpoint's value and this Balancer's are both
-        printed); the history and decision are checked before anything is restored."""
+        printed); the history and decision are checked before anything is restored.
+
+        On the same world size the policy's state is restored, so the checkpoint must come from
+        a policy of the same class and settings (``ValueError`` naming them otherwise). To switch
+        policy or settings at a resume, set ``state["policy"] = None`` first: the data position and
+        step count are restored and the new policy starts from its :meth:`start` (as on another
+        world size)."""
         if not isinstance(state, dict):
             raise TypeError(f"Balancer.load_state_dict: state must be the dict of "
                             f"Balancer.state_dict() (or loader.state_dict()), got {type(state).__name__}")
@@ -1102,7 +1128,9 @@ class Balancer:
         # No loader yet: its order is checked against the checkpoint's when it is bound.
         pending_check = None if self._loader_config is not None else \
             {"loader": state.get("loader"), "position": state["position"]}
-        if world == self.world:  # parsed before anything changes, so a bad one changes nothing
+        fresh = state["policy"] is None  # the user switches policy (see the docstring)
+        if world == self.world and not fresh:  # parsed before anything changes
+            self._check_policy_of(state)
             try:
                 history = History.from_state_dict(state["history"])
                 d = state["decision"]
@@ -1131,9 +1159,13 @@ class Balancer:
         self._block_len = 1 if self.adaptive_exchange else self.exchange_every
         self._micro = 0
         self._step = steps
-        if world != self.world:
-            log.warning("checkpoint from %d ranks resumed on %d: the policy restarts",
-                        world, self.world)
+        if world != self.world or fresh:
+            if fresh:
+                log.warning("checkpoint resumed without its policy state: %s starts afresh",
+                            type(self.policy).__name__)
+            else:
+                log.warning("checkpoint from %d ranks resumed on %d: the policy restarts",
+                            world, self.world)
             self._decision = check_decision(self.policy.start(self.context), self.context,
                                             type(self.policy).__name__)
         else:

@@ -719,3 +719,41 @@ def test_ranks_that_disagree_on_a_balancer_or_policy_setting_fail_at_start_up(ca
             assert msg is None, msg
         else:
             assert msg is not None and "ranks disagree on the " in msg and named in msg, msg
+
+
+def _policy_resume_worker(rank, world, policy, state=None, drop_policy=False):
+    ddp = DDP(_net())
+    bal = hetlb.Balancer(ddp, 8, policy=eval(policy, {"hetlb": hetlb}))
+    ds = torch.utils.data.TensorDataset(torch.arange(24, dtype=torch.float64)[:, None].expand(24, 5))
+    loader = bal.loader(ds, seed=3)
+    if state is not None:
+        if drop_policy:
+            state = dict(state, policy=None)
+        try:
+            loader.load_state_dict(state)
+        except ValueError as e:
+            return {"error": str(e)}
+    seen = []
+    for i, (xb,) in enumerate(loader):
+        ddp(xb).sum().backward()
+        seen += xb[:, 0].long().tolist()
+        if state is None and i == 1:  # stop mid-epoch, after two steps
+            break
+    return {"seen": seen, "state": bal.state_dict(), "policy": bal.policy.state_dict()}
+
+
+@pytest.mark.parametrize("policy, named", [
+    ("hetlb.Uniform()", "holds the state of a LBB policy, this Balancer runs Uniform"),
+    ("hetlb.LBB(fine=0.1)", "LBB policy has fine=0.05, this one fine=0.1"),
+    ("hetlb.LBBSP()", "holds the state of a LBB policy, this Balancer runs LBBSP")])
+def test_a_checkpoint_of_another_policy_is_refused_unless_its_policy_state_is_dropped(policy, named):
+    # It used to load into any policy: Uniform then kept LBB's split for good, LBBSP("gpu") ran in
+    # the checkpoint's CPU mode, and settings passed at the resume were silently replaced.
+    first = unwrap(run(_policy_resume_worker, 2, "hetlb.LBB()"))
+    state = first[0]["state"]
+    for r in unwrap(run(_policy_resume_worker, 2, policy, state)):
+        assert "error" in r and named in r["error"] and 'state["policy"] = None' in r["error"], r
+    rest = unwrap(run(_policy_resume_worker, 2, policy, state, True))
+    assert sorted(sum((r["seen"] for r in first + rest), [])) == list(range(24))  # exactly once
+    if policy == "hetlb.LBB(fine=0.1)":
+        assert rest[0]["policy"]["fine"] == 0.1
