@@ -507,3 +507,18 @@ def test_narx_rejects_a_fit_biased_after_a_speed_change():
     assert p.fits == 7
     pred = p.predict(0.3)
     assert not p.use and np.isnan(pred) or abs(pred - 320) < 0.05 * 320, (p.use, pred)
+
+
+def test_a_fresh_cpu_mode_policy_loads_a_state_and_its_narx_copies():
+    # A fresh LBBSP("cpu") failed to load a state with "cannot pickle '_thread.lock' object": the
+    # kind check copies the policy, and the copy took NARX's lock.
+    import copy
+    p = LBBSP("cpu")
+    p.start(Context.simple(2, 16))
+    q = LBBSP("cpu")
+    q.load_state_dict(p.state_dict())
+    assert q.state_dict().keys() == p.state_dict().keys() and q.last.tolist() == p.last.tolist()
+    n = NARX(warmup=5, retrain_every=5, epochs=5, background=True)
+    c = copy.deepcopy(n)
+    assert c.config() == n.config() and c._lock is not n._lock and c._thread is None
+    assert pickle.loads(pickle.dumps(n)).config() == n.config()

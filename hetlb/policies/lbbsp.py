@@ -178,7 +178,11 @@ class LBBSP(SizedPolicy):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a fresh instance then decides identically (errors:
-        :meth:`SizedPolicy.load_state_dict`)."""
+        :meth:`SizedPolicy.load_state_dict`). With the default per-rank NARX (``mode="cpu"``)
+        this holds up to the NARX warm-up: its weights live on each rank and are not in the
+        state, so a resumed Balancer refits each rank's NARX from the restored history
+        (:meth:`NARX.rebuild`), and later predictions, hence sizes, may differ from an
+        uninterrupted run's. ``predictor=EMA()`` or ``Memoryless()`` resume identically."""
         state = check_state(state, self.name)
         pstate = state.pop("predictor", None)
         ema = state.pop("ema", None)

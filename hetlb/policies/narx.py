@@ -118,6 +118,17 @@ class NARX:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # A copy (copy.deepcopy, pickle) takes the data, not the lock or a running fit's thread.
+        with self._lock:
+            state = dict(vars(self))
+        state["_lock"] = state["_thread"] = None
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        vars(self).update(state)
+        self._lock = threading.Lock()
+
     # ------------------------------------------------------------------ observe / predict
 
     def observe(self, record: StepRecord, rank: int) -> None:
