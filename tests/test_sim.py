@@ -477,3 +477,10 @@ def test_adaptive_exchange_balances_at_the_per_step_pace_with_fewer_exchanges(po
     with pytest.raises(ValueError, match="history=8 keeps fewer records than a block"):
         simulate(sc, policy, steps=3, exchange_every=16, history=8)
     assert simulate(sc, policy, steps=3, exchange_every=100).exchanges == [0]  # (history: 100)
+
+
+def test_a_policy_given_by_name_is_labelled_by_it():
+    # Both LBBSP modes were labelled "lbbsp" in the table and the JSON.
+    labels = [simulate("lbb-table2", p, steps=3).policy for p in ("lbbsp", "lbbsp-cpu", "LBB")]
+    assert labels == ["lbbsp", "lbbsp-cpu", "lbb"]
+    assert simulate("lbb-table2", hetlb.LBBSP("cpu"), steps=3).policy == "lbbsp"

@@ -72,6 +72,11 @@ log = logging.getLogger("hetlb.policies")
 _SPEED_GRID = float(1 << 20)
 
 
+#: GPU mode's settings at their defaults (the paper's): CPU mode refuses any other value.
+_GPU_DEFAULTS = {"step": 5, "window": 5, "fine_step": 1, "fine_window": 20, "memory_guard": 0.95,
+                 "settle": False, "reequilibrate": None}
+
+
 class LBBSP(SizedPolicy):
     """LB-BSP batch-size policy (see the module docstring for the algorithm).
 
@@ -120,10 +125,22 @@ class LBBSP(SizedPolicy):
         self.window = integer(window, "LBBSP: window", 1)
         self.fine_step = integer(fine_step, "LBBSP: fine_step", 1)
         self.fine_window = integer(fine_window, "LBBSP: fine_window", 1)
-        self.memory_guard = number(memory_guard, "LBBSP: memory_guard", above=0.0)
+        self.memory_guard = number(memory_guard, "LBBSP: memory_guard", above=0.0, maximum=1.0)
         self.settle = flag(settle, "LBBSP: settle")
         self.reequilibrate = None if reequilibrate is None else \
             number(reequilibrate, "LBBSP: reequilibrate", above=0.0)
+        if mode == "cpu":  # Algorithm 1 has none of Algorithm 2's settings: refuse, not ignore
+            gpu_only = {k: v for k, v in (("step", self.step), ("window", self.window),
+                                          ("fine_step", self.fine_step),
+                                          ("fine_window", self.fine_window),
+                                          ("memory_guard", self.memory_guard),
+                                          ("settle", self.settle),
+                                          ("reequilibrate", self.reequilibrate))
+                        if v != _GPU_DEFAULTS[k]}
+            if gpu_only:
+                raise ValueError(f"LBBSP: {', '.join(f'{k}={v!r}' for k, v in gpu_only.items())} "
+                                 f"only apply in mode='gpu' (Algorithm 2); mode='cpu' sizes by "
+                                 f"predicted speed (choose its predictor with predictor=)")
         self._reset_state()
 
     def _reset_state(self) -> None:

@@ -47,6 +47,9 @@ from .base import Context, EpochPolicy
 
 __all__ = ["WLBS"]
 
+#: The indicators :func:`hetlb.telemetry.hardware_info` reports (the ``gpu_*`` ones on CUDA only).
+KNOWN_INDICATORS = ("cpus", "cores", "memory", "gpu_sms", "gpu_clock", "gpu_memory")
+
 #: The paper's indicators, equally weighted.
 DEFAULT_INDICATORS = {"cpus": 1.0, "cores": 1.0, "memory": 1.0}
 
@@ -115,6 +118,9 @@ class WLBS(EpochPolicy):
         for k, w in (DEFAULT_INDICATORS if indicators is None else indicators).items():
             if not isinstance(k, str):
                 raise ValueError(f"WLBS: indicators keys must be indicator names (str), got {k!r}")
+            if k not in KNOWN_INDICATORS:  # a misspelt name would silently give the equal split
+                raise ValueError(f"WLBS: unknown indicator {k!r} in indicators; known: "
+                                 f"{', '.join(KNOWN_INDICATORS)} (hetlb.telemetry.hardware_info)")
             weights[k] = number(w, f"WLBS: indicators[{k!r}]", minimum=0.0)
         if not any(w > 0 for w in weights.values()):
             raise ValueError(f"WLBS: indicators needs a positive weight, got {weights}")

@@ -270,7 +270,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     restarts: List[int] = []
     spent = 0.0
     t_wall = time.perf_counter()
-    name = getattr(pol, "name", type(pol).__name__)
+    # A name given is the label (LBBSP's two modes share the policy's name).
+    name = _policy_key(policy) if isinstance(policy, str) else getattr(pol, "name", type(pol).__name__)
     # Events split by whether they change state at their start or apply per step.
     disturb = [e for e in sc.events if e.kind == "disturb"]
     state_ev = sorted([e for e in sc.events if e.kind != "disturb"], key=lambda e: e.start)
