@@ -223,6 +223,11 @@ class Emulator:
             raise ValueError(f"rank {rank} out of range for {len(speeds)} speeds")
         dist = kw.pop("disturbances", ())
         if isinstance(dist, Mapping):
+            bad = [k for k in dist if isinstance(k, bool) or not isinstance(k, (int, np.integer))
+                   or not 0 <= k < len(speeds)]
+            if bad:  # e.g. "1" from JSON: no rank would ever match it
+                raise ValueError(f"disturbances: keys must be ranks (integers in [0, {len(speeds)})), "
+                                 f"got {bad!r}")
             dist = dist.get(rank, ())
         return cls(speed=speeds[rank], disturbances=dist, rank=rank, **kw)
 

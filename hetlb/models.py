@@ -212,13 +212,30 @@ class PiecewiseModel(TimeModel):
         return f"PiecewiseModel({self.batch_sizes.tolist()!r}, {self.times.tolist()!r})"
 
 
+#: The fields of each ``to_dict`` kind (``worker``: :class:`hetlb.sim.scenario.WorkerModel`).
+_MODEL_FIELDS = {"linear": ("a0", "a1"), "poly": ("coeffs",), "piecewise": ("batch_sizes", "times"),
+                 "worker": ("model", "speed", "saturation", "overhead")}
+
+
 def model_from_dict(d: Dict[str, Any]) -> TimeModel:
-    """Inverse of ``TimeModel.to_dict``."""
+    """Inverse of ``TimeModel.to_dict``. Raises ``ValueError`` for an unknown kind, a missing
+    field or one the kind does not have (a misspelt or misplaced setting must not be ignored)."""
     kind = d.get("kind")
+    if kind not in _MODEL_FIELDS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(_MODEL_FIELDS)}")
+    extra = sorted(set(d) - {"kind", *_MODEL_FIELDS[kind]})
+    if extra:
+        raise ValueError(f"a {kind} model has no field(s) {extra}; its fields: "
+                         f"{', '.join(_MODEL_FIELDS[kind])}")
+    if kind == "worker":
+        from .sim.scenario import WorkerModel  # (the simulator imports this module)
+        return WorkerModel(model_from_dict(d["model"]), d.get("speed", 1.0),
+                           d.get("saturation", 0.0), d.get("overhead", 0.0))
+    missing = [k for k in _MODEL_FIELDS[kind] if k not in d]
+    if missing:
+        raise ValueError(f"a {kind} model needs {missing}")
     if kind == "linear":
         return LinearModel(d["a0"], d["a1"])
     if kind == "poly":
         return PolyModel(d["coeffs"])
-    if kind == "piecewise":
-        return PiecewiseModel(d["batch_sizes"], d["times"])
-    raise ValueError(f"unknown model kind {kind!r}")
+    return PiecewiseModel(d["batch_sizes"], d["times"])

@@ -144,6 +144,22 @@ def test_for_rank_and_state_dict():
     assert [other.target(s, 7) for s in range(30)] == [emus[2].target(s, 7) for s in range(30)]
     with pytest.raises(ValueError, match="rank 3 out of range"):
         Emulator.for_rank(3, speeds)
+    # Keys as JSON gives them matched no rank: the disturbance silently never happened.
+    with pytest.raises(ValueError, match=r"keys must be ranks .* got \['2'\]"):
+        Emulator.for_rank(2, speeds, disturbances={"2": [Disturbance(10, 20, extra=0.05)]})
+
+
+def test_an_emulator_of_a_scenario_worker_reloads_its_state():
+    # WorkerModel.to_dict had no "kind": Emulator().load_state_dict raised "unknown model kind".
+    from hetlb.sim import load_scenario
+    emu = load_scenario("lbbsp-cluster-a").emulator(3)
+    other = Emulator()
+    other.load_state_dict(emu.state_dict())
+    assert other.state_dict() == emu.state_dict()
+    assert [other.target(s, 37) for s in range(20)] == [emu.target(s, 37) for s in range(20)]
+    from hetlb.models import model_from_dict
+    with pytest.raises(ValueError, match=r"a linear model has no field\(s\) \['speed'\]"):
+        model_from_dict({"kind": "linear", "a0": 0.01, "a1": 0.001, "speed": 4})
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -4,6 +4,7 @@ driven through it reaching what the exact solver says."""
 from __future__ import annotations
 
 import copy
+import re
 import json
 
 import numpy as np
@@ -477,6 +478,15 @@ def test_adaptive_exchange_balances_at_the_per_step_pace_with_fewer_exchanges(po
     with pytest.raises(ValueError, match="history=8 keeps fewer records than a block"):
         simulate(sc, policy, steps=3, exchange_every=16, history=8)
     assert simulate(sc, policy, steps=3, exchange_every=100).exchanges == [0]  # (history: 100)
+
+
+@pytest.mark.parametrize("model, shown", [
+    ([True, 0.1], "two numbers"), ({"linear": [0.01, False]}, "two numbers"),
+    ({"kind": "linear", "a0": 0.01, "a1": 0.001, "speed": 4}, "no field(s) ['speed']")])
+def test_a_model_with_a_bool_or_a_field_it_does_not_have_is_refused(model, shown):
+    # Both used to load: True as 1.0 s, and the speed inside the model dict silently ignored.
+    with pytest.raises(ScenarioError, match=re.escape(shown)):
+        Scenario.from_dict(scen(workers=[{"model": model}]))
 
 
 def test_a_policy_given_by_name_is_labelled_by_it():

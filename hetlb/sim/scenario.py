@@ -137,16 +137,18 @@ def _known(d: Any, keys: Sequence[str], where: str) -> Dict[str, Any]:
 def _model(v: Any, where: str) -> TimeModel:
     try:
         if isinstance(v, (list, tuple)):
-            if len(v) != 2:
-                raise ScenarioError(f"{where}: the list shorthand is [a0, a1] (linear), got {v!r}")
+            if len(v) != 2 or any(isinstance(x, (bool, str)) for x in v):
+                raise ScenarioError(f"{where}: the list shorthand is [a0, a1] (linear, two numbers), "
+                                    f"got {v!r}")
             return LinearModel(float(v[0]), float(v[1]))
         if not isinstance(v, Mapping):
             raise ScenarioError(f"{where}: expected a time model object, got {v!r}")
         if "kind" not in v and len(v) == 1:
             (k, c), = v.items()
             if k == "linear":
-                if not isinstance(c, (list, tuple)) or len(c) != 2:
-                    raise ScenarioError(f"{where}.linear: expected [a0, a1], got {c!r}")
+                if not isinstance(c, (list, tuple)) or len(c) != 2 or \
+                        any(isinstance(x, (bool, str)) for x in c):
+                    raise ScenarioError(f"{where}.linear: expected [a0, a1] (two numbers), got {c!r}")
                 return LinearModel(float(c[0]), float(c[1]))
             if k in ("cubic", "poly"):
                 if not isinstance(c, (list, tuple)) or not c:
@@ -194,8 +196,8 @@ class WorkerModel(TimeModel):
         return PiecewiseModel(b, self.time(b))
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"model": self.base.to_dict(), "speed": self.speed, "saturation": self.saturation,
-                "overhead": self.overhead}
+        return {"kind": "worker", "model": self.base.to_dict(), "speed": self.speed,
+                "saturation": self.saturation, "overhead": self.overhead}
 
     def __repr__(self) -> str:
         return (f"WorkerModel({self.base!r}, speed={self.speed}, saturation={self.saturation}, "
@@ -553,8 +555,12 @@ class Scenario:
     def emulator(self, rank: int, **kw: Any) -> Emulator:
         """An :class:`hetlb.emulate.Emulator` that makes real rank ``rank`` behave as worker
         ``rank`` of this scenario: the same time model (speed, saturation, overhead), noise,
-        jitter and ``disturb`` events. Other event kinds and the network are simulator-only and
-        refused here, so a real run never silently differs from its scenario."""
+        jitter and ``disturb`` events: the compute side only. Other event kinds (speed, load,
+        bandwidth, leave, join) and late joiners are simulator-only and refused here. The
+        network (``latency``, ``bandwidth``, ``model_bytes``, ``overlap``) and a worker's own
+        ``bandwidth`` and ``limit`` are not emulated: the real run communicates over its real
+        process group and runs out of its real memory (pass ``bandwidth=`` here to cap the
+        rank's emulated link, see :class:`~hetlb.emulate.Emulator`)."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside the scenario's {self.world} workers")
         other = sorted({e.kind for e in self.events if e.kind != "disturb"})
