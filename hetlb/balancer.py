@@ -408,6 +408,11 @@ class Balancer:
                                [e["upper"] for e in everyone],
                                hardware=[e["hardware"] for e in everyone],
                                profiles=[e["profile"] for e in everyone])
+        have = [r for r, e in enumerate(everyone) if e["profile"] is not None]
+        if 0 < len(have) < self.world:  # a policy needs every rank's model to use any
+            log.warning("profile= given on ranks %s only (not on %s): the policy cannot use "
+                        "profiles and starts without them; pass profile= on every rank",
+                        have, sorted(set(range(self.world)) - set(have)))
         # Before any hook is registered: a policy refusing the context leaves the model as it was.
         self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
         if self.adaptive_exchange and isinstance(self._decision, ScheduleRule) and \

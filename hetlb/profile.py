@@ -328,6 +328,9 @@ def _resolve_device(device: DeviceLike) -> torch.device:
     except (RuntimeError, TypeError, ValueError) as e:
         raise ValueError(f"device must be a torch device or its name (e.g. 'cpu', 'cuda:0'), got "
                          f"{device!r} ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available in this build or machine "
+                         f"(torch {torch.__version__}); profile on 'cpu' or on a CUDA machine")
     if dev.type == "cuda" and dev.index is None:
         # Name the concrete device so the profile says which GPU it describes.
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -757,3 +757,26 @@ def test_a_checkpoint_of_another_policy_is_refused_unless_its_policy_state_is_dr
     assert sorted(sum((r["seen"] for r in first + rest), [])) == list(range(24))  # exactly once
     if policy == "hetlb.LBB(fine=0.1)":
         assert rest[0]["policy"]["fine"] == 0.1
+
+
+def _partial_profile_worker(rank, world):
+    import logging
+    from hetlb.profile import Profile
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+    logging.getLogger("hetlb.balancer").addHandler(Keep())
+    prof = Profile([2, 4, 8], [0.01, 0.02, 0.04], limit=8) if rank == 0 else None
+    bal = hetlb.Balancer(DDP(_net()), 8, profile=prof)
+    return {"warned": [m for m in seen if "profile= given on ranks" in m],
+            "sizes": bal.batch_sizes.tolist()}
+
+
+def test_a_profile_on_some_ranks_only_is_named_in_a_warning():
+    # LBB silently started from the equal split, as if no profile had been given.
+    for r in unwrap(run(_partial_profile_worker, 2)):
+        assert r["warned"] == ["profile= given on ranks [0] only (not on [1]): the policy cannot "
+                               "use profiles and starts without them; pass profile= on every rank"]
+        assert r["sizes"] == [4, 4]

@@ -426,6 +426,8 @@ def test_chronica_balances_data_where_count_balancing_cannot():
     ({"samples": {"kind": "pareto"}}, r"samples\.kind"),
     ({"samples": {"kind": "normal", "std": -1}}, r"samples\.std"),
     ({"samples": {"kind": "normal", "sd": 3}}, r"samples: unknown field"),
+    ({"samples": {"kind": "constant", "std": 3}}, r"samples\.std: not used by kind 'constant'"),
+    ({"samples": {"kind": "normal", "sigma": 1}}, r"samples\.sigma: not used by kind 'normal' \(its spread is 'std'\)"),
     ({"work": "data"}, r"scenario\.work: 'data' needs a samples"),
     ({"work": "tokens", "samples": {"mean": 3}}, r"scenario\.work"),
 ])

@@ -80,7 +80,9 @@ class Context:
                              f"every rank needs at least its lower bound of samples per step")
         if hi < self.global_batch:
             raise ValueError(f"global_batch={self.global_batch} exceeds the sum of upper bounds "
-                             f"{hi:.0f} (upper={_short(self.upper)})")
+                             f"{hi:.0f} (upper={_short(self.upper)}: the upper= given, or a "
+                             f"profile's limit where it ran out of memory); the ranks cannot "
+                             f"hold the global batch")
         if np.any(self.lower > self.upper):
             raise ValueError(f"Context: lower {_short(self.lower)} exceeds upper {_short(self.upper)} "
                              f"(each rank's lower bound must be <= its upper bound)")

@@ -428,6 +428,12 @@ def _samples(d: Any, where: str) -> Optional[Samples]:
     kind = d.get("kind", "constant")
     if kind not in SAMPLE_KINDS:
         raise ScenarioError(f"{where}.kind: expected one of {list(SAMPLE_KINDS)}, got {kind!r}")
+    spread = {"normal": "std", "lognormal": "sigma"}.get(kind)
+    for key in ("std", "sigma"):
+        if key in d and key != spread:  # a spread the kind does not draw with would be ignored
+            raise ScenarioError(f"{where}.{key}: not used by kind {kind!r}"
+                                + (f" (its spread is {spread!r})" if spread else
+                                   " (every sample is the mean)"))
     rnd = d.get("round", True)
     if not isinstance(rnd, bool):
         raise ScenarioError(f"{where}.round: expected true or false, got {rnd!r}")
