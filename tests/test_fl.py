@@ -352,3 +352,84 @@ def test_bad_split_arguments():
         classes_split("abc", 2)
     with pytest.raises(ValueError, match="min_size"):
         dirichlet_split(LABELS[:10], 5, min_size=3)
+
+
+# ---------------------------------------------------------------------- ranks out of step
+
+class Shaped(torch.nn.Module):
+    """A model of parameters of the given shapes (the same elements in another layout)."""
+
+    def __init__(self, *shapes):
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, dtype=torch.float64))
+                                          for s in shapes])
+
+
+#: Rank 1's difference from rank 0 (Federated(model0(), SGD, local_steps=2, batch=4)).
+DIFFERENT = {
+    "local_steps": ({"local_steps": 3}, "local_steps=2; rank 1 has local_steps=3"),
+    "batch": ({"batch": 5}, "batch=4; rank 1 has batch=5"),
+    "tune": ({"tune": False}, "tune=True; rank 1 has tune=False"),
+    "average": ({"average": "data"}, "average='equal'; rank 1 has average='data'"),
+    "alpha": ({"alpha": 0.5}, "alpha=0.2; rank 1 has alpha=0.5"),
+    "min_batch": ({"min_batch": 2}, "min_batch=1; rank 1 has min_batch=2"),
+    "max_batch": ({"max_batch": 8}, "max_batch=None; rank 1 has max_batch=8"),
+    "model": (lambda: torch.nn.Linear(3, 3).double(), "elements=8"),
+    "shapes": (lambda: Shaped((3, 2), (2,)), "shapes="),
+    "dtype": (lambda: torch.nn.Linear(3, 2), "dtype='torch.float64'"),
+}
+
+
+def mismatch_worker(rank, world, cases):
+    """Per case, the error each rank raised building its Federated (rank 1 differs)."""
+    out = {}
+    for case in cases:
+        change, _ = DIFFERENT[case]
+        net = change() if rank == 1 and callable(change) else model0()
+        args = dict(local_steps=2, batch=4)
+        if rank == 1 and not callable(change):
+            args.update(change)
+        try:
+            Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), **args)
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_ranks_that_disagree_on_a_setting_or_the_model_fail_at_construction():
+    # Each used to train on: the average mixed rounds of different lengths or batch tables
+    # (local_steps, batch, tune, alpha, ...), or Gloo aborted with gloo::EnforceNotMet at the
+    # first average (another model), or the replicas averaged unrelated elements (shapes).
+    res = unwrap(run(mismatch_worker, 2, list(DIFFERENT)))
+    for case, (_, named) in DIFFERENT.items():
+        msgs = [r[case] for r in res]
+        assert msgs[0] is not None and msgs[0] == msgs[1], (case, msgs)
+        assert "ranks disagree on the Federated settings" in msgs[0] and named in msgs[0], (case, msgs)
+    assert "tensors" not in res[0]["shapes"]  # the same number of tensors and elements
+
+
+def round_worker(rank, world):
+    """Rank 1 resumes from a state of a later round than rank 0's; the error at the average."""
+    net = model0()
+    fl = Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 1, 4)
+    state = fl.state_dict()
+    state["round"] = 3 if rank == 1 else 2
+    fl.load_state_dict(state)
+    x, y = next(fl.loader(client_data(rank), seed=0))
+    ((net(x) - y) ** 2).mean().backward()
+    try:
+        fl.step()
+    except ValueError as e:
+        return str(e), fl.round, flat(net).tolist()
+    return None, fl.round, flat(net).tolist()
+
+
+def test_clients_resumed_at_different_rounds_fail_at_the_first_average():
+    # They used to average round 2 of one client with round 3 of the other, and the client
+    # ahead finished its last round first, leaving the others in an all-reduce until the timeout.
+    res = unwrap(run(round_worker, 2))
+    assert res[0][0] is not None and res[0][0] == res[1][0], res
+    assert "rounds [2, 3]" in res[0][0] and "same round" in res[0][0]
+    assert [r[1] for r in res] == [2, 3]  # no round counted
+    assert res[0][2] != res[1][2]  # nor the average taken: each client keeps its local step

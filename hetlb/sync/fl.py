@@ -26,10 +26,13 @@ round runs equal batches (nothing is measured yet). ``tune=False`` is standard F
 batch`` for every client, every round.
 
 Communication: one all-reduce per round, nothing per local step. Each client's telemetry row
-(weight, batch, samples, compute seconds) rides in slots appended to the same flat buffer as the
-parameters (a zeroed region where each rank writes its own row, so the SUM delivers the whole
-table), so every client computes the same next batches from the same numbers (replicated,
-deterministic; no coordinator).
+(weight, batch, samples, compute seconds, round) rides in slots appended to the same flat buffer
+as the parameters (a zeroed region where each rank writes its own row, so the SUM delivers the
+whole table), so every client computes the same next batches from the same numbers (replicated,
+deterministic; no coordinator). Clients that are not at the same round (resumed from checkpoints
+of different rounds) all raise at that average, before the average is applied. The settings and
+the model's layout are compared across the clients once, at construction: a client that differs
+makes every client raise the same ``ValueError`` naming the setting.
 
 Clock: a round's compute is the time from the round's first batch being drawn from
 :meth:`Federated.loader` (or the end of the previous round's average, or
@@ -52,6 +55,7 @@ implementations that keep one optimizer per client; plain SGD (the paper's) has 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -62,7 +66,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checks import choice, flag, instance, integer, number, optional_integer
+from ..checks import agree, choice, flag, instance, integer, number, optional_integer
 from ..policies.predictors import EMA
 from ..solve import allocate_proportional
 from ..telemetry import StepRecord
@@ -73,9 +77,11 @@ __all__ = ["Federated", "RoundRecord", "ClientLoader", "classes_split", "dirichl
 log = logging.getLogger("hetlb")
 
 #: The telemetry row each client writes into its slots of the flat buffer.
-ROW = ("weight", "batch", "samples", "compute")
+ROW = ("weight", "batch", "samples", "compute", "round")
 _R = {name: i for i, name in enumerate(ROW)}
 _FORMAT = "hetlb.Federated/1"
+#: The round is sent modulo this, so it stays exact in a float32 slot.
+_ROUND_MOD = 2 ** 24
 AVERAGES = ("equal", "data")
 
 
@@ -205,8 +211,26 @@ class Federated:
         self._pending_loader: Optional[Dict[str, Any]] = None
         self.restart_clock()
         self.watchdog = watchdog
+        # Clients that differ here average out of step: another local_steps or batch table mixes
+        # rounds of different lengths, another model makes the all-reduce pair unrelated elements
+        # (or Gloo abort on the sizes). One exchange at start-up compares them. The shapes are
+        # sent as a digest: the list itself can run to thousands of characters in an error.
+        shapes = repr([(tuple(t.shape), str(t.dtype)) for t in self.tensors]).encode()
+        self._agree({"local_steps": self.local_steps, "batch": self.batch, "tune": self.tune,
+                     "average": self.average, "alpha": self.alpha, "min_batch": self.min_batch,
+                     "max_batch": self.max_batch, "dtype": str(self.dtype),
+                     "tensors": len(self.tensors), "elements": self._numel,
+                     "shapes": hashlib.sha1(shapes).hexdigest()[:12]})
         if watchdog is not None and on:
             watchdog.attach_to(group)
+
+    def _agree(self, mine: Dict[str, Any]) -> None:
+        """Raise the same ``ValueError`` on every client when one's settings differ from rank 0's."""
+        if not self._distributed or self.world == 1:
+            return
+        everyone: List[Any] = [None] * self.world
+        dist.all_gather_object(everyone, {"Federated": mine}, group=self.group)
+        agree(everyone, "Federated", "Federated")
 
     # ------------------------------------------------------------------ the loop
 
@@ -268,8 +292,8 @@ class Federated:
                 off += t.numel()
             buf[:n].mul_(weight)
             row = buf[n + self.rank * k:n + (self.rank + 1) * k]
-            row.copy_(torch.tensor([weight, self.batch_size, self.batch_size * self.local_steps, compute],
-                                   dtype=self.dtype))
+            row.copy_(torch.tensor([weight, self.batch_size, self.batch_size * self.local_steps, compute,
+                                    self.round % _ROUND_MOD], dtype=self.dtype))
         t0 = time.perf_counter()
         if self._distributed:
             if self.watchdog is not None:
@@ -277,6 +301,13 @@ class Federated:
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
         sync = time.perf_counter() - t0
         table = buf[n:].double().cpu().numpy().reshape(self.world, k)
+        rounds = np.rint(table[:, _R["round"]]).astype(np.int64)
+        if np.any(rounds != rounds[0]):
+            # Every client sees the same table, so every one raises here (none is left waiting in
+            # a later all-reduce), and before the model takes the mixed average.
+            raise ValueError(f"Federated: the clients are at rounds {rounds.tolist()} at this average; "
+                             f"every client must be at the same round: resume all of them from "
+                             f"checkpoints saved at the same round")
         total = float(table[:, _R["weight"]].sum())
         with torch.no_grad():
             buf[:n].div_(total)
