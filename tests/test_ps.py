@@ -235,6 +235,10 @@ def test_bad_arguments():
     other = ParameterServer(model, opt, N, 24, 2, "ssp").state_dict()
     with pytest.raises(ValueError, match="workers=2"):
         ps.load_state_dict(other)
+    # It used to resume with the checkpoint's batch sizes (summing to 12), the new total ignored.
+    other = ParameterServer(model, opt, N, 12, 3, "ssp").state_dict()
+    with pytest.raises(ValueError, match="the checkpoint has global_batch=12, this server 24"):
+        ps.load_state_dict(other)
 
 
 def test_out_of_step_push_stops_the_server_and_answers_everyone():

@@ -237,7 +237,8 @@ class ParameterServer:
 
     def _state(self) -> Dict[str, Any]:
         return {"format": _FORMAT, "mode": self.mode, "num_samples": self.num_samples,
-                "workers": self.workers, "model": self.model.state_dict(),
+                "workers": self.workers, "global_batch": self.global_batch,
+                "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "version": self.version,
                 "epoch": self.epoch, "limited": self.limited,
                 "clock": torch.from_numpy(self.clock.copy()),
@@ -251,10 +252,16 @@ class ParameterServer:
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(f"ParameterServer.load_state_dict: not a ParameterServer checkpoint "
                              f"(format {state.get('format') if isinstance(state, dict) else state!r})")
-        for key in ("mode", "num_samples", "workers"):
-            if state[key] != getattr(self, key):
+        # The checkpoint's batch sizes and policy sum to its global_batch: resumed with another
+        # one they would keep the old total. A checkpoint saved before global_batch was stored
+        # has no such key and is not checked on it.
+        for key in ("mode", "num_samples", "workers", "global_batch"):
+            saved = state.get(key, self.global_batch) if key == "global_batch" else state[key]
+            if saved != getattr(self, key):
                 raise ValueError(f"ParameterServer.load_state_dict: the checkpoint has {key}="
-                                 f"{state[key]!r}, this server {getattr(self, key)!r}")
+                                 f"{saved!r}, this server {getattr(self, key)!r}; resume with "
+                                 f"the checkpoint's {key}, or start afresh in another checkpoint "
+                                 f"directory")
         self._reset_state()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
