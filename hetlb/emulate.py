@@ -19,7 +19,11 @@ bucket* (the moment the rank would join the final all-reduce) until ``measured *
 seconds after the step's first forward, without entering Python. So the emulated time is exactly
 the compute time the other ranks wait for, and telemetry records it as this rank's compute time.
 A ``Disturbance(..., fail=True)`` makes the rank report ``+inf`` (no progress) for its steps, as a
-device that stopped working while its process still takes part would. A bandwidth cap delays
+device that stopped working while its process still takes part would: in the Balancer (and the
+simulator's scenarios) only. :class:`hetlb.sync.Federated` and the parameter-server
+:class:`hetlb.sync.ps.Worker` refuse an emulator with one (they have no way to report it);
+:class:`hetlb.DelayedSync` and :func:`hetlb.sync.train`'s ``localsgd`` only stretch steps and leave
+``fail`` out. A bandwidth cap delays
 every bucket's result by ``nbytes / bandwidth``. Standalone::
 
     emu = Emulator.for_rank(rank, speeds=[1.0, 0.5, 0.25], noise=0.1,
@@ -89,8 +93,10 @@ class Disturbance:
     """From step ``start`` (inclusive) to ``stop`` (exclusive; ``None`` = forever) the target
     becomes ``target * factor + extra`` seconds. LBB's disturbance is ``extra=0.05``; a
     ``Disturbance(0, extra=x)`` is the papers' static heterogeneity (a fixed prolongation).
-    ``fail=True``: the rank makes no progress in those steps (it reports ``+inf`` compute time;
-    WLBS redistributes its share)."""
+    ``fail=True``: the rank makes no progress in those steps: under the :class:`hetlb.Balancer`
+    (and in the simulator) it reports ``+inf`` compute time and WLBS redistributes its share.
+    Only there: :class:`hetlb.sync.Federated` and the parameter-server worker refuse an emulator
+    with a failure, and :class:`hetlb.DelayedSync` and local SGD ignore ``fail``."""
 
     start: int
     stop: Optional[int] = None
@@ -273,6 +279,12 @@ class Emulator:
             if d.active(step):
                 factor, extra = factor * d.factor, extra * d.factor + d.extra
         return factor, extra
+
+    @property
+    def failures(self) -> "tuple[Disturbance, ...]":
+        """The ``fail=True`` disturbances (emulated by the :class:`hetlb.Balancer` only; the modes
+        that cannot report a rank without progress refuse an emulator that has one)."""
+        return tuple(d for d in self.disturbances if d.fail)
 
     def failed(self, step: int) -> bool:
         """Whether the rank makes no progress at ``step`` (a ``fail=True`` disturbance is active)."""

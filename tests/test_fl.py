@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hetlb
-from hetlb.emulate import Emulator
+from hetlb.emulate import Disturbance, Emulator
 from hetlb.sync.fl import Federated, classes_split, dirichlet_split
 
 from distributed import run, unwrap
@@ -433,3 +433,28 @@ def test_clients_resumed_at_different_rounds_fail_at_the_first_average():
     assert "rounds [2, 3]" in res[0][0] and "same round" in res[0][0]
     assert [r[1] for r in res] == [2, 3]  # no round counted
     assert res[0][2] != res[1][2]  # nor the average taken: each client keeps its local step
+
+
+def failing_worker(rank, world):
+    """Rank 1's emulator has a fail=True disturbance: the error each rank raised."""
+    net = model0()
+    emu = Emulator(disturbances=[Disturbance(2, fail=True)] if rank == 1 else [])
+    try:
+        Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4, emulator=emu)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_an_emulated_failure_is_refused_on_every_client():
+    # fail=True used to have no effect here (the client trained on at full speed), while the
+    # Disturbance docstring said the rank reports +inf compute.
+    res = unwrap(run(failing_worker, 2))
+    assert res[0] is not None and res[0] == res[1], res
+    assert "rank 1" in res[0] and "fail=True is emulated by the Balancer only" in res[0]
+    net = model0()
+    emu = Emulator(disturbances=[Disturbance(0, 5, extra=0.01), Disturbance(3, fail=True)])
+    with pytest.raises(ValueError, match=r"fail=True is emulated by the Balancer only.*start=3"):
+        Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4, emulator=emu)
+    Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4,
+              emulator=Emulator(disturbances=[Disturbance(0, 5, extra=0.01)]))  # no failure: taken

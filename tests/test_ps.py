@@ -292,3 +292,17 @@ def test_in_process_checks_model_size_and_keeps_float64():
     assert after.dtype == torch.float64
     torch.testing.assert_close(after, before - 0.5 * g, rtol=0, atol=1e-18)
     assert nxt["version"] == 1 and len(nxt["indices"]) == 8
+
+
+def test_worker_refuses_an_emulated_failure():
+    """fail=True used to have no effect on a worker (it pushed at full speed), while the
+    Disturbance docstring said the rank reports +inf compute; a dead worker is emulated by a
+    delay past the server's timeout instead."""
+    import hetlb
+    from hetlb.emulate import Disturbance, Emulator
+    from hetlb.sync.ps import Worker
+    emu = Emulator(hetlb.LinearModel(0.0, 0.001), disturbances=[Disturbance(2, fail=True)])
+    with pytest.raises(ValueError, match=r"fail=True is emulated by the Balancer only.*timeout"):
+        Worker(_model(), _data(), torch.nn.functional.mse_loss, 1, emulator=emu)
+    Worker(_model(), _data(), torch.nn.functional.mse_loss, 1,
+           emulator=Emulator(disturbances=[Disturbance(2, extra=30.0)]))  # taken

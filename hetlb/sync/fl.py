@@ -146,7 +146,8 @@ class Federated:
         data_size: this client's dataset size, for ``average="data"`` when the data does not
             come through :meth:`loader`.
         emulator: an :class:`hetlb.emulate.Emulator` stretching each local step to an emulated
-            client's time (benchmarks, tests).
+            client's time (benchmarks, tests); one with a ``fail=True`` disturbance is refused
+            (on every client): a round needs every client.
         watchdog: a :class:`hetlb.Watchdog`: a client blocked in the round's average while no
             client makes progress for ``stall`` seconds names the client behind (an earlier
             round, or still training the same one) instead of waiting for the collective's
@@ -185,6 +186,14 @@ class Federated:
             from ..emulate import Emulator
             instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
         self.emulator = emulator
+        refused: Optional[str] = None
+        if emulator is not None and emulator.failures:
+            # A round averages every client: there is no protocol for one that makes no progress.
+            # Refused on every client (at the exchange below), so none waits in it for the timeout.
+            refused = (f"fail=True is emulated by the Balancer only; Federated cannot go on without "
+                       f"a client (every round averages all of them), got an emulator with "
+                       f"{list(emulator.failures)}: drop fail=True, or emulate a slow client with "
+                       f"Disturbance(start, stop, extra=seconds)")
         if watchdog is not None:
             instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
         self.model, self.optimizer, self.group = model, optimizer, group
@@ -220,16 +229,22 @@ class Federated:
                      "average": self.average, "alpha": self.alpha, "min_batch": self.min_batch,
                      "max_batch": self.max_batch, "dtype": str(self.dtype),
                      "tensors": len(self.tensors), "elements": self._numel,
-                     "shapes": hashlib.sha1(shapes).hexdigest()[:12]})
+                     "shapes": hashlib.sha1(shapes).hexdigest()[:12]}, refused)
         if watchdog is not None and on:
             watchdog.attach_to(group)
 
-    def _agree(self, mine: Dict[str, Any]) -> None:
-        """Raise the same ``ValueError`` on every client when one's settings differ from rank 0's."""
+    def _agree(self, mine: Dict[str, Any], refused: Optional[str]) -> None:
+        """Raise the same ``ValueError`` on every client when one refused its arguments
+        (``refused``: why) or one's settings differ from rank 0's."""
         if not self._distributed or self.world == 1:
+            if refused is not None:
+                raise ValueError(refused)
             return
         everyone: List[Any] = [None] * self.world
-        dist.all_gather_object(everyone, {"Federated": mine}, group=self.group)
+        dist.all_gather_object(everyone, {"Federated": mine, "refused": refused}, group=self.group)
+        for r, e in enumerate(everyone):
+            if e["refused"] is not None:
+                raise ValueError(f"Federated on rank {r}: {e['refused']}")
         agree(everyone, "Federated", "Federated")
 
     # ------------------------------------------------------------------ the loop

@@ -613,7 +613,9 @@ class Worker:
         loss_fn: ``loss_fn(output, target)``, mean over the batch (the summed gradient is the
             mean's gradient times the batch).
         rank: this worker's rank (``1..K``).
-        emulator: stretches each iteration's compute to an emulated worker's time.
+        emulator: stretches each iteration's compute to an emulated worker's time (one with a
+            ``fail=True`` disturbance is refused: a delay past the server's ``timeout`` emulates
+            a dead worker).
         link: emulated seconds added to every exchange with the server.
         collate_fn: builds a batch from ``[dataset[i] for i in indices]``.
         timeout: seconds one call may wait for the server (synchronisations, staleness bound and
@@ -630,6 +632,15 @@ class Worker:
         self.rank = integer(rank, "Worker: rank", 1)
         if emulator is not None:
             instance(emulator, "Worker: emulator", Emulator, "a hetlb.emulate.Emulator")
+            if emulator.failures:
+                # A push carries a finite compute time (the server refuses others): a worker
+                # cannot report a step without progress. The server's own failure path is the
+                # timeout, so a long enough delay is how a dead worker is emulated here.
+                raise ValueError(f"fail=True is emulated by the Balancer only; a parameter-server "
+                                 f"worker cannot report a step without progress, got an emulator "
+                                 f"with {list(emulator.failures)}: drop fail=True, or emulate a "
+                                 f"dead worker with Disturbance(start, extra=seconds) longer than "
+                                 f"the server's timeout (the server drops it and moves its share)")
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.emulator, self.collate_fn, self.server = emulator, collate_fn, server
         self.link = number(link, "Worker: link", minimum=0.0)
