@@ -66,3 +66,22 @@ def test_bad_mode_and_no_group():
         hetlb.sync.train("bsp", _model(), _data(), _loss, global_batch=8)
     with pytest.raises(ValueError, match="optimizer"):
         hetlb.sync.train("bsp", _model(), _data(), _loss, global_batch=8, optimizer=3)
+
+
+def _fl_uneven(rank, world):
+    import hetlb
+    model = _model()
+    indices = list(range(8)) if rank == 0 else list(range(8, 40))  # 8 and 32 samples
+    out = hetlb.sync.train("fl", model, _data(), _loss, global_batch=8, epochs=1, local_steps=2,
+                           tune=False, indices=indices)
+    fed = out["federated"]
+    return {"rounds": fed.round, "steps": fed.steps, "passes": fed._loader.epoch}
+
+
+def test_fl_rounds_are_sized_by_the_largest_client():
+    """What train's docstring states: every client runs the rounds of `epochs` passes over the
+    largest client's data at the mean batch (32 samples / (4 * 2) = 4 rounds), so the client of
+    8 samples makes 4 passes over its own data."""
+    small, large = unwrap(run(_fl_uneven, 2))
+    assert small["rounds"] == large["rounds"] == 4 and small["steps"] == large["steps"] == 8
+    assert small["passes"] == 4 and large["passes"] == 1

@@ -77,8 +77,11 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
             ``localsgd`` to :func:`hetlb.sync.local.local_sgd` (``period``, default 4;
             ``warmup_steps``), ``fl`` to :class:`hetlb.sync.fl.Federated` (``local_steps``,
             default 20; ``tune``, ``average``, ...) plus ``indices``: this client's samples
-            (default: a ``1/world`` i.i.d. shard); ``fl`` trains ``epochs`` times the client's
-            own data, rounded up to whole rounds.
+            (default: a ``1/world`` i.i.d. shard). ``fl`` runs the same number of rounds on
+            every client (each round's average needs all of them): enough for ``epochs`` passes
+            over the *largest* client's data at the mean batch ``global_batch // world``, rounded
+            up to whole rounds. A smaller client (or one whose tuned batch is above the mean)
+            makes more passes over its own data than ``epochs``.
 
     ``bsp``, ``delayed``, ``localsgd`` and ``fl`` need a process group
     (:func:`hetlb.init_process_group`); the parameter-server modes initialise
