@@ -41,7 +41,8 @@ from .data import BalancedLoader, check_loader_config
 from .runlog import ENV_LOG_DIR, RunLog
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
 from .shard import Partition, epoch_rates
-from .policies.base import Context, Policy, SizedPolicy, check_decision, from_state, to_state
+from .policies.base import (Context, Policy, SizedPolicy, check_decision, check_same_policy,
+                            from_state, policy_settings, to_state)
 from .watchdog import Watchdog
 from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
                         UnusableTelemetry, block_history, hardware_info, next_block_length)
@@ -71,13 +72,6 @@ class BatchSizeError(ValueError):
 def _num(v: float) -> str:
     """A table entry as an error message shows it: an integer, or the float itself."""
     return str(int(v)) if math.isfinite(v) and v == int(v) else repr(v)
-
-
-def _policy_settings(policy: Any) -> Dict[str, Any]:
-    """A policy's settings to compare across ranks (none for a duck-typed policy without
-    ``settings()``)."""
-    f = getattr(policy, "settings", None)
-    return dict(f()) if callable(f) else {}
 
 
 def _groups(values: np.ndarray) -> str:
@@ -393,7 +387,7 @@ class Balancer:
                            "accumulate": self.accumulate, "policy": type(policy).__name__,
                            "exchange_every": self.exchange_every,
                            "adaptive_exchange": self.adaptive_exchange},
-                "policy_settings": _policy_settings(policy),
+                "policy_settings": policy_settings(policy),
                 "transport": transport,
                 "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
                 "carry_penalty": carry_penalty(model),
@@ -1068,26 +1062,8 @@ class Balancer:
                 "loader": self._loader_config,
                 "decision": decision, "policy": to_state(self.policy.state_dict()),
                 "policy_type": type(self.policy).__name__,
-                "policy_settings": _policy_settings(self.policy),
+                "policy_settings": policy_settings(self.policy),
                 "history": self.history.state_dict()}
-
-    def _check_policy_of(self, state: Dict[str, Any]) -> None:
-        """The checkpoint's policy is this one's class with these settings (checkpoints written
-        before they were recorded are not checked)."""
-        mine, theirs = type(self.policy).__name__, state.get("policy_type")
-        hint = ('; to switch at this resume, set state["policy"] = None before loading (the new '
-                'policy then starts afresh)')
-        if theirs is not None and theirs != mine:
-            raise ValueError(f"the checkpoint holds the state of a {theirs} policy, this Balancer "
-                             f"runs {mine}: resume with {theirs}(...){hint}")
-        saved, now = state.get("policy_settings"), _policy_settings(self.policy)
-        if isinstance(saved, dict) and saved != now:
-            diff = [k for k in list(now) + [k for k in saved if k not in now]
-                    if saved.get(k) != now.get(k)]
-            raise ValueError(f"the checkpoint's {mine} policy has "
-                             + ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
-                             + ", this one " + ", ".join(f"{k}={now.get(k)!r}" for k in diff)
-                             + f": its state would replace these settings{hint}")
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (or the loader's: the same object); loading twice is
@@ -1135,7 +1111,9 @@ class Balancer:
             {"loader": state.get("loader"), "position": state["position"]}
         fresh = state["policy"] is None  # the user switches policy (see the docstring)
         if world == self.world and not fresh:  # parsed before anything changes
-            self._check_policy_of(state)
+            check_same_policy(self.policy, state, "this Balancer",
+                              '; to switch at this resume, set state["policy"] = None before '
+                              'loading (the new policy then starts afresh)')
             try:
                 history = History.from_state_dict(state["history"])
                 d = state["decision"]

@@ -34,7 +34,18 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger("hetlb")
 
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
-_TMP = re.compile(r"^ckpt-(\d+)\.pt\.tmp\.\d+$")  # a save in progress, or one killed mid-write
+_TMP = re.compile(r"^ckpt-(\d+)\.pt\.tmp\.(\d+)$")  # a save in progress, or one killed mid-write
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (its save may still be in progress)."""
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # another user's process
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
 
 
 class Checkpointer:
@@ -127,10 +138,11 @@ class Checkpointer:
 
     def _remove_stale(self, step: int) -> None:
         """Delete the temporary files a writer killed mid-save left behind (a checkpoint's size
-        each): those of steps up to ``step``, which this save superseded."""
+        each): those of steps up to ``step``, which this save superseded, whose writer is no
+        longer running on this host."""
         for name in os.listdir(self.directory):
             m = _TMP.match(name)
-            if m and int(m.group(1)) <= step:
+            if m and int(m.group(1)) <= step and not _alive(int(m.group(2))):
                 try:
                     os.remove(os.path.join(self.directory, name))
                     log.info("removed %s, left by an interrupted save", name)

@@ -8,7 +8,7 @@ non-decreasing. Models are immutable; each carries a packed native form for ``he
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -220,20 +220,23 @@ _MODEL_FIELDS = {"linear": ("a0", "a1"), "poly": ("coeffs",), "piecewise": ("bat
 def model_from_dict(d: Dict[str, Any]) -> TimeModel:
     """Inverse of ``TimeModel.to_dict``. Raises ``ValueError`` for an unknown kind, a missing
     field or one the kind does not have (a misspelt or misplaced setting must not be ignored)."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"a time model is a dict from TimeModel.to_dict(), got {type(d).__name__}")
     kind = d.get("kind")
-    if kind not in _MODEL_FIELDS:
+    if not isinstance(kind, str) or kind not in _MODEL_FIELDS:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(_MODEL_FIELDS)}")
-    extra = sorted(set(d) - {"kind", *_MODEL_FIELDS[kind]})
+    extra = sorted(str(k) for k in set(d) - {"kind", *_MODEL_FIELDS[kind]})
     if extra:
         raise ValueError(f"a {kind} model has no field(s) {extra}; its fields: "
                          f"{', '.join(_MODEL_FIELDS[kind])}")
+    needed = ("model",) if kind == "worker" else _MODEL_FIELDS[kind]
+    missing = [k for k in needed if k not in d]
+    if missing:
+        raise ValueError(f"a {kind} model needs {missing}")
     if kind == "worker":
         from .sim.scenario import WorkerModel  # (the simulator imports this module)
         return WorkerModel(model_from_dict(d["model"]), d.get("speed", 1.0),
                            d.get("saturation", 0.0), d.get("overhead", 0.0))
-    missing = [k for k in _MODEL_FIELDS[kind] if k not in d]
-    if missing:
-        raise ValueError(f"a {kind} model needs {missing}")
     if kind == "linear":
         return LinearModel(d["a0"], d["a1"])
     if kind == "poly":

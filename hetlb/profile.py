@@ -7,8 +7,8 @@ The largest size that fit is ``B_lim`` (:attr:`Profile.limit`), the memory bound
 :meth:`Profile.fit` turns the points into the cubic (profiling) or linear (online) model of Eq. (1).
 
 Out of memory means: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``), a
-``RuntimeError`` whose message contains "out of memory" or "cannot allocate memory" (the CPU
-allocator's failure), a ``MemoryError``, or, with
+``RuntimeError`` whose message contains "out of memory" or is torch's CPU allocator failure
+("DefaultCPUAllocator: can't allocate memory"), a ``MemoryError``, or, with
 ``memory_limit``, a measured peak above the limit (how it is measured: :func:`profile`).
 
 Note: ``hetlb.profile`` (the package attribute) is the function; import the module's other names
@@ -370,8 +370,9 @@ def _make_timer(dev: torch.device) -> Callable[[Callable[[], Any]], float]:
 
 
 #: How an allocation failure reads in a ``RuntimeError``: torch's CUDA and XPU wording, and its CPU
-#: allocator's ("DefaultCPUAllocator: can't allocate memory ... (Cannot allocate memory)").
-_OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+#: allocator's ("DefaultCPUAllocator: can't allocate memory ..."; not any ENOMEM, such as a
+#: failed shared-memory map, which is no batch-size bound).
+_OOM_WORDS = ("out of memory", "defaultcpuallocator: can't allocate memory")
 
 
 def _is_oom(exc: BaseException) -> bool:

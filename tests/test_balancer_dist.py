@@ -780,3 +780,29 @@ def test_a_profile_on_some_ranks_only_is_named_in_a_warning():
         assert r["warned"] == ["profile= given on ranks [0] only (not on [1]): the policy cannot "
                                "use profiles and starts without them; pass profile= on every rank"]
         assert r["sizes"] == [4, 4]
+
+
+def test_a_resume_may_change_a_setting_the_policy_state_does_not_restore():
+    # Chronica keeps its own hold at a load ("how a user turns it on or off"); the checkpoint
+    # check must not refuse it.
+    first = unwrap(run(_policy_resume_worker, 2, "hetlb.Chronica(hold=0.05)"))
+    rest = unwrap(run(_policy_resume_worker, 2, "hetlb.Chronica(hold=0.1)", first[0]["state"]))
+    assert all("error" not in r for r in rest), rest
+    assert sorted(sum((r["seen"] for r in first + rest), [])) == list(range(24))
+    assert rest[0]["policy"]["hold"] == 0.1
+
+
+def test_policy_settings_are_plain_values_in_a_checkpoint(tmp_path):
+    import io
+
+    class Scaled(hetlb.Uniform):
+        def __init__(self, w=1.0):
+            super().__init__()
+            self.w = w
+
+    settings = hetlb.policies.base.policy_settings(Scaled(np.float64(2.5)))
+    assert settings == {"w": 2.5} and type(settings["w"]) is float  # (np.float64 is a float)
+    buf = io.BytesIO()
+    torch.save({"policy_settings": settings}, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True) == {"policy_settings": {"w": 2.5}}

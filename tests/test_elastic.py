@@ -200,13 +200,19 @@ def test_checkpointer_removes_what_a_killed_save_left_behind(tmp_path):
     ck = hetlb.Checkpointer(tmp_path, keep=2, rank=0)
     ck.save({"x": torch.zeros(1)}, step=1)
     # A writer killed mid-save (the previous attempt's pid) leaves a temporary file as large as a
-    # checkpoint; it used to stay for good.
-    for name in ("ckpt-000000002.pt.tmp.4242", "ckpt-000000005.pt.tmp.77"):
+    # checkpoint; it used to stay for good. A writer still running keeps its file.
+    import subprocess
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name in (f"ckpt-000000002.pt.tmp.{dead.pid}", f"ckpt-000000005.pt.tmp.{dead.pid}",
+                 f"ckpt-000000002.pt.tmp.{os.getppid()}"):
         (tmp_path / name).write_bytes(b"partial")
     ck.save({"x": torch.ones(1)}, step=3)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-000000001.pt", "ckpt-000000003.pt",
-                                            "ckpt-000000005.pt.tmp.77"]  # (a later step: kept)
+    assert sorted(os.listdir(tmp_path)) == sorted([
+        "ckpt-000000001.pt", "ckpt-000000003.pt", f"ckpt-000000002.pt.tmp.{os.getppid()}",
+        f"ckpt-000000005.pt.tmp.{dead.pid}"])  # (a running writer's, and a later step's: kept)
     assert ck.latest()["step"] == 3
+    os.remove(tmp_path / f"ckpt-000000002.pt.tmp.{os.getppid()}")
     ck.save({"x": torch.ones(1)}, step=5)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-000000003.pt", "ckpt-000000005.pt"]
 

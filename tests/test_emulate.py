@@ -1,4 +1,5 @@
 """Emulated heterogeneity: target-time math, determinism, stretching accuracy, bandwidth."""
+import re
 import statistics
 import time
 
@@ -160,6 +161,10 @@ def test_an_emulator_of_a_scenario_worker_reloads_its_state():
     from hetlb.models import model_from_dict
     with pytest.raises(ValueError, match=r"a linear model has no field\(s\) \['speed'\]"):
         model_from_dict({"kind": "linear", "a0": 0.01, "a1": 0.001, "speed": 4})
+    for bad, shown in (({"kind": "worker"}, "needs ['model']"), ({"kind": ["x"]}, "unknown model kind"),
+                       (3, "a dict from TimeModel.to_dict"), ({"kind": "linear", "a0": 1}, "needs ['a1']")):
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            model_from_dict(bad)
 
 
 @pytest.mark.parametrize("kw, match", [

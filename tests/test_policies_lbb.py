@@ -5,6 +5,7 @@ records a real trainer would (optionally applying decisions ``lag`` steps late, 
 data loader does) and every decision is checked against the context's bounds.
 """
 import collections
+import logging
 import math
 import pickle
 from typing import Callable, List, Optional, Sequence
@@ -466,7 +467,7 @@ def test_dbs_rank_without_samples_keeps_its_last_speed():
 
 # -- WLBS --------------------------------------------------------------------------------------
 
-def test_wlbs_initial_division_from_hardware():
+def test_wlbs_initial_division_from_hardware(caplog):
     # The paper's indicators (CPUs, cores, memory), each normalised, equal weights.
     hw = [{"cpus": c, "cores": c / 2, "memory": m} for c, m in ((8, 8e9), (8, 16e9), (16, 16e9), (16, 32e9))]
     scores = np.array([(8 / 16 + 4 / 8 + 8 / 32), (8 / 16 + 4 / 8 + 16 / 32), (1 + 1 + 16 / 32), 3.0]) / 3
@@ -477,9 +478,17 @@ def test_wlbs_initial_division_from_hardware():
     hwg = [{"cpus": 8.0, "cores": 4.0, "memory": 1e9, "gpu_sms": s} for s in (10, 20, 30, 40)]
     assert WLBS(indicators={"gpu_sms": 1.0}).start(Context.simple(4, 500, lower=1, hardware=hwg)).tolist() == \
         [50, 100, 150, 200]
-    # A missing indicator somewhere: the equal split.
-    assert WLBS().start(Context.simple(4, 10, lower=0, hardware=[{"cpus": 1}] * 4)).tolist() == [3, 3, 2, 2]
-    assert WLBS().start(Context.simple(4, 10, lower=0)).tolist() == [3, 3, 2, 2]  # no info
+    # A missing indicator somewhere: the equal split, named in a warning (a misspelt name was
+    # silently the equal split).
+    with caplog.at_level(logging.WARNING, "hetlb.policies"):
+        assert WLBS().start(Context.simple(4, 10, lower=0, hardware=[{"cpus": 1}] * 4)).tolist() == [3, 3, 2, 2]
+        assert "indicator(s) ['cores', 'memory'] not reported by every rank" in caplog.text
+        caplog.clear()
+        assert WLBS(indicators={"cpu": 1}).start(Context.simple(4, 10, lower=0, hardware=hw)).tolist() \
+            == [3, 3, 2, 2] and "['cpu'] not reported" in caplog.text
+        caplog.clear()
+        assert WLBS().start(Context.simple(4, 10, lower=0)).tolist() == [3, 3, 2, 2]  # no info
+        assert caplog.text == ""
 
 
 @pytest.mark.parametrize("lag", [0, 1])

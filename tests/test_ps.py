@@ -239,6 +239,16 @@ def test_bad_arguments():
     other = ParameterServer(model, opt, N, 12, 3, "ssp").state_dict()
     with pytest.raises(ValueError, match="the checkpoint has global_batch=12, this server 24"):
         ps.load_state_dict(other)
+    # The policy's state used to load into a policy of any class or settings.
+    import hetlb
+    other = ParameterServer(model, opt, N, 24, 3, "ssp", policy=hetlb.WLBS()).state_dict()
+    with pytest.raises(ValueError, match="holds the state of a WLBS policy, this server runs Uniform"):
+        ps.load_state_dict(other)
+    ps = ParameterServer(model, opt, N, 24, 3, "ssp", policy=hetlb.WLBS())
+    other = ParameterServer(model, opt, N, 24, 3, "ssp", policy=hetlb.WLBS(stall=4.0)).state_dict()
+    with pytest.raises(ValueError, match="WLBS policy has stall=4.0, this one stall=10.0"):
+        ps.load_state_dict(other)
+    ps.load_state_dict(ParameterServer(model, opt, N, 24, 3, "ssp", policy=hetlb.WLBS()).state_dict())
 
 
 def test_out_of_step_push_stops_the_server_and_answers_everyone():

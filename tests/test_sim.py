@@ -491,6 +491,29 @@ def test_a_model_with_a_bool_or_a_field_it_does_not_have_is_refused(model, shown
         Scenario.from_dict(scen(workers=[{"model": model}]))
 
 
+def test_profiled_limits_that_cannot_hold_the_global_batch_stop_the_run_with_an_error():
+    # Two workers of limit 3 profile to 2 each (powers of two): 4 < 6 samples. Context raised
+    # out of simulate (possibly at a join, losing the run); it is the run's error now.
+    d = scen(global_batch=6, workers=[{"model": [0.01, 0.001], "limit": 3, "count": 2}])
+    res = simulate(Scenario.from_dict(d), "lbb", steps=5, profile=True)
+    assert res.steps == 0 and "profiled limits of the 2 active workers" in res.error and \
+        "[2, 2]" in res.error
+    d["global_batch"] = 3  # 2 + 2 hold it; after a leave, 2 do not (the true limit 3 would)
+    d["events"] = [{"kind": "leave", "worker": 0, "start": 3}]
+    res = simulate(Scenario.from_dict(d), "lbb", steps=6, profile=True)
+    assert res.steps == 3 and res.error.startswith("step 3: the profiled limits of the 1 active")
+
+
+def test_times_are_checked_only_where_a_worker_can_run():
+    # A cubic below zero only under lower= is a batch the worker never gets.
+    d = scen(global_batch=40, lower=8, workers=[{"model": {"cubic": [0, 1e-3, -5e-3, 0.0]}},
+                                                {"model": [0.01, 0.001]}])
+    Scenario.from_dict(d)
+    d["lower"] = 1
+    with pytest.raises(ScenarioError, match="the time at batch 1 is 0 s"):
+        Scenario.from_dict(d)
+
+
 def test_a_policy_given_by_name_is_labelled_by_it():
     # Both LBBSP modes were labelled "lbbsp" in the table and the JSON.
     labels = [simulate("lbb-table2", p, steps=3).policy for p in ("lbbsp", "lbbsp-cpu", "LBB")]

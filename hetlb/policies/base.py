@@ -18,7 +18,7 @@ import copy
 import inspect
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -30,7 +30,8 @@ from ..solve import allocate_proportional
 from ..telemetry import History, StepRecord, require_progress
 
 __all__ = ["Context", "Policy", "SizedPolicy", "EpochMeter", "EpochPolicy", "check_sizes",
-           "check_decision", "check_state", "to_state", "from_state"]
+           "check_decision", "check_state", "to_state", "from_state", "plain_value",
+           "policy_settings", "check_same_policy"]
 
 
 #: Most ranks a :class:`Context` describes (far beyond any data-parallel job; a larger world is
@@ -203,21 +204,52 @@ def list_items_error(kind: type, value: Any) -> Optional[str]:
     return None if all(isinstance(x, kind) for x in value) else f"a list of {kind.__name__}"
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     """``value`` as plain Python values that compare by value across processes."""
+    if isinstance(value, (np.generic, np.ndarray)):  # first: np.float64 is a float
+        return value.tolist()
     if value is None or isinstance(value, (bool, str, int, float)):
         return value
-    if isinstance(value, (np.generic, np.ndarray)):
-        return value.tolist()
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     for method in ("settings", "config", "_config"):
         f = getattr(value, method, None)
         if callable(f):
-            return {"type": type(value).__name__, **_plain(f())}
+            return {"type": type(value).__name__, **plain_value(f())}
     return {"type": type(value).__name__}
+
+
+def policy_settings(policy: Any) -> Dict[str, Any]:
+    """``policy.settings()`` in plain values (none for a duck-typed policy without it): what
+    ranks compare at start-up and checkpoints record."""
+    f = getattr(policy, "settings", None)
+    return plain_value(dict(f())) if callable(f) else {}
+
+
+def check_same_policy(policy: Any, state: Mapping[str, Any], who: str, hint: str = "") -> None:
+    """Raise ``ValueError`` unless the checkpoint ``state`` (its ``policy_type`` and
+    ``policy_settings``) comes from a policy of ``policy``'s class and settings, less those the
+    policy's :attr:`Policy.resume_free` names: its state would replace the settings given now.
+    A checkpoint written before these were recorded is not checked."""
+    mine, theirs = type(policy).__name__, state.get("policy_type")
+    if theirs is not None and theirs != mine:
+        raise ValueError(f"the checkpoint holds the state of a {theirs} policy, {who} runs "
+                         f"{mine}: resume with {theirs}(...){hint}")
+    saved = state.get("policy_settings")
+    if not isinstance(saved, Mapping):
+        return
+    free = tuple(getattr(policy, "resume_free", ()))
+    saved = {k: v for k, v in saved.items() if k not in free}
+    now = {k: v for k, v in policy_settings(policy).items() if k not in free}
+    if saved != now:
+        diff = [k for k in list(now) + [k for k in saved if k not in now]
+                if saved.get(k) != now.get(k)]
+        raise ValueError(f"the checkpoint's {mine} policy has "
+                         + ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
+                         + ", this one " + ", ".join(f"{k}={now.get(k)!r}" for k in diff)
+                         + f": its state would replace these settings{hint}")
 
 
 class Policy:
@@ -269,18 +301,23 @@ class Policy:
         None. The policy reads only the published values, so it stays a function of the table."""
         return None
 
+    #: Settings that :meth:`load_state_dict` does not restore (the instance's own stay), so a
+    #: resume may change them; the Balancer's checkpoint check leaves them out.
+    resume_free: Tuple[str, ...] = ()
+
     def settings(self) -> Dict[str, Any]:
         """The constructor's arguments as this policy holds them, in plain values (a predictor
         or other object as its type name and configuration). The Balancer compares them across
-        ranks at start-up: ranks with different settings would decide differently and fail only
-        later, with a :class:`hetlb.DecisionMismatchError`. A subclass whose attributes are not
-        named after its arguments overrides this."""
+        ranks at start-up (ranks with different settings would decide differently and fail only
+        later, with a :class:`hetlb.DecisionMismatchError`) and with a checkpoint's at a resume.
+        The attributes named after the arguments must therefore hold the settings, unchanged by
+        training; a subclass that stores them otherwise overrides this."""
         out: Dict[str, Any] = {}
         for name, p in inspect.signature(type(self).__init__).parameters.items():
             if name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 continue
             if name in vars(self):
-                out[name] = _plain(getattr(self, name))
+                out[name] = plain_value(getattr(self, name))
         return out
 
     def state_dict(self) -> Dict[str, Any]:

@@ -251,6 +251,8 @@ class Chronica(Policy):
 
     name = "chronica"
 
+    resume_free = ("hold",)  # load_state_dict keeps the instance's hold (see there)
+
     def __init__(self, forget: float = 1.0, pivot: bool = True, cap: Any = None,
                  quadratic: Any = 0.0, hold: float = 0.0) -> None:
         self.forget = number(forget, "Chronica: forget", above=0.0, maximum=1.0)

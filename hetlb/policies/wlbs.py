@@ -37,6 +37,7 @@ Interpretations of what the paper leaves open:
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
@@ -45,10 +46,9 @@ from ..checks import flag, number, optional_integer
 from ..telemetry import History, StepRecord, UnusableTelemetry
 from .base import Context, EpochPolicy
 
-__all__ = ["WLBS"]
+log = logging.getLogger("hetlb.policies")
 
-#: The indicators :func:`hetlb.telemetry.hardware_info` reports (the ``gpu_*`` ones on CUDA only).
-KNOWN_INDICATORS = ("cpus", "cores", "memory", "gpu_sms", "gpu_clock", "gpu_memory")
+__all__ = ["WLBS"]
 
 #: The paper's indicators, equally weighted.
 DEFAULT_INDICATORS = {"cpus": 1.0, "cores": 1.0, "memory": 1.0}
@@ -118,9 +118,6 @@ class WLBS(EpochPolicy):
         for k, w in (DEFAULT_INDICATORS if indicators is None else indicators).items():
             if not isinstance(k, str):
                 raise ValueError(f"WLBS: indicators keys must be indicator names (str), got {k!r}")
-            if k not in KNOWN_INDICATORS:  # a misspelt name would silently give the equal split
-                raise ValueError(f"WLBS: unknown indicator {k!r} in indicators; known: "
-                                 f"{', '.join(KNOWN_INDICATORS)} (hetlb.telemetry.hardware_info)")
             weights[k] = number(w, f"WLBS: indicators[{k!r}]", minimum=0.0)
         if not any(w > 0 for w in weights.values()):
             raise ValueError(f"WLBS: indicators needs a positive weight, got {weights}")
@@ -138,6 +135,12 @@ class WLBS(EpochPolicy):
         self.stalled_epoch = np.zeros(self.world, dtype=bool)
         self._start_meter()
         score = indicator(ctx.hardware, self.indicators)
+        missing = sorted({k for k, w in self.indicators.items() if w > 0
+                          for h in ctx.hardware if h and k not in h})
+        if missing:  # e.g. a misspelt name, or a GPU indicator on CPU ranks
+            log.warning("WLBS: indicator(s) %s not reported by every rank (they report %s): "
+                        "the initial division is the equal split", missing,
+                        sorted(set().union(*ctx.hardware)))
         return self.emit(self.uniform() if score is None else self.proportional(score))
 
     def decide(self, history: History) -> np.ndarray:

@@ -219,8 +219,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
             :data:`POLICY_NAMES`.
         profile: give the policy profiled models of every worker, as ``Balancer(profile=...)``
             does after :func:`hetlb.profile` (LBB starts from them; noise-free, powers of two),
-            and with them the memory limits as upper bounds. Without profiles no rank's batch
-            is bounded but by the global batch, as in training.
+            and with them the profiled limits (the largest power of two within a worker's
+            ``limit``) as upper bounds. Without profiles no rank's batch is bounded but by the
+            global batch, as in training.
         seed: overrides ``scenario.seed``.
         progress: a progress bar over the steps (tqdm's, where it is installed).
         history: records the policy can look back on (the Balancer's ``history`` argument; at
@@ -237,7 +238,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     Returns:
         a :class:`SimResult`. A worker given more than its ``limit`` (possible only without
         ``profile``) stops the run with ``error`` set, as the out-of-memory error would stop
-        training.
+        training; so do profiled limits that cannot hold the global batch (at the start or
+        after a membership change), which ``Balancer(profile=...)`` refuses.
     """
     sc = load_scenario(scenario)
     pol = make_policy(policy) if isinstance(policy, str) else policy
@@ -277,7 +279,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     state_ev = sorted([e for e in sc.events if e.kind != "disturb"], key=lambda e: e.start)
     membership = {e.start for e in state_ev if e.kind in ("leave", "join")}
 
-    def start_policy(k: int) -> None:
+    def start_policy(k: int) -> Optional[str]:
+        """(Re)start the policy on the active workers; the error that stops the run, or None."""
         nonlocal idx, hist, pending, local, spent, block, started, length
         started = k
         length = 1 if adaptive else every
@@ -288,6 +291,10 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         profs = _profiles(sc, idx) if profile else []
         upper = np.array([min(p["limit"], sc.global_batch) if p["oom_at"] is not None
                           else sc.global_batch for p in profs] or [sc.global_batch] * n, np.int64)
+        if upper.sum() < sc.global_batch:  # Balancer(profile=...) refuses this at construction
+            return (f"step {k}: the profiled limits of the {n} active workers (the largest power "
+                    f"of two that fit: {upper.tolist()}) hold {int(upper.sum())} samples, fewer "
+                    f"than global_batch={sc.global_batch}; Balancer(profile=...) would refuse it")
         ctx = Context(world=n, global_batch=sc.global_batch, lower=np.full(n, sc.lower),
                       upper=upper, hardware=[{} for _ in range(n)], profiles=profs)
         t0 = time.perf_counter()
@@ -304,6 +311,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
             local.append(p)
         if all(p is None for p in local):
             local = []
+        return None
 
     idx = np.flatnonzero(active)
     hist: History = History(1)
@@ -320,9 +328,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         from ..progress import progress_bar
         bar = progress_bar(total=steps, desc=f"simulate {sc.name or 'scenario'} / {name}", unit="step",
                            leave=False, disable=None)
-    start_policy(0)
+    error = start_policy(0)
     done = 0
-    for k in range(steps):
+    for k in range(steps if error is None else 0):
         changed = False
         while ev_i < len(state_ev) and state_ev[ev_i].start <= k:
             e = state_ev[ev_i]
@@ -345,7 +353,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         if changed and k in membership:
             restarts.append(k)
             log.info("step %d: %d workers active, %s restarts", k, int(active.sum()), name)
-            start_policy(k)
+            error = start_policy(k)
+            if error is not None:
+                break
         n = idx.size
         dec = pending[0]
         amounts = sc.samples.draw(size_rng, sc.global_batch) if sc.samples is not None else None

@@ -532,11 +532,13 @@ class Scenario:
         zero (a cubic dipping below 0) would make every step's telemetry unusable, and a policy
         would silently never act."""
         for i, w in enumerate(self.workers):
+            first = max(1, self.lower)  # a worker never gets a non-empty batch below lower
             top = min(w.limit or self.global_batch, self.global_batch)
             if self.work == "data" and self.samples is not None:
                 top = top * float(self.samples.draw(np.random.default_rng(0), 4096).max())
-            x = np.unique(np.concatenate([np.arange(1.0, min(top, 4096.0) + 1),
-                                          np.round(np.linspace(1.0, max(top, 1.0), 4096))]))
+                first = 1  # (a data amount: any sample may be small)
+            x = np.unique(np.concatenate([np.arange(first, min(top, first + 4095.0) + 1),
+                                          np.round(np.linspace(first, max(top, first), 4096))]))
             t = np.asarray(w.time_model.time(x), np.float64)
             bad = np.flatnonzero(~(t > 0) | ~np.isfinite(t))
             if bad.size:

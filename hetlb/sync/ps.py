@@ -65,7 +65,8 @@ from torch.utils.data import default_collate
 from ..checkpoint import Checkpointer
 from ..checks import choice, flag, instance, integer, number, optional_integer
 from ..emulate import Emulator, sleep_until
-from ..policies.base import Context, SizedPolicy, from_state, to_state
+from ..policies.base import (Context, SizedPolicy, check_same_policy, from_state, policy_settings,
+                             to_state)
 from ..policies.uniform import Uniform
 from ..policies.wlbs import WLBS
 from ..telemetry import History, StepRecord, UnusableTelemetry, hardware_info
@@ -245,7 +246,9 @@ class ParameterServer:
                 "applied": torch.from_numpy(self.applied.copy()),
                 "sizes": torch.from_numpy(self.sizes.copy()), "records": self.records,
                 "started": self._started, "history": self.history.state_dict(),
-                "policy": to_state(self.policy.state_dict()) if self._started else None}
+                "policy": to_state(self.policy.state_dict()) if self._started else None,
+                "policy_type": type(self.policy).__name__,
+                "policy_settings": policy_settings(self.policy)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (before :meth:`serve`); every worker starts alive."""
@@ -262,6 +265,7 @@ class ParameterServer:
                                  f"{saved!r}, this server {getattr(self, key)!r}; resume with "
                                  f"the checkpoint's {key}, or start afresh in another checkpoint "
                                  f"directory")
+        check_same_policy(self.policy, state, "this server")  # before anything changes
         self._reset_state()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
