@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from ..aggregate import make_side_group
 from ..checks import agree, choice, instance, integer, number
 from ..data import BalancedLoader
 from ..emulate import sleep_until
@@ -244,7 +245,8 @@ class DelayedSync:
         if self.world == 1:
             return
         everyone: List[Any] = [None] * self.world
-        dist.all_gather_object(everyone, {what: mine}, group=self.group)
+        # On a Gloo group (an NCCL one would need each rank's CUDA device set for objects).
+        dist.all_gather_object(everyone, {what: mine}, group=make_side_group(self.group))
         agree(everyone, what, what)
 
     # ------------------------------------------------------------------ the loop

@@ -66,6 +66,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..aggregate import make_side_group
 from ..checks import agree, choice, flag, instance, integer, number, optional_integer
 from ..policies.predictors import EMA
 from ..solve import allocate_proportional
@@ -241,7 +242,9 @@ class Federated:
                 raise ValueError(refused)
             return
         everyone: List[Any] = [None] * self.world
-        dist.all_gather_object(everyone, {"Federated": mine, "refused": refused}, group=self.group)
+        # On a Gloo group (an NCCL one would need each rank's CUDA device set for objects).
+        dist.all_gather_object(everyone, {"Federated": mine, "refused": refused},
+                               group=make_side_group(self.group))
         for r, e in enumerate(everyone):
             if e["refused"] is not None:
                 raise ValueError(f"Federated on rank {r}: {e['refused']}")
