@@ -291,5 +291,35 @@ def make_side_group(group: Any, own: bool = False) -> Any:
     return dist.new_group(ranks=ranks, backend="gloo")
 
 
+#: The key of a rank's start-up exchange entry when it refused its own arguments.
+REFUSED = "refused"
+
+
+def refuse_everywhere(error: BaseException, group: Any, side: Any = None) -> None:
+    """Join the start-up exchange the other ranks are in with this rank's refusal of its own
+    arguments, so that every rank raises (:func:`raise_refusals`) instead of waiting in the
+    collective until its timeout. The caller then re-raises ``error``; ``side``: the exchange's
+    group where already made (else made here, as the other ranks make it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        world = dist.get_world_size(group)
+        if world > 1:
+            side = make_side_group(group) if side is None else side
+            dist.all_gather_object([None] * world, {REFUSED: f"{type(error).__name__}: {error}"},
+                                   group=side)
+    except Exception:  # noqa: BLE001 (an unusable group: the caller's own error stands)
+        pass
+
+
+def raise_refusals(everyone: List[Any], who: str) -> None:
+    """Raise ``ValueError`` naming the first rank whose start-up entry is a refusal."""
+    for r, e in enumerate(everyone):
+        if isinstance(e, dict) and e.get(REFUSED) is not None:
+            raise ValueError(f"{who} on rank {r} refused its arguments ({e[REFUSED]}); every rank "
+                             f"stops here")
+
+
 __all__ = ["WEIGHTINGS", "TRANSPORTS", "weights_for", "is_nccl", "carry_blocker", "carry_penalty",
-           "choose_transport", "StepTelemetry", "make_side_group"]
+           "choose_transport", "StepTelemetry", "make_side_group", "refuse_everywhere",
+           "raise_refusals"]

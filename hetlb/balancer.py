@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import checks
 from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty, choose_transport,
-                        is_nccl, make_side_group, weights_for)
+                        is_nccl, make_side_group, raise_refusals, refuse_everywhere, weights_for)
 from .data import BalancedLoader, check_loader_config
 from .runlog import ENV_LOG_DIR, RunLog
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
@@ -288,200 +288,209 @@ class Balancer:
                  native_hook: bool = True, log_dir: Optional[str] = None,
                  tensorboard: Optional[bool] = None, watchdog: Optional[Watchdog] = None,
                  exchange_every: int = 1, adaptive_exchange: bool = False) -> None:
-        # Every argument is checked before anything touches the model (hooks) or the group.
-        checks.instance(model, "model", torch.nn.Module, "a torch.nn.Module (DDP-wrapped with "
-                        "more than one rank)")
-        checks.choice(weighting, "weighting", WEIGHTINGS)
-        if isinstance(policy, type):
-            raise TypeError(f"policy must be a policy instance, got the class {policy.__name__}; "
-                            f"pass {policy.__name__}()")
-        if policy is not None:
-            missing = [m for m in ("start", "decide", "state_dict", "load_state_dict")
-                       if not callable(getattr(policy, m, None))]
-            if missing:
-                raise TypeError(f"policy must be a hetlb policy (e.g. hetlb.LBB()) with start, "
-                                f"decide, state_dict and load_state_dict; got "
-                                f"{type(policy).__name__} {policy!r}, which lacks {missing}")
-        native_hook = checks.flag(native_hook, "native_hook")
-        if tensorboard is not None:
-            tensorboard = checks.flag(tensorboard, "tensorboard")
-        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-            raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got "
-                            f"{type(log_dir).__name__} {log_dir!r}")
-        if profile is not None:
-            from .profile import Profile
-            checks.instance(profile, "profile", Profile, "a hetlb.Profile (from hetlb.profile(...) "
-                            "or Profile.load) or None")
-            profile.validate()
-        if emulator is not None:
-            from .emulate import Emulator
-            checks.instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
-        if watchdog is not None:
-            checks.instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
-        self.accumulate = checks.integer(accumulate, "accumulate", 1)
-        if self.accumulate > 1 and weighting == "sizes":
-            raise ValueError('weighting="sizes" cannot be exact with gradient accumulation: the '
-                             'data amounts of a window\'s micro-steps differ, and the accumulated '
-                             'gradient no longer tells them apart')
-        self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
-        self.exchange_every = checks.integer(exchange_every, "exchange_every", 1)
-        self.adaptive_exchange = checks.flag(adaptive_exchange, "adaptive_exchange")
-        history = block_history(history, self.exchange_every)
-        if self.adaptive_exchange and self.exchange_every == 1:
-            raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; "
-                             "with exchange_every=1 every step is exchanged anyway: pass "
-                             "exchange_every=k > 1 (e.g. 16)")
-        lower = checks.integer(lower, "lower", 0)
-        if batch_dim is not None and not callable(batch_dim):
-            batch_dim = checks.integer(batch_dim, "batch_dim", 0)
-        if transport is not None:
-            checks.choice(transport, "transport", ("side", "carry"))
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size(group) if self.distributed else 1
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        is_ddp = isinstance(model, DistributedDataParallel)
-        if self.world > 1 and not is_ddp:
-            raise TypeError(f"with {self.world} ranks the model must be DistributedDataParallel, "
-                            f"got {type(model).__name__}")
-        if not is_ddp and not native_hook:
-            raise ValueError("native_hook=False selects the hook of a DistributedDataParallel model")
-        if loader is not None:
-            if not isinstance(loader, BalancedLoader):
-                raise TypeError(f"loader must be a hetlb.DataLoader, got {type(loader).__name__}")
-            if loader.balancer is not None:
-                raise ValueError("this loader is already bound to a Balancer")
-            b = loader.board
-            if (b.world, b.rank) != (self.world, self.rank):
-                raise ValueError(f"the loader was made for rank {b.rank} of {b.world}, this "
-                                 f"Balancer is rank {self.rank} of {self.world}")
-            if global_batch is not None and checks.integer(global_batch, "global_batch", 1) != b.global_batch:
-                raise ValueError(f"global_batch={global_batch} differs from the loader's "
-                                 f"batch_size * world = {b.global_batch}")
-            global_batch = b.global_batch
-        if global_batch is None:
-            raise ValueError("global_batch is required (or pass loader=hetlb.DataLoader(...), "
-                             "whose batch_size * world is the global batch)")
-        global_batch = checks.integer(global_batch, "global_batch", 1)
-        if global_batch >= EXACT_INT:  # sizes ride in float32 telemetry slots, exact below 2^24
-            raise ValueError(f"global_batch must be < {EXACT_INT} samples per step, got {global_batch}")
-        if upper is not None and checks.integer(upper, "upper", 0) < lower:
-            raise ValueError(f"upper={upper} is smaller than lower={lower}; each rank's batch must be "
-                             f"able to lie in [lower, upper]")
-        if global_batch < self.world * lower:
-            raise ValueError(f"global_batch={global_batch} is smaller than the world of {self.world} "
-                             f"ranks times lower={lower}; every rank needs at least {lower} sample(s) "
-                             f"per step (pass lower=0 to let ranks idle)")
-        if policy is None:
-            from .policies.lbb import LBB
-            policy = LBB()
-        self.model, self.global_batch, self.policy = model, global_batch, policy
-        self.weighting, self.emulator = weighting, emulator
-        self.device = self._device(model)
-        self.group = group
-        self.watchdog = watchdog
+        # A rank refusing its arguments tells the others at the start-up exchange, so every rank
+        # raises rather than waiting in the collective until its timeout.
+        try:
+            # Every argument is checked before anything touches the model (hooks) or the group.
+            checks.instance(model, "model", torch.nn.Module, "a torch.nn.Module (DDP-wrapped with "
+                            "more than one rank)")
+            checks.choice(weighting, "weighting", WEIGHTINGS)
+            if isinstance(policy, type):
+                raise TypeError(f"policy must be a policy instance, got the class {policy.__name__}; "
+                                f"pass {policy.__name__}()")
+            if policy is not None:
+                missing = [m for m in ("start", "decide", "state_dict", "load_state_dict")
+                           if not callable(getattr(policy, m, None))]
+                if missing:
+                    raise TypeError(f"policy must be a hetlb policy (e.g. hetlb.LBB()) with start, "
+                                    f"decide, state_dict and load_state_dict; got "
+                                    f"{type(policy).__name__} {policy!r}, which lacks {missing}")
+            native_hook = checks.flag(native_hook, "native_hook")
+            if tensorboard is not None:
+                tensorboard = checks.flag(tensorboard, "tensorboard")
+            if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+                raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got "
+                                f"{type(log_dir).__name__} {log_dir!r}")
+            if profile is not None:
+                from .profile import Profile
+                checks.instance(profile, "profile", Profile, "a hetlb.Profile (from hetlb.profile(...) "
+                                "or Profile.load) or None")
+                profile.validate()
+            if emulator is not None:
+                from .emulate import Emulator
+                checks.instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
+            if watchdog is not None:
+                checks.instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
+            self.accumulate = checks.integer(accumulate, "accumulate", 1)
+            if self.accumulate > 1 and weighting == "sizes":
+                raise ValueError('weighting="sizes" cannot be exact with gradient accumulation: the '
+                                 'data amounts of a window\'s micro-steps differ, and the accumulated '
+                                 'gradient no longer tells them apart')
+            self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
+            self.exchange_every = checks.integer(exchange_every, "exchange_every", 1)
+            self.adaptive_exchange = checks.flag(adaptive_exchange, "adaptive_exchange")
+            history = block_history(history, self.exchange_every)
+            if self.adaptive_exchange and self.exchange_every == 1:
+                raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; "
+                                 "with exchange_every=1 every step is exchanged anyway: pass "
+                                 "exchange_every=k > 1 (e.g. 16)")
+            lower = checks.integer(lower, "lower", 0)
+            if batch_dim is not None and not callable(batch_dim):
+                batch_dim = checks.integer(batch_dim, "batch_dim", 0)
+            if transport is not None:
+                checks.choice(transport, "transport", ("side", "carry"))
+            self.distributed = dist.is_available() and dist.is_initialized()
+            self.world = dist.get_world_size(group) if self.distributed else 1
+            self.rank = dist.get_rank(group) if self.distributed else 0
+            is_ddp = isinstance(model, DistributedDataParallel)
+            if self.world > 1 and not is_ddp:
+                raise TypeError(f"with {self.world} ranks the model must be DistributedDataParallel, "
+                                f"got {type(model).__name__}")
+            if not is_ddp and not native_hook:
+                raise ValueError("native_hook=False selects the hook of a DistributedDataParallel model")
+            if loader is not None:
+                if not isinstance(loader, BalancedLoader):
+                    raise TypeError(f"loader must be a hetlb.DataLoader, got {type(loader).__name__}")
+                if loader.balancer is not None:
+                    raise ValueError("this loader is already bound to a Balancer")
+                b = loader.board
+                if (b.world, b.rank) != (self.world, self.rank):
+                    raise ValueError(f"the loader was made for rank {b.rank} of {b.world}, this "
+                                     f"Balancer is rank {self.rank} of {self.world}")
+                if global_batch is not None and checks.integer(global_batch, "global_batch", 1) != b.global_batch:
+                    raise ValueError(f"global_batch={global_batch} differs from the loader's "
+                                     f"batch_size * world = {b.global_batch}")
+                global_batch = b.global_batch
+            if global_batch is None:
+                raise ValueError("global_batch is required (or pass loader=hetlb.DataLoader(...), "
+                                 "whose batch_size * world is the global batch)")
+            global_batch = checks.integer(global_batch, "global_batch", 1)
+            if global_batch >= EXACT_INT:  # sizes ride in float32 telemetry slots, exact below 2^24
+                raise ValueError(f"global_batch must be < {EXACT_INT} samples per step, got {global_batch}")
+            if upper is not None and checks.integer(upper, "upper", 0) < lower:
+                raise ValueError(f"upper={upper} is smaller than lower={lower}; each rank's batch must be "
+                                 f"able to lie in [lower, upper]")
+            if global_batch < self.world * lower:
+                raise ValueError(f"global_batch={global_batch} is smaller than the world of {self.world} "
+                                 f"ranks times lower={lower}; every rank needs at least {lower} sample(s) "
+                                 f"per step (pass lower=0 to let ranks idle)")
+            if policy is None:
+                from .policies.lbb import LBB
+                policy = LBB()
+            self.model, self.global_batch, self.policy = model, global_batch, policy
+            self.weighting, self.emulator = weighting, emulator
+            self.device = self._device(model)
+            self.group = group
+            self.watchdog = watchdog
 
-        # One exchange at start-up (not per step): configuration, hook capabilities, bounds.
-        nccl = self.distributed and is_nccl(group)
-        side = make_side_group(group) if self.distributed else None
-        mine = {"config": {"global_batch": global_batch, "weighting": weighting,
-                           "accumulate": self.accumulate, "policy": type(policy).__name__,
-                           "exchange_every": self.exchange_every,
-                           "adaptive_exchange": self.adaptive_exchange},
-                "policy_settings": policy_settings(policy),
-                "transport": transport,
-                "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
-                "carry_penalty": carry_penalty(model),
-                **self._bounds(lower, upper, profile)}
-        everyone = self._all_gather(mine, side)
-        checks.agree(everyone, "config", "Balancer")
-        checks.agree(everyone, "policy_settings", f"{type(policy).__name__} policy")
-        self.transport = choose_transport([e["transport"] for e in everyone],
-                                          [e["carry"] for e in everyone],
-                                          [e["carry_penalty"] for e in everyone])
-        self.context = Context(self.world, global_batch, [e["lower"] for e in everyone],
-                               [e["upper"] for e in everyone],
-                               hardware=[e["hardware"] for e in everyone],
-                               profiles=[e["profile"] for e in everyone])
-        have = [r for r, e in enumerate(everyone) if e["profile"] is not None]
-        if 0 < len(have) < self.world:  # a policy needs every rank's model to use any
-            log.warning("profile= given on ranks %s only (not on %s): the policy cannot use "
-                        "profiles and starts without them; pass profile= on every rank",
-                        have, sorted(set(range(self.world)) - set(have)))
-        # Before any hook is registered: a policy refusing the context leaves the model as it was.
-        self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
-        if self.adaptive_exchange and isinstance(self._decision, ScheduleRule) and \
-                not getattr(policy, "hold", 0):
-            log.warning("adaptive_exchange: %s decides a rule of fitted time models, refitted at "
-                        "every decision, so its blocks stay single steps (Chronica(hold=0.02) "
-                        "keeps a rule while refits change it little; exchange_every=%d without "
-                        "adaptive_exchange gives fixed blocks)", type(policy).__name__,
-                        self.exchange_every)
-        if self.transport == "side" and self.distributed and not nccl:
-            side = make_side_group(group, own=True)  # not queued behind the gradient's transfers
-        self._side = side
-        self.telemetry = StepTelemetry(self.rank, self.world, transport=self.transport,
-                                       group=group if self.distributed else None, side_group=side,
-                                       nccl=nccl, device=self.device, emulator=emulator,
-                                       block=self.exchange_every)
-        self.telemetry.core.watch(list(model.parameters()))
-        self._fast_backward_noted = False
-        self._comm_hook = is_ddp  # whose hook delivers every step's table with the gradient
-        if is_ddp:
-            self.telemetry.register(model, native=native_hook)
-        else:
-            params = [p for p in model.parameters() if p.requires_grad]
-            if params:  # one process: the end of backward ends the step's compute, as the hook would
-                torch.autograd.graph.register_multi_grad_hook(params, _BackwardEnd(self.telemetry), mode="all")
-        if loader is not None:
-            self.board = loader.board
-            self.board.accumulate = self.accumulate
-        else:
-            self.board = PlanBoard(self.world, self.rank, global_batch, self.accumulate)
-        self.board.lower = np.asarray(self.context.lower, dtype=np.int64).copy()
-        model.register_forward_pre_hook(_StepGate(self.board, self.telemetry, batch_dim),
-                                        with_kwargs=True)
+            # One exchange at start-up (not per step): configuration, hook capabilities, bounds.
+            nccl = self.distributed and is_nccl(group)
+            side = self._refusal_side = make_side_group(group) if self.distributed else None
+            mine = {"config": {"global_batch": global_batch, "weighting": weighting,
+                               "accumulate": self.accumulate, "policy": type(policy).__name__,
+                               "exchange_every": self.exchange_every,
+                               "adaptive_exchange": self.adaptive_exchange},
+                    "policy_settings": policy_settings(policy),
+                    "transport": transport,
+                    "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
+                    "carry_penalty": carry_penalty(model),
+                    **self._bounds(lower, upper, profile)}
+            everyone = self._all_gather(mine, side)
+            self._exchanged = True  # (a later error is every rank's: no second exchange)
+            raise_refusals(everyone, "Balancer")
+            checks.agree(everyone, "config", "Balancer")
+            checks.agree(everyone, "policy_settings", f"{type(policy).__name__} policy")
+            self.transport = choose_transport([e["transport"] for e in everyone],
+                                              [e["carry"] for e in everyone],
+                                              [e["carry_penalty"] for e in everyone])
+            self.context = Context(self.world, global_batch, [e["lower"] for e in everyone],
+                                   [e["upper"] for e in everyone],
+                                   hardware=[e["hardware"] for e in everyone],
+                                   profiles=[e["profile"] for e in everyone])
+            have = [r for r, e in enumerate(everyone) if e["profile"] is not None]
+            if 0 < len(have) < self.world:  # a policy needs every rank's model to use any
+                log.warning("profile= given on ranks %s only (not on %s): the policy cannot use "
+                            "profiles and starts without them; pass profile= on every rank",
+                            have, sorted(set(range(self.world)) - set(have)))
+            # Before any hook is registered: a policy refusing the context leaves the model as it was.
+            self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
+            if self.adaptive_exchange and isinstance(self._decision, ScheduleRule) and \
+                    not getattr(policy, "hold", 0):
+                log.warning("adaptive_exchange: %s decides a rule of fitted time models, refitted at "
+                            "every decision, so its blocks stay single steps (Chronica(hold=0.02) "
+                            "keeps a rule while refits change it little; exchange_every=%d without "
+                            "adaptive_exchange gives fixed blocks)", type(policy).__name__,
+                            self.exchange_every)
+            if self.transport == "side" and self.distributed and not nccl:
+                side = make_side_group(group, own=True)  # not queued behind the gradient's transfers
+            self._side = side
+            self.telemetry = StepTelemetry(self.rank, self.world, transport=self.transport,
+                                           group=group if self.distributed else None, side_group=side,
+                                           nccl=nccl, device=self.device, emulator=emulator,
+                                           block=self.exchange_every)
+            self.telemetry.core.watch(list(model.parameters()))
+            self._fast_backward_noted = False
+            self._comm_hook = is_ddp  # whose hook delivers every step's table with the gradient
+            if is_ddp:
+                self.telemetry.register(model, native=native_hook)
+            else:
+                params = [p for p in model.parameters() if p.requires_grad]
+                if params:  # one process: the end of backward ends the step's compute, as the hook would
+                    torch.autograd.graph.register_multi_grad_hook(params, _BackwardEnd(self.telemetry), mode="all")
+            if loader is not None:
+                self.board = loader.board
+                self.board.accumulate = self.accumulate
+            else:
+                self.board = PlanBoard(self.world, self.rank, global_batch, self.accumulate)
+            self.board.lower = np.asarray(self.context.lower, dtype=np.int64).copy()
+            model.register_forward_pre_hook(_StepGate(self.board, self.telemetry, batch_dim),
+                                            with_kwargs=True)
 
-        self.history = History(self.world, maxlen=history)
-        self._step = 0  # completed steps (accumulation windows)
-        self._bad = 0
-        self._open: Optional[_Open] = None
-        self._in_with = False
-        self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
-        self._last_sizes: Optional[np.ndarray] = None  # the sizes of the last step done
-        self._micro = 0  # micro-steps without a loader (window position)
-        self._window_data = 0.0
-        self._partials: Dict[int, tuple] = {}
-        # The block's steps run since the last exchange (exchange_every > 1): (step, plan).
-        self._block: List[Tuple[int, StepPlan]] = []
-        # The first step after this Balancer is made or a checkpoint is loaded is an exchange of
-        # its own (with exchange_every > 1): ranks that start from different positions meet in
-        # one table of one shape there and get DecisionMismatchError, not a collective of
-        # different shapes.
-        self._ship_next = True
-        # Steps of the current block: exchange_every, or with adaptive_exchange from 1 up to it.
-        self._block_len = 1 if self.adaptive_exchange else self.exchange_every
-        self._weight_of: tuple = (None, None, 0, 0.0)  # (sizes, data, window_len, weight) of _weight
-        self._spent = 0.0
-        self.last_overhead: float = 0.0
-        self.board.post(self._decision)
-        self.runlog: Optional[RunLog] = None
-        log_dir = log_dir if log_dir is not None else os.environ.get(ENV_LOG_DIR) or None
-        if log_dir is not None and self.rank == 0:
-            if tensorboard is None:
-                tensorboard = importlib.util.find_spec("tensorboard") is not None
-            self.runlog = RunLog(log_dir, tensorboard=tensorboard)
-        self._local = policy.local_predictor(self.rank) if hasattr(policy, "local_predictor") else None
-        # The bound loader's configuration (a value: the loader holds this Balancer, not the
-        # other way round), or None before a loader is bound.
-        self._loader_config: Optional[Dict[str, Any]] = None
-        # A checkpoint's loader order and position, loaded before any loader was bound.
-        self._pending_check: Optional[Dict[str, Any]] = None
-        if loader is not None:
-            self._bind(loader)
-        if watchdog is not None and self.distributed:
-            watchdog.attach_to(group)
+            self.history = History(self.world, maxlen=history)
+            self._step = 0  # completed steps (accumulation windows)
+            self._bad = 0
+            self._open: Optional[_Open] = None
+            self._in_with = False
+            self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
+            self._last_sizes: Optional[np.ndarray] = None  # the sizes of the last step done
+            self._micro = 0  # micro-steps without a loader (window position)
+            self._window_data = 0.0
+            self._partials: Dict[int, tuple] = {}
+            # The block's steps run since the last exchange (exchange_every > 1): (step, plan).
+            self._block: List[Tuple[int, StepPlan]] = []
+            # The first step after this Balancer is made or a checkpoint is loaded is an exchange of
+            # its own (with exchange_every > 1): ranks that start from different positions meet in
+            # one table of one shape there and get DecisionMismatchError, not a collective of
+            # different shapes.
+            self._ship_next = True
+            # Steps of the current block: exchange_every, or with adaptive_exchange from 1 up to it.
+            self._block_len = 1 if self.adaptive_exchange else self.exchange_every
+            self._weight_of: tuple = (None, None, 0, 0.0)  # (sizes, data, window_len, weight) of _weight
+            self._spent = 0.0
+            self.last_overhead: float = 0.0
+            self.board.post(self._decision)
+            self.runlog: Optional[RunLog] = None
+            log_dir = log_dir if log_dir is not None else os.environ.get(ENV_LOG_DIR) or None
+            if log_dir is not None and self.rank == 0:
+                if tensorboard is None:
+                    tensorboard = importlib.util.find_spec("tensorboard") is not None
+                self.runlog = RunLog(log_dir, tensorboard=tensorboard)
+            self._local = policy.local_predictor(self.rank) if hasattr(policy, "local_predictor") else None
+            # The bound loader's configuration (a value: the loader holds this Balancer, not the
+            # other way round), or None before a loader is bound.
+            self._loader_config: Optional[Dict[str, Any]] = None
+            # A checkpoint's loader order and position, loaded before any loader was bound.
+            self._pending_check: Optional[Dict[str, Any]] = None
+            if loader is not None:
+                self._bind(loader)
+            if watchdog is not None and self.distributed:
+                watchdog.attach_to(group)
 
-    # ------------------------------------------------------------------ setup
+        # ------------------------------------------------------------------ setup
+        except (ValueError, TypeError) as e:
+            if not self.__dict__.get("_exchanged", False):
+                refuse_everywhere(e, group, self.__dict__.get("_refusal_side"))
+            raise
 
     @staticmethod
     def _device(model: torch.nn.Module) -> torch.device:

@@ -806,3 +806,27 @@ def test_policy_settings_are_plain_values_in_a_checkpoint(tmp_path):
     torch.save({"policy_settings": settings}, buf)
     buf.seek(0)
     assert torch.load(buf, weights_only=True) == {"policy_settings": {"w": 2.5}}
+
+
+def _one_rank_refuses_worker(rank, world, what):
+    import time
+    net = _net()
+    t0 = time.perf_counter()
+    try:
+        if what == "Balancer":
+            hetlb.Balancer(DDP(net), 8, lower=(1, -1)[rank])
+        else:
+            hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.1), 4,
+                              lam=(0.5, -1.0)[rank])
+    except ValueError as e:
+        return {"error": str(e), "seconds": time.perf_counter() - t0}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("what", ["Balancer", "DelayedSync"])
+def test_a_rank_that_refuses_its_arguments_stops_every_rank_at_once(what):
+    # The other ranks used to wait in the start-up exchange until the collective's timeout.
+    r0, r1 = unwrap(run(_one_rank_refuses_worker, 2, what))
+    assert "must be" in r1["error"] and "-1" in r1["error"], r1
+    assert r0["error"].startswith(f"{what} on rank 1 refused its arguments (ValueError: "), r0
+    assert r0["seconds"] < 20, r0

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..aggregate import make_side_group
+from ..aggregate import make_side_group, raise_refusals, refuse_everywhere
 from ..checks import agree, choice, instance, integer, number
 from ..data import BalancedLoader
 from ..emulate import sleep_until
@@ -175,62 +175,68 @@ class DelayedSync:
                  batches_per_iteration: Optional[int] = None, emulator: Any = None,
                  probe_batches: int = 4, scale_lr: bool = False,
                  watchdog: Optional[Watchdog] = None) -> None:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError("DelayedSync takes the plain module, not DDP: it all-reduces the "
-                             "gradients itself (pass ddp.module, or do not wrap the model)")
-        instance(model, "model", torch.nn.Module, "a torch.nn.Module (not DDP-wrapped)")
-        instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer over the model's parameters")
-        choice(weighting, "weighting", WEIGHTINGS)
-        if emulator is not None:
-            from ..emulate import Emulator
-            instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
-        if watchdog is not None:
-            instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
-        self.model, self.optimizer = model, optimizer
-        self.reference_batch = integer(reference_batch, "reference_batch", 1)
-        self.lam = number(lam, "lam", minimum=0.0)
-        self.weighting = weighting
-        self.group = group
-        self.fixed = None if batches_per_iteration is None else integer(batches_per_iteration, "batches_per_iteration", 1)
-        self.emulator = emulator
-        self.probe_batches = integer(probe_batches, "probe_batches", 0)
-        if not isinstance(scale_lr, bool):
-            raise ValueError(f"scale_lr must be True or False, got {scale_lr!r}")
-        if scale_lr and weighting != "samples":
-            raise ValueError(f'scale_lr=True scales by samples; it needs weighting="samples", got {weighting!r}')
-        self.scale_lr = scale_lr
-        on = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size(group) if on else 1
-        self.rank = dist.get_rank(group) if on else 0
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError("DelayedSync: the model has no parameter that requires a gradient")
-        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if not any(id(p) in mine for p in self.params):
-            raise ValueError("DelayedSync: the optimizer holds none of the model's parameters (an "
-                             "optimizer of another model?): the updates would never reach it")
-        self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        self.device = self.params[0].device
-        self._acc = [torch.zeros(p.shape, dtype=self.dtype, device=self.device) for p in self.params]
-        self._gbar = [torch.zeros_like(a) for a in self._acc]
-        self._prev: Optional[List[torch.Tensor]] = None  # parameters the in-flight gradient was computed at
-        self._batch = 0  # samples accumulated this iteration
-        self._data = 0.0
-        self._compute = 0.0
-        self._count = 0  # reference batches this iteration
-        self._waited = 0.0  # seconds waited for all-reduces since the last send
-        self._link = 0.0  # seconds the all-reduces completed since the last send took
-        self._round_over = False  # the last applied iteration finished every rank's shard
-        self._flight: Optional[_Flight] = None
-        self._mark = time.perf_counter()  # start of the current reference batch
-        self.iteration = 0  # iterations started (all-reduces issued)
-        self.updates = 0  # updates applied
-        self.references = 0  # reference batches trained
-        self.history: Deque[IterationRecord] = deque(maxlen=4096)
-        self.board: Optional[PlanBoard] = None
-        self._loader: Optional[BalancedLoader] = None
-        self._used = 0  # samples of this rank's shard trained this epoch
-        self.watchdog = watchdog
+        # A rank refusing its arguments joins the start-up exchange with its refusal, so every
+        # rank raises rather than waiting in the collective until its timeout.
+        try:
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                raise ValueError("DelayedSync takes the plain module, not DDP: it all-reduces the "
+                                 "gradients itself (pass ddp.module, or do not wrap the model)")
+            instance(model, "model", torch.nn.Module, "a torch.nn.Module (not DDP-wrapped)")
+            instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer over the model's parameters")
+            choice(weighting, "weighting", WEIGHTINGS)
+            if emulator is not None:
+                from ..emulate import Emulator
+                instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
+            if watchdog is not None:
+                instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
+            self.model, self.optimizer = model, optimizer
+            self.reference_batch = integer(reference_batch, "reference_batch", 1)
+            self.lam = number(lam, "lam", minimum=0.0)
+            self.weighting = weighting
+            self.group = group
+            self.fixed = None if batches_per_iteration is None else integer(batches_per_iteration, "batches_per_iteration", 1)
+            self.emulator = emulator
+            self.probe_batches = integer(probe_batches, "probe_batches", 0)
+            if not isinstance(scale_lr, bool):
+                raise ValueError(f"scale_lr must be True or False, got {scale_lr!r}")
+            if scale_lr and weighting != "samples":
+                raise ValueError(f'scale_lr=True scales by samples; it needs weighting="samples", got {weighting!r}')
+            self.scale_lr = scale_lr
+            on = dist.is_available() and dist.is_initialized()
+            self.world = dist.get_world_size(group) if on else 1
+            self.rank = dist.get_rank(group) if on else 0
+            self.params = [p for p in model.parameters() if p.requires_grad]
+            if not self.params:
+                raise ValueError("DelayedSync: the model has no parameter that requires a gradient")
+            mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if not any(id(p) in mine for p in self.params):
+                raise ValueError("DelayedSync: the optimizer holds none of the model's parameters (an "
+                                 "optimizer of another model?): the updates would never reach it")
+            self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+            self.device = self.params[0].device
+            self._acc = [torch.zeros(p.shape, dtype=self.dtype, device=self.device) for p in self.params]
+            self._gbar = [torch.zeros_like(a) for a in self._acc]
+            self._prev: Optional[List[torch.Tensor]] = None  # parameters the in-flight gradient was computed at
+            self._batch = 0  # samples accumulated this iteration
+            self._data = 0.0
+            self._compute = 0.0
+            self._count = 0  # reference batches this iteration
+            self._waited = 0.0  # seconds waited for all-reduces since the last send
+            self._link = 0.0  # seconds the all-reduces completed since the last send took
+            self._round_over = False  # the last applied iteration finished every rank's shard
+            self._flight: Optional[_Flight] = None
+            self._mark = time.perf_counter()  # start of the current reference batch
+            self.iteration = 0  # iterations started (all-reduces issued)
+            self.updates = 0  # updates applied
+            self.references = 0  # reference batches trained
+            self.history: Deque[IterationRecord] = deque(maxlen=4096)
+            self.board: Optional[PlanBoard] = None
+            self._loader: Optional[BalancedLoader] = None
+            self._used = 0  # samples of this rank's shard trained this epoch
+            self.watchdog = watchdog
+        except (ValueError, TypeError) as e:
+            refuse_everywhere(e, group)
+            raise
         # Ranks that differ here would weigh, scale or cut their shares differently: a silent
         # drift of the replicas, so one exchange at start-up compares them.
         self._agree({"reference_batch": self.reference_batch, "lam": self.lam, "weighting": weighting,
@@ -247,6 +253,7 @@ class DelayedSync:
         everyone: List[Any] = [None] * self.world
         # On a Gloo group (an NCCL one would need each rank's CUDA device set for objects).
         dist.all_gather_object(everyone, {what: mine}, group=make_side_group(self.group))
+        raise_refusals(everyone, "DelayedSync")
         agree(everyone, what, what)
 
     # ------------------------------------------------------------------ the loop
