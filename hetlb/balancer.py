@@ -485,12 +485,13 @@ class Balancer:
                 self._bind(loader)
             if watchdog is not None and self.distributed:
                 watchdog.attach_to(group)
-
-        # ------------------------------------------------------------------ setup
         except (ValueError, TypeError) as e:
             if not self.__dict__.get("_exchanged", False):
                 refuse_everywhere(e, group, self.__dict__.get("_refusal_side"))
             raise
+        del self._refusal_side  # (the telemetry holds the groups it uses)
+
+    # ------------------------------------------------------------------ setup
 
     @staticmethod
     def _device(model: torch.nn.Module) -> torch.device:
