@@ -31,6 +31,8 @@ variants share the caches: every step starts after another model's, alike for al
 
 ``side@first`` and ``side+backward@first`` issue the side transport's table before the last
 bucket's all-reduce, as hetlb did before session 12 (now: once that all-reduce is done).
+``NAME@psutil`` reads the memory probe through ``psutil.virtual_memory()``, as hetlb did before
+session 21 (now: ``/proc/meminfo`` read directly on Linux).
 
 ``default`` (and ``default+backward``, ``default/K``...) passes no ``transport=``: the Balancer's
 own choice ("carry", or "side" under ``--bucket-view``, where DDP would copy carry's bucket back).
@@ -129,6 +131,8 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
         loader = bal.loader(ds, seed=1)
         if flag == "first":  # the side table issued before the last bucket's all-reduce (as before session 12)
             bal.telemetry.core.side_first = True
+        if flag == "psutil":  # the memory probe through psutil (as before session 21)
+            bal.telemetry.probe._proc = False
     backward = bal.backward if variant.endswith("+backward") else torch.Tensor.backward
     return ddp, opt, loader, bal, backward
 

@@ -39,7 +39,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -333,13 +333,36 @@ def straggler_effect(compute: Sequence[float], batch: Optional[Sequence[int]] = 
 # Probes: memory in use and static hardware indicators of this rank.
 # ---------------------------------------------------------------------------------------------
 
+def meminfo(path: str = "/proc/meminfo") -> Optional[Tuple[int, int]]:
+    """``(available, total)`` bytes of RAM from Linux's ``/proc/meminfo`` (``MemAvailable`` and
+    ``MemTotal``, the figures ``psutil.virtual_memory()`` reports there), or None where the file
+    or either line is missing (another OS, a kernel older than 3.14)."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            text = f.read(4096)
+    except OSError:
+        return None
+    found = {}
+    for line in text.split(b"\n"):
+        key, _, rest = line.partition(b":")
+        if key in (b"MemTotal", b"MemAvailable"):
+            parts = rest.split()
+            if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
+                return None
+            found[key] = int(parts[0]) * 1024
+            if len(found) == 2:
+                return found[b"MemAvailable"], found[b"MemTotal"]
+    return None
+
+
 class Probe:
     """Reads the memory fraction in use for this rank's telemetry row.
 
     CUDA: ``1 - free / total`` of the device from ``torch.cuda.mem_get_info`` (every process's
-    allocations, as LB-BSP's memory guard needs). CPU: ``1 - available / total`` RAM (psutil).
-    Readings are refreshed at most every ``interval`` seconds and reused in between (psutil costs
-    ~50 µs; memory does not change meaningfully within milliseconds).
+    allocations, as LB-BSP's memory guard needs). CPU: ``1 - available / total`` RAM, read from
+    ``/proc/meminfo`` on Linux (:func:`meminfo`; psutil's figure, at a sixth of psutil's cost),
+    elsewhere through psutil. Readings are refreshed at most every ``interval`` seconds and reused
+    in between (memory does not change meaningfully within milliseconds).
     """
 
     def __init__(self, device: Optional[torch.device] = None, interval: float = 0.2) -> None:
@@ -349,6 +372,10 @@ class Probe:
         self._psutil = psutil
         self._at = -math.inf
         self._last = 0.0
+        # psutil parses all of /proc/meminfo in Python (~90 µs, several times that with cold
+        # caches, every `interval` inside the training loop's step boundary); the two numbers it
+        # reports are the file's first and third lines.
+        self._proc = meminfo() is not None
 
     def memory(self) -> float:
         """Fraction of the device's memory (CUDA) or of RAM (CPU) in use, in [0, 1]."""
@@ -358,8 +385,11 @@ class Probe:
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
             else:
-                vm = self._psutil.virtual_memory()
-                free, total = vm.available, vm.total
+                got = meminfo() if self._proc else None
+                if got is None:
+                    vm = self._psutil.virtual_memory()
+                    got = (vm.available, vm.total)
+                free, total = got
             self._last = min(max(1.0 - float(free) / float(total), 0.0), 1.0) if total else 0.0
         return self._last
 
@@ -389,7 +419,7 @@ def hardware_info(device: Optional[torch.device] = None) -> Dict[str, float]:
 __all__ = ["FIELDS", "NUM_FIELDS", "COL", "RECORD_ARRAYS", "MIN_COMPUTE", "MAX_COMPUTE",
            "UnusableTelemetry", "StepRecord",
            "History", "validate_record", "require_progress", "straggler_effect", "Probe",
-           "hardware_info", "next_block_length", "block_history"]
+           "hardware_info", "meminfo", "next_block_length", "block_history"]
 
 
 def next_block_length(length: int, steady: bool, largest: int) -> int:

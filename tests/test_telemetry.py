@@ -1,5 +1,6 @@
 """Telemetry records, history, checks, probes and the straggler effect."""
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 
 from hetlb.plan import EXACT_INT, decision_checksum
 from hetlb.telemetry import (COL, NUM_FIELDS, History, Probe, StepRecord, UnusableTelemetry,
-                             hardware_info, next_block_length, require_progress, straggler_effect,
+                             hardware_info, meminfo, next_block_length, require_progress, straggler_effect,
                              validate_record)
 
 
@@ -142,6 +143,39 @@ def test_probe_readings_and_refresh_interval():
     del block
     with pytest.raises(ValueError, match="interval"):
         Probe(torch.device("cpu"), interval=float("nan"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux only: /proc/meminfo")
+def test_meminfo_reports_psutils_figures():
+    # The probe's fast path reads what psutil reports (its MemAvailable and MemTotal).
+    import psutil
+    got = meminfo()
+    vm = psutil.virtual_memory()
+    assert got is not None and got[1] == vm.total
+    assert abs(got[0] - vm.available) < 0.02 * vm.total  # (read a moment apart)
+
+
+def test_meminfo_parses_the_two_lines_and_refuses_the_rest(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_bytes(b"MemTotal:       24684092 kB\nMemFree:        23255092 kB\n"
+                  b"MemAvailable:   24234424 kB\nBuffers:           14136 kB\n")
+    assert meminfo(str(f)) == (24234424 * 1024, 24684092 * 1024)
+    f.write_bytes(b"MemTotal:       24684092 kB\nMemFree:        23255092 kB\n")  # kernel < 3.14
+    assert meminfo(str(f)) is None
+    f.write_bytes(b"MemTotal:       24684092 MB\nMemAvailable:   24234424 kB\n")  # unknown unit
+    assert meminfo(str(f)) is None
+    f.write_bytes(b"MemTotal: -1 kB\nMemAvailable: 2 kB\n")
+    assert meminfo(str(f)) is None
+    assert meminfo(str(tmp_path / "missing")) is None
+
+
+def test_probe_falls_back_to_psutil_without_proc_meminfo(monkeypatch):
+    import psutil
+    import hetlb.telemetry as tm
+    monkeypatch.setattr(tm, "meminfo", lambda path="/proc/meminfo": None)
+    probe = Probe(torch.device("cpu"), interval=0.0)
+    vm = psutil.virtual_memory()
+    assert abs(probe.memory() - (1 - vm.available / vm.total)) < 0.05
 
 
 def test_hardware_info_on_cpu():
