@@ -133,6 +133,13 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
             bal.telemetry.core.side_first = True
         if flag == "psutil":  # the memory probe through psutil (as before session 21)
             bal.telemetry.probe._proc = False
+        if flag == "nocheck":  # (diagnostic) the forward gate without its batch-size check
+            for h in ddp._forward_pre_hooks.values():
+                if type(h).__name__ == "_StepGate":
+                    h.batch_dim = None
+        if flag == "nogate":  # (diagnostic, wrong timing) no forward gate at all
+            ddp._forward_pre_hooks.clear()
+            ddp._forward_pre_hooks_with_kwargs.clear()
     backward = bal.backward if variant.endswith("+backward") else torch.Tensor.backward
     return ddp, opt, loader, bal, backward
 
@@ -188,17 +195,23 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
         k = step % len(order)
         for v in order[k:] + order[:k]:
             ddp, opt, it, backward = runs[v]
+            c = time.thread_time()
             t = time.perf_counter()
             x, y = next(it)
             t1 = time.perf_counter()
+            c1 = time.thread_time()
             loss = torch.nn.functional.cross_entropy(ddp(x), y)
             t2 = time.perf_counter()
+            c2 = time.thread_time()
             backward(loss)
             t3 = time.perf_counter()
+            c3 = time.thread_time()
             opt.step()
             opt.zero_grad()
             t4 = time.perf_counter()
-            times[v].append((t4 - t, t1 - t, t2 - t1, t3 - t2, t4 - t3))
+            c4 = time.thread_time()
+            times[v].append((t4 - t, t1 - t, t2 - t1, t3 - t2, t4 - t3,
+                             c4 - c, c1 - c, c2 - c1, c3 - c2, c4 - c3))
     return {v: t[args.warmup:] for v, t in times.items()}
 
 
@@ -361,6 +374,8 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
              "|---|---|---:|---:|---:|---:|---:|"]
     phases = ["| model | variant | next batch | forward | backward | optimizer | step |",
               "|---|---|---:|---:|---:|---:|---:|"]
+    cpu = ["| model | variant | next batch | forward | backward | optimizer | step | step added / plain's wall step |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
     part_lines: List[str] = []
     for m, times, parts in res:
         if parts:
@@ -374,6 +389,13 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
             cells = [f"{1e3 * med[i]:.2f}" if v == "plain" else f"{1e3 * med[i]:.2f} ({1e3 * (med[i] - base[i]):+.2f})"
                      for i in (1, 2, 3, 4, 0)]
             phases.append(f"| {m} | {variant_name(v)} | " + " | ".join(cells) + " |")
+            if len(times[v][0]) > 5:  # the main thread's CPU time per phase (thread_time)
+                cm = [statistics.median(s[i] for s in times[v]) for i in range(5, 10)]
+                cb = [statistics.median(s[i] for s in times["plain"]) for i in range(5, 10)]
+                cells = [f"{1e3 * cm[i]:.2f}" if v == "plain" else f"{1e3 * cm[i]:.2f} ({1e3 * (cm[i] - cb[i]):+.2f})"
+                         for i in (1, 2, 3, 4, 0)]
+                share = "" if v == "plain" else f"{100 * (cm[0] - cb[0]) / base[0]:+.2f} %"
+                cpu.append(f"| {m} | {variant_name(v)} | " + " | ".join(cells) + f" | {share} |")
             if v == "plain":
                 continue
             t = [s[0] for s in times[v]]
@@ -387,7 +409,13 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
                    "| model | part | µs | calls |", "|---|---|---:|---:|"] + part_lines
     return lines + ["", "Phases: median milliseconds of each phase of a step (rank 0), and in brackets what it "
                     "adds to plain DDP's median of the same phase. The medians of the phases need not sum "
-                    "to the median step.", ""] + phases
+                    "to the median step.", ""] + phases + [
+                    "", "Main-thread CPU time (`time.thread_time`, rank 0): median milliseconds per phase, and "
+                    "in brackets what each adds to plain DDP's. Waiting (for the other rank, for Gloo's "
+                    "threads) costs the main thread no CPU, so this is the work a variant adds on the "
+                    "thread that runs the step, without the wall clock's scheduling noise; the last column "
+                    "is that work over plain DDP's median wall step. (Gloo's own threads are not counted.)",
+                    ""] + cpu
 
 
 def variant_name(v: str) -> str:

@@ -52,6 +52,8 @@ log = logging.getLogger("hetlb.balancer")
 # checksum, plan and step are adjacent columns: one view of the table checks all three.
 assert (COL["plan"], COL["step"]) == (COL["checksum"] + 1, COL["checksum"] + 2)
 _IDS = slice(COL["checksum"], COL["step"] + 1)
+_BATCH, _DATA, _PREDICTED, _CHECKSUM, _PLAN, _STEP, _EPOCH = (
+    COL[f] for f in ("batch", "data", "predicted", "checksum", "plan", "step", "epoch"))
 # A StepRecord's arrays are the table's first columns, in order (one slice copies them all).
 assert tuple(FIELDS[:len(RECORD_ARRAYS)]) == RECORD_ARRAYS
 _RECORD_COLS = len(RECORD_ARRAYS)
@@ -465,7 +467,10 @@ class Balancer:
             self._ship_next = True
             # Steps of the current block: exchange_every, or with adaptive_exchange from 1 up to it.
             self._block_len = 1 if self.adaptive_exchange else self.exchange_every
-            self._weight_of: tuple = (None, None, 0, 0.0)  # (sizes, data, window_len, weight) of _weight
+            # (sizes, data, window_len, (weight, batch, data)) of _weight's latest plan
+            self._weight_of: tuple = (None, None, 0, (0.0, 0.0, 0.0))
+            self._row_buf = np.zeros(NUM_FIELDS)  # (compute, memory, cpu: filled in by the core)
+            self._row_buf[COL["compute"]] = math.nan
             self._spent = 0.0
             self.last_overhead: float = 0.0
             self.board.post(self._decision)
@@ -613,46 +618,49 @@ class Balancer:
 
     # ------------------------------------------------------------------ the step
 
-    def _row(self, plan: StepPlan, data: float) -> np.ndarray:
-        row = np.zeros(NUM_FIELDS)
-        row[COL["batch"]] = plan.sizes[self.rank]
-        row[COL["data"]] = data
-        row[COL["compute"]] = math.nan
-        row[COL["predicted"]] = (math.nan if self._local is None
-                                 else self._local.predict(self.telemetry.probe.memory()))
-        row[COL["checksum"]] = self.board.checksum
-        row[COL["plan"]] = plan.checksum
-        row[COL["step"]] = self._step % EXACT_INT
-        row[COL["epoch"]] = plan.epoch % EXACT_INT
+    def _row(self, plan: StepPlan, batch: float, data: float) -> np.ndarray:
+        # One buffer, written in place: StepCore.start copies it, and at the step boundary (caches
+        # cold from the step's compute) an allocation and dict lookups per field cost microseconds.
+        row = self._row_buf
+        row[_BATCH] = batch
+        row[_DATA] = data
+        row[_PREDICTED] = (math.nan if self._local is None
+                           else self._local.predict(self.telemetry.probe.memory()))
+        row[_CHECKSUM] = self.board.checksum
+        row[_PLAN] = plan.checksum
+        row[_STEP] = self._step % EXACT_INT
+        row[_EPOCH] = plan.epoch % EXACT_INT
         return row
 
-    def _weight(self, plan: StepPlan) -> float:
-        """This rank's aggregation weight; for a window shorter than ``accumulate`` (the end of an
-        epoch) scaled by ``accumulate / length``, since each micro-step's loss is divided by
-        ``accumulate``."""
+    def _weight(self, plan: StepPlan) -> Tuple[float, float, float]:
+        """This rank's aggregation weight, batch and data amount in ``plan``; the weight of a
+        window shorter than ``accumulate`` (the end of an epoch) scaled by ``accumulate /
+        length``, since each micro-step's loss is divided by ``accumulate``."""
         key = self._weight_of
         # Plans are values and whole steps share the posted decision's arrays: the same arrays
-        # give the same weight (the common case costs no NumPy call).
+        # give the same values (the common case costs no NumPy call).
         if key[0] is plan.sizes and key[1] is plan.data and key[2] == plan.window_len:
             return key[3]
         w = float(weights_for(self.weighting, plan.sizes, plan.data)[self.rank])
         if self.accumulate > 1 and plan.window_len < self.accumulate:
             w *= self.accumulate / plan.window_len
-        self._weight_of = (plan.sizes, plan.data, plan.window_len, w)
-        return w
+        got = (w, float(plan.sizes[self.rank]), float(plan.data[self.rank]))
+        self._weight_of = (plan.sizes, plan.data, plan.window_len, got)
+        return got
 
     def _begin(self, plan: StepPlan, explicit: bool) -> None:
         t = time.perf_counter()
+        w, batch, data = self._weight(plan)
         first = plan.window_pos == 0
         if first:
             self._window_data = 0.0
-        data = (self._window_data + float(plan.data[self.rank])) / plan.window_len \
-            if plan.window_end and plan.window_len > 1 else float(plan.data[self.rank])
+        if plan.window_end and plan.window_len > 1:
+            data = (self._window_data + data) / plan.window_len
         offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
         pos = len(self._block)
         ship = pos + 1 >= self._block_len or self._ship_next or self._epoch_last(plan)
-        self.telemetry.start(self._step, self._weight(plan), self._row(plan, data),
-                             int(plan.sizes[self.rank]), offset=offset, new_window=first,
+        self.telemetry.start(self._step, w, self._row(plan, batch, data), int(batch),
+                             offset=offset, new_window=first,
                              sq=0.0 if plan.sq is None else float(plan.sq[self.rank]),
                              pos=pos, ship=ship)
         self._open = _Open(plan, explicit, ship)
