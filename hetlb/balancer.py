@@ -113,6 +113,7 @@ class _StepGate:
 
     def __init__(self, board: PlanBoard, telemetry: StepTelemetry, batch_dim: BatchDim) -> None:
         self.board, self.telemetry, self.batch_dim = board, telemetry, batch_dim
+        self._want: Tuple[Any, int] = (None, 0)  # (plan sizes, this rank's size in them)
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         plan = self.board.current
@@ -136,7 +137,10 @@ class _StepGate:
                 "bal.step() then enters no_sync itself and weights the whole window exactly")
         if self.batch_dim is not None:
             n = self._size(args, kwargs)
-            want = int(plan.sizes[self.board.rank])
+            sizes, want = self._want
+            if sizes is not plan.sizes:  # (whole steps share the posted decision's array)
+                want = int(plan.sizes[self.board.rank])
+                self._want = (plan.sizes, want)
             if n is not None and n != want:
                 raise BatchSizeError(
                     f"hetlb: rank {self.board.rank} gave the model a batch of {n} samples, but the "
@@ -152,7 +156,7 @@ class _StepGate:
         if callable(self.batch_dim):
             n = self.batch_dim(args, kwargs)
             return None if n is None else int(n)
-        t = _first_tensor(args)
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
         if t is None:
             t = _first_tensor(kwargs)
         if t is None or t.dim() <= self.batch_dim:
