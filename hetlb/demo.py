@@ -168,6 +168,7 @@ def run_demo(cluster: str = "abs-sgd-1234", policies: Sequence[str] = DEFAULT_PO
         epochs: passes over the digits training set per policy, raised until every policy
             runs at least ``min_steps`` steps (a large global batch makes short epochs).
         progress: a progress bar on rank 0.
+        min_steps: see ``epochs`` (a warning says when it raises them; 0 never does).
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -183,9 +184,16 @@ def run_demo(cluster: str = "abs-sgd-1234", policies: Sequence[str] = DEFAULT_PO
         raise ValueError(f"unknown policies {bad or list(policies)}; expected some of {', '.join(POLICY_NAMES)}")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if min_steps < 0:
+        raise ValueError(f"min_steps must be >= 0, got {min_steps}")
     train, _ = _digits(sc.global_batch)  # fails early (scikit-learn missing, batch too large)
     per_epoch = len(train) // sc.global_batch
-    epochs = max(int(epochs), -(-int(min_steps) // per_epoch))
+    needed = -(-int(min_steps) // per_epoch)
+    if needed > epochs:
+        log.warning("epochs raised from %d to %d so that every policy runs at least %d steps (%d a "
+                    "epoch at global batch %d); min_steps=0 (--min-steps 0) keeps %d", epochs, needed,
+                    min_steps, per_epoch, sc.global_batch, epochs)
+    epochs = max(int(epochs), needed)
     cfg = {"scenario": sc.to_dict(), "policies": [p.strip().lower() for p in policies],
            "epochs": int(epochs), "progress": progress}
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=sc.world, run_id=f"hetlb-demo-{uuid.uuid4().hex[:8]}",

@@ -10,11 +10,14 @@ import pytest
 from hetlb.cli import main
 
 
-def test_shortened_demo_matches_uniform_and_balances(capsys, tmp_path):
+def test_shortened_demo_matches_uniform_and_balances(capsys, caplog, tmp_path):
     png = tmp_path / "demo.png"
     code = main(["demo", "--epochs", "2", "--policy", "uniform,lbb", "--plot", str(png), "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
+    # 11 steps an epoch at global batch 128: --min-steps 40 (the default) raises 2 epochs to 4,
+    # and says so
+    assert out["epochs"] == 4 and "epochs raised from 2 to 4" in caplog.text
     rows = {r["policy"]: r for r in out["results"]}
     assert out["world"] == 4 and out["global_batch"] == 128
     assert out["ideal_speedup"] == pytest.approx(2.06, abs=0.02)  # (296 ms) / (144 ms)
@@ -33,6 +36,7 @@ def test_shortened_demo_matches_uniform_and_balances(capsys, tmp_path):
     (["demo", "--cluster", "lbbsp-cluster-a"], "hetlb simulate lbbsp-cluster-a"),
     (["demo", "--policy", "uniform,best"], "unknown policies"),
     (["demo", "--epochs", "0"], "epochs must be >= 1"),
+    (["demo", "--min-steps", "-1"], "min_steps must be >= 0"),
 ])
 def test_demo_errors_before_spawning(capsys, argv, message):
     assert main(argv) == 2

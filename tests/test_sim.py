@@ -519,3 +519,13 @@ def test_a_policy_given_by_name_is_labelled_by_it():
     labels = [simulate("lbb-table2", p, steps=3).policy for p in ("lbbsp", "lbbsp-cpu", "LBB")]
     assert labels == ["lbbsp", "lbbsp-cpu", "lbb"]
     assert simulate("lbb-table2", hetlb.LBBSP("cpu"), steps=3).policy == "lbbsp"
+
+
+def test_compare_splits_refuses_a_worker_that_takes_no_time():
+    # (hetlb plan printed "infx" speed-ups for such a worker)
+    from hetlb.models import LinearModel
+    from hetlb.sim import compare_splits
+    ok = compare_splits([LinearModel(0, 1), LinearModel(0, 2)], 8, lower=0)  # T(0) = 0 is no batch
+    assert int(ok[1].sizes.sum()) == 8 and all(np.isfinite(s.speedup) for s in ok)
+    with pytest.raises(ValueError, match="worker 1: its time model gives 0 at batch 1"):
+        compare_splits([LinearModel(1, 1), LinearModel(0, 0)], 8)
