@@ -107,9 +107,22 @@ _SECOND_LOADER = ("this Balancer already drives a loader; iterate that one every
                   "the Balancer checks only training batches)")
 
 
+class _CopiedGate:
+    """The forward pre-hook of a copy of a balanced model (``copy.deepcopy``, ``torch.save``):
+    it checks nothing, since no Balancer drives the copy (an EMA model, say)."""
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        return None
+
+
 class _StepGate:
     """Forward pre-hook on the model: the batch must be the one planned for this rank, and the
-    step's compute clock starts at its first forward. Holds the board and the telemetry only."""
+    step's compute clock starts at its first forward. Holds the board and the telemetry only.
+    A copy of the model gets a :class:`_CopiedGate` instead (the telemetry holds native state
+    that does not copy, and the copy is not the Balancer's)."""
+
+    def __reduce__(self) -> Any:
+        return (_CopiedGate, ())
 
     def __init__(self, board: PlanBoard, telemetry: StepTelemetry, batch_dim: BatchDim) -> None:
         self.board, self.telemetry, self.batch_dim = board, telemetry, batch_dim
@@ -190,6 +203,8 @@ class Balancer:
     Args:
         model: the ``DistributedDataParallel`` model (a plain module is accepted when the world
             has one rank). The Balancer registers its communication hook and a forward pre-hook.
+            A copy of the model (``copy.deepcopy``, ``torch.save``; an EMA model, say) is not
+            balanced: its hook is DDP's own, its forward checks nothing.
         global_batch: samples per step over all ranks; ``sum(batch_sizes) == global_batch``
             (an integer in ``[world * lower, 2**24)``). Optional when ``loader`` is given (then
             ``batch_size * world``).

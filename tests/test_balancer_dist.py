@@ -830,3 +830,43 @@ def test_a_rank_that_refuses_its_arguments_stops_every_rank_at_once(what):
     assert "must be" in r1["error"] and "-1" in r1["error"], r1
     assert r0["error"].startswith(f"{what} on rank 1 refused its arguments (ValueError: "), r0
     assert r0["seconds"] < 20, r0
+
+
+def copy_worker(rank, world):
+    import copy
+    import io
+    ddp = DDP(_net())
+    bal = hetlb.Balancer(ddp, 12, policy=hetlb.Uniform())
+    loader = bal.loader(torch.utils.data.TensorDataset(torch.randn(24, 5, dtype=torch.float64)),
+                        shuffle=False)
+    ema = copy.deepcopy(ddp)  # (raised "cannot pickle 'module' object")
+    buf = io.BytesIO()
+    torch.save(ddp, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    out = {}
+    # The copies are not the Balancer's: no gate checks their batches, plain DDP averages them
+    for name, m in (("copy", ema), ("loaded", loaded)):
+        m.zero_grad()
+        m(torch.ones(5 + rank, 5, dtype=torch.float64)).sum().backward()
+        out[name] = [p.grad.clone() for p in m.parameters()]
+    # ... and the original is still balanced: its batches are checked, its steps recorded
+    out["checked"] = False
+    for i, (x,) in enumerate(loader):
+        if i == 0:
+            try:
+                ddp(torch.ones(len(x) + 1, 5, dtype=torch.float64))
+            except hetlb.BatchSizeError:
+                out["checked"] = True
+        ddp(x).sum().backward()
+    out["steps"] = bal.steps
+    return out
+
+
+def test_a_balanced_model_copies_and_saves_as_plain_ddp_does():
+    res = unwrap(run(copy_worker, 2))
+    for r in res:
+        assert r["checked"] and r["steps"] == 2, r
+        for name in ("copy", "loaded"):
+            for g0, g1 in zip(res[0][name], res[1][name]):
+                assert torch.equal(g0, g1)  # all-reduced: the same on every rank
