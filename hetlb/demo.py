@@ -190,7 +190,7 @@ def run_demo(cluster: str = "abs-sgd-1234", policies: Sequence[str] = DEFAULT_PO
     per_epoch = len(train) // sc.global_batch
     needed = -(-int(min_steps) // per_epoch)
     if needed > epochs:
-        log.warning("epochs raised from %d to %d so that every policy runs at least %d steps (%d a "
+        log.warning("epochs raised from %d to %d so that every policy runs at least %d steps (%d per "
                     "epoch at global batch %d); min_steps=0 (--min-steps 0) keeps %d", epochs, needed,
                     min_steps, per_epoch, sc.global_batch, epochs)
     epochs = max(int(epochs), needed)

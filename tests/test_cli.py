@@ -115,7 +115,7 @@ def test_plan_from_the_builtin_scenario_and_from_profiles(capsys, tmp_path):
     (["report", "/"], "/: no run.jsonl in this directory"),
     # a worker taking no time made every speed-up "infx" (x/0)
     (["plan", "--global-batch", "8", "--linear", "0,0", "--linear", "1,1"],
-     "worker 0: its time model gives 0 at batch 1"),
+     "worker 0: its time model gives 0 at batch 4 (the uniform split [4, 4])"),
 ])
 def test_errors_say_what_to_do(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)

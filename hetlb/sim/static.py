@@ -62,19 +62,6 @@ def compare_splits(models: Sequence[TimeModel], global_batch: int, lower: Option
         raise ValueError("compare_splits: no workers (give one time model per worker)")
     lo = np.broadcast_to(np.asarray(1 if lower is None else lower, np.int64), (n,)).copy()
     up = np.broadcast_to(np.asarray(global_batch if upper is None else upper, np.int64), (n,)).copy()
-    for i, m in enumerate(models):
-        # A worker that takes no time (or an infinite one) for a batch it may get leaves the
-        # speed-ups without meaning (0/0, x/0): refused, as the simulator's scenarios refuse it.
-        first, last = max(int(lo[i]), 1), max(int(min(up[i], global_batch)), 1)
-        x = np.unique(np.concatenate([np.arange(first, min(last, first + 4095) + 1),
-                                      np.round(np.linspace(first, last, 4096))])).astype(np.float64)
-        t = np.asarray(m.time(x), np.float64)
-        bad = np.flatnonzero(~(t > 0) | ~np.isfinite(t))
-        if bad.size:
-            raise ValueError(f"worker {i}: its time model gives {t[bad[0]]:g} at batch "
-                             f"{x[bad[0]]:g}; a worker's time must be positive and finite for every "
-                             f"batch it may get ({first}..{last}): add a start-up overhead or fix "
-                             f"the coefficients")
     uniform = allocate_proportional(np.ones(n), global_batch, lo, up)
     u = _split("uniform", models, uniform)
     exact = _split("lbb", models, allocate(models, global_batch, lo, up))
@@ -85,5 +72,17 @@ def compare_splits(models: Sequence[TimeModel], global_batch: int, lower: Option
     prop = _split("lbbsp", models, allocate_proportional(speed, global_batch, lo, up))
     out = [u, exact, prop]
     for s in out:
-        s.speedup = u.step / s.step if s.step > 0 else float("inf")
+        # A worker predicted to take no time (or an infinite one) for the samples a rule gives
+        # it leaves the comparison without meaning (speed-ups of x/0): refused. The times are
+        # the solvers' (the running maximum, clamped at 0), so a fit dipping below zero at
+        # batches no rule gives (a profile's curve extended down to 1) still plans.
+        bad = np.flatnonzero((s.sizes > 0) & ~((s.times > 0) & np.isfinite(s.times)))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"worker {i}: its time model gives {s.times[i]:g} at batch "
+                             f"{int(s.sizes[i])} (the {s.rule} split {s.sizes.tolist()}); a "
+                             f"worker's time must be positive and finite for the batches it gets: "
+                             f"add a start-up overhead or fix the coefficients")
+    for s in out:
+        s.speedup = u.step / s.step
     return out
