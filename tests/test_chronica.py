@@ -597,7 +597,12 @@ def quadratic_worker(rank, world, quadratic, gb, steps):
     recs = [r for r in bal.history if r.epoch == 1]
     assert all(r.sq is not None for r in recs)
     c = bal.policy._prophet.coefficient()
-    return {"c": c, "gap": [float(r.compute.max() / r.compute.min()) for r in recs]}
+    # Each rank's emulated time of its step (the hold's target: the model of its data amount and
+    # quadratic term, over its speed), from the step's data and squared sizes alone: the split's
+    # balance without the machine's noise on the measured times
+    target = [3e-6 * (r.data + 0.01 * r.sq) / np.array([1.0, 2.0]) for r in recs]
+    return {"c": c, "gap": [float(r.compute.max() / r.compute.min()) for r in recs],
+            "target_gap": [float(t.max() / t.min()) for t in target]}
 
 
 def test_quadratic_work_balances_attention_bound_ranks():
@@ -607,11 +612,17 @@ def test_quadratic_work_balances_attention_bound_ranks():
     fit = unwrap(run(quadratic_worker, 2, "fit", 32, 10))
     lin = unwrap(run(quadratic_worker, 2, 0.0, 32, 10))
     # The emulated times carry the real step's overhead too, which the fit partly takes into c
-    # on a loaded machine (0.0145 seen in CI): within 2x of 0.01, against exactly 0 for linear.
-    assert 0.005 <= fit[0]["c"] <= 0.02, fit[0]["c"]
+    # on a loaded machine (0.0145 seen in CI, 0.0055 under two CPU hogs): within 3x of 0.01,
+    # against exactly 0 for linear.
+    assert 0.01 / 3 <= fit[0]["c"] <= 0.03, fit[0]["c"]
     assert lin[0]["c"] == 0.0
-    assert np.median(fit[0]["gap"]) < np.median(lin[0]["gap"]), (fit[0]["gap"], lin[0]["gap"])
-    assert np.median(fit[0]["gap"]) < 1.25
+    # The splits compared by their emulated targets: the measured gaps of a loaded machine hide
+    # the linear model's imbalance in their noise (medians 1.063 fit, 1.060 linear in one CI
+    # run), the targets do not (quiet: mean 1.002-1.006 fit, 1.122-1.124 linear; two CPU hogs:
+    # 1.006-1.050 against 1.113-1.130)
+    tf, tl = fit[0]["target_gap"], lin[0]["target_gap"]
+    assert np.mean(tf) < np.mean(tl) and np.median(tf) < np.median(tl), (tf, tl)
+    assert np.median(fit[0]["gap"]) < 1.25  # and the measured step is balanced too
 
 
 @pytest.mark.parametrize("hold", [0.0, 0.5])
