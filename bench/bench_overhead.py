@@ -389,13 +389,13 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
             cells = [f"{1e3 * med[i]:.2f}" if v == "plain" else f"{1e3 * med[i]:.2f} ({1e3 * (med[i] - base[i]):+.2f})"
                      for i in (1, 2, 3, 4, 0)]
             phases.append(f"| {m} | {variant_name(v)} | " + " | ".join(cells) + " |")
-            if len(times[v][0]) > 5:  # the main thread's CPU time per phase (thread_time)
-                cm = [statistics.median(s[i] for s in times[v]) for i in range(5, 10)]
-                cb = [statistics.median(s[i] for s in times["plain"]) for i in range(5, 10)]
-                cells = [f"{1e3 * cm[i]:.2f}" if v == "plain" else f"{1e3 * cm[i]:.2f} ({1e3 * (cm[i] - cb[i]):+.2f})"
-                         for i in (1, 2, 3, 4, 0)]
-                share = "" if v == "plain" else f"{100 * (cm[0] - cb[0]) / base[0]:+.2f} %"
-                cpu.append(f"| {m} | {variant_name(v)} | " + " | ".join(cells) + f" | {share} |")
+            # the main thread's CPU time per phase (thread_time)
+            cm = [statistics.median(s[i] for s in times[v]) for i in range(5, 10)]
+            cb = [statistics.median(s[i] for s in times["plain"]) for i in range(5, 10)]
+            cells = [f"{1e3 * cm[i]:.2f}" if v == "plain" else f"{1e3 * cm[i]:.2f} ({1e3 * (cm[i] - cb[i]):+.2f})"
+                     for i in (1, 2, 3, 4, 0)]
+            share = "" if v == "plain" else f"{100 * (cm[0] - cb[0]) / base[0]:+.2f} %"
+            cpu.append(f"| {m} | {variant_name(v)} | " + " | ".join(cells) + f" | {share} |")
             if v == "plain":
                 continue
             t = [s[0] for s in times[v]]

@@ -126,7 +126,6 @@ class _StepGate:
 
     def __init__(self, board: PlanBoard, telemetry: StepTelemetry, batch_dim: BatchDim) -> None:
         self.board, self.telemetry, self.batch_dim = board, telemetry, batch_dim
-        self._want: Tuple[Any, int] = (None, 0)  # (plan sizes, this rank's size in them)
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         plan = self.board.current
@@ -150,10 +149,7 @@ class _StepGate:
                 "bal.step() then enters no_sync itself and weights the whole window exactly")
         if self.batch_dim is not None:
             n = self._size(args, kwargs)
-            sizes, want = self._want
-            if sizes is not plan.sizes:  # (whole steps share the posted decision's array)
-                want = int(plan.sizes[self.board.rank])
-                self._want = (plan.sizes, want)
+            want = int(plan.sizes[self.board.rank])
             if n is not None and n != want:
                 raise BatchSizeError(
                     f"hetlb: rank {self.board.rank} gave the model a batch of {n} samples, but the "

@@ -173,15 +173,13 @@ class GlobalOrderSampler:
             return
         perm = self.permutation(epoch)
         full = self.full_steps
-        # Read once: the loop's body runs at every step boundary, with the caches cold.
-        gb, length, rank, seed, sample_sizes = (self.global_batch, self.length, board.rank,
-                                                self.seed, self.sample_sizes)
         for s in range(start, self.steps_per_epoch):
-            o = s * gb
-            window = perm[o:o + min(gb, length - o)]  # (the last step may be short)
-            sizes = None if sample_sizes is None else sample_sizes[window]
-            plan = board.draw(epoch, s, len(window), full, sizes, seed=seed)
-            yield window[plan.positions(rank)].tolist()
+            count = self.step_count(s)
+            o = s * self.global_batch
+            window = perm[o:o + count]
+            sizes = None if self.sample_sizes is None else self.sample_sizes[window]
+            plan = board.draw(epoch, s, count, full, sizes, seed=self.seed)
+            yield window[plan.positions(board.rank)].tolist()
 
     def _stream(self) -> Iterator[List[int]]:
         """Stream mode: this rank's reference batches of its shard (see :mod:`hetlb.plan`)."""

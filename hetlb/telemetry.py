@@ -375,7 +375,7 @@ class Probe:
         # psutil parses all of /proc/meminfo in Python (~90 µs, several times that with cold
         # caches, every `interval` inside the training loop's step boundary); the two numbers it
         # reports are the file's first and third lines.
-        self._proc = meminfo() is not None
+        self._proc = self.device.type != "cuda" and meminfo() is not None
 
     def memory(self) -> float:
         """Fraction of the device's memory (CUDA) or of RAM (CPU) in use, in [0, 1]."""

@@ -83,6 +83,5 @@ def compare_splits(models: Sequence[TimeModel], global_batch: int, lower: Option
                              f"{int(s.sizes[i])} (the {s.rule} split {s.sizes.tolist()}); a "
                              f"worker's time must be positive and finite for the batches it gets: "
                              f"add a start-up overhead or fix the coefficients")
-    for s in out:
-        s.speedup = u.step / s.step
+        s.speedup = u.step / s.step  # (u, checked first, has a positive step)
     return out
