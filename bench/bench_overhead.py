@@ -35,7 +35,10 @@ bucket's all-reduce, as hetlb did before session 12 (now: once that all-reduce i
 session 21 (now: ``/proc/meminfo`` read directly on Linux).
 
 ``default`` (and ``default+backward``, ``default/K``...) passes no ``transport=``: the Balancer's
-own choice ("carry", or "side" under ``--bucket-view``, where DDP would copy carry's bucket back).
+own choice ("side" with the hook deferred, as here: Uniform's equal batches need none; else
+"carry", or "side" under ``--bucket-view``, where DDP would copy carry's bucket back).
+``NAME@hooked`` passes ``defer_hook=False``: the weighted hook registered at once, as every
+hetlb variant ran before session 22 (``default@hooked`` is that session's default: "carry").
 
 A variant ``NAME/K`` (e.g. ``carry/16``, ``side+backward/16``) is hetlb's ``NAME`` with
 ``Balancer(exchange_every=K)``: the telemetry of K steps in one exchange (opt-in; the papers
@@ -127,6 +130,8 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
         if every:  # "16", or "16a": adaptive blocks up to 16
             kw["exchange_every"] = int(every.rstrip("a"))
             kw["adaptive_exchange"] = every.endswith("a")
+        if flag == "hooked":  # the weighted hook registered at once (before session 22)
+            kw["defer_hook"] = False
         bal = hetlb.Balancer(ddp, args.global_batch, policy=hetlb.Uniform(), **kw)
         loader = bal.loader(ds, seed=1)
         if flag == "first":  # the side table issued before the last bucket's all-reduce (as before session 12)

@@ -683,6 +683,20 @@ void bind_comm_hook(py::module& m) {
           "and return the table. `kept` >= 1: the kept rows of positions 0..kept-1 instead "
           "(kept_slots; a flush of the block's steps so far).")
       .def(
+          "launch_side",
+          [](StepCore& c, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+            TORCH_CHECK(group, "hetlb StepCore.launch_side: need a process group, got None");
+            TORCH_CHECK(group->getSize() == c.world, "hetlb StepCore.launch_side: the group has ",
+                        group->getSize(), " ranks, the core ", c.world);
+            py::gil_scoped_release nogil;  // (see reduce)
+            NoPythonState no_python;
+            c.launch_side(group);
+          },
+          py::arg("group"),
+          "Issue the side all-reduce of this step's slots now, without waiting (take_table waits "
+          "for it): the table of a step whose gradient no hook reduced (a deferred hook, see "
+          "hetlb.aggregate.BackwardWatch).")
+      .def(
           "close", [](StepCore& c) { c.open = false; },
           "End the step: a backward pass after this raises until the next start().")
       .def(

@@ -32,6 +32,10 @@ How the table travels (every rank uses the same transport, agreed at start-up; b
   pass over the gradient at all (carry still copies the last bucket next to the table).
 * A step in which no hook ran (no backward) all-reduces the row on its own (:meth:`exchange`).
 
+While every rank's weight is ``1 / world`` the hook can wait (:class:`BackwardWatch`,
+``Balancer(defer_hook=True)``, the default where it applies): DDP's own mean is then the weighted
+one, and the table goes by the side transport from the end of backward.
+
 With ``block=k`` (``Balancer(exchange_every=k)``) the core keeps each step's stamped row and only
 a step started with ``ship=True`` sends a table: the rows of the block's positions ``0..pos`` of
 every rank, ``[(pos + 1) * world, F]`` step-major, by the same transport. The other steps send
@@ -119,6 +123,39 @@ def carry_blocker(model: Any, group: Any) -> Optional[str]:
     return None
 
 
+def defer_blocker(model: Any, group: Any, *, native: bool, emulator: Any, accumulate: int,
+                  transport: Optional[str]) -> Optional[str]:
+    """Why this rank cannot defer its communication hook (None if it can; see
+    :class:`BackwardWatch`): DDP's own averaging must be the weighted mean while weights are
+    equal, and the end of backward must be seen without a hook."""
+    if not native:
+        return "native_hook=False (the reference hook is registered at once)"
+    if transport == "carry":
+        return "transport='carry' rides in the hook"
+    if emulator is not None:
+        return "an emulator holds the last bucket in the hook"
+    if accumulate != 1:
+        return "accumulate > 1 weighs whole windows in the hook"
+    if is_nccl(group):
+        return "the group uses NCCL (its hook weighs in PREMUL_SUM at no extra pass)"
+    if getattr(model, "static_graph", False):
+        return "DDP(static_graph=True)"
+    if getattr(model, "mixed_precision", None) is not None:
+        return "DDP mixed precision"
+    for p in model.parameters():
+        if p.requires_grad and p.device.type != "cpu":
+            return f"a parameter is on {p.device}"
+    pg = getattr(model, "process_group", None)
+    try:
+        mine = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        ddps = dist.get_process_group_ranks(pg) if pg is not None else mine
+    except Exception:  # noqa: BLE001 (a group torch cannot describe: do not guess)
+        return "the DDP model's process group could not be compared with the Balancer's"
+    if list(ddps) != list(mine):
+        return "the DDP model averages over another process group than the Balancer's"
+    return None
+
+
 def carry_penalty(model: Any) -> Optional[str]:
     """Why carrying the table would cost this rank more than the side transport (None if it
     would not): with ``gradient_as_bucket_view=True`` DDP's gradients are views of its buckets,
@@ -130,19 +167,22 @@ def carry_penalty(model: Any) -> Optional[str]:
 
 
 def choose_transport(requested: Sequence[Optional[str]], blockers: Sequence[Optional[str]],
-                     penalties: Optional[Sequence[Optional[str]]] = None) -> str:
+                     penalties: Optional[Sequence[Optional[str]]] = None, *,
+                     deferred: bool = False) -> str:
     """The transport every rank uses, from each rank's request (None: no preference), carry
     blocker (:func:`carry_blocker`) and carry penalty (:func:`carry_penalty`). With no request,
-    "carry" when every rank can carry and none would pay for it (it costs less: no collective of
-    its own, see ``bench/RESULTS.md``), else "side". An explicit "carry" is honoured despite a
-    penalty. Raises ``ValueError`` naming the ranks when the requests cannot be met together."""
+    "side" when the hook is ``deferred`` (no hook to carry the table, see :class:`BackwardWatch`),
+    else "carry" when every rank can carry and none would pay for it (it costs less: no
+    collective of its own, see ``bench/RESULTS.md``), else "side". An explicit "carry" is
+    honoured despite a penalty. Raises ``ValueError`` naming the ranks when the requests cannot
+    be met together."""
     asked = {r: t for r, t in enumerate(requested) if t is not None}
     kinds = set(asked.values())
     if len(kinds) > 1:
         raise ValueError("ranks asked for different telemetry transports: " + ", ".join(
             f"rank {r}: {t!r}" for r, t in sorted(asked.items())))
     if not kinds:
-        costly = any(p is not None for p in penalties or ())
+        costly = deferred or any(p is not None for p in penalties or ())
         return "carry" if all(b is None for b in blockers) and not costly else "side"
     want = kinds.pop()
     if want == "carry":
@@ -169,6 +209,90 @@ class _GroupsKept:
 
     def __reduce__(self) -> Any:
         return (_GroupsKept, ())
+
+
+_OUTSIDE_STEP = ("hetlb: a backward pass of the DDP model ran outside a balanced step. Iterate "
+                 "the Balancer's loader (each batch it hands out is one step), or wrap forward and "
+                 "backward in `with bal.step():`; with a plain DataLoader the gradient weights "
+                 "would be wrong. This DDP model cannot be used again (its reducer stopped inside "
+                 "the backward pass): fix the loop and start over")
+
+
+def _grad_output(obj: Any) -> Optional[torch.Tensor]:
+    """The first tensor of a model's output (nested in tuples, lists, dicts) that needs a gradient."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.requires_grad else None
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            t = _grad_output(v)
+            if t is not None:
+                return t
+    return None
+
+
+class _InertWatch:
+    """The forward hook of a copy of a model with a deferred hook: it watches nothing."""
+
+    def __call__(self, module: Any, args: Any, output: Any) -> None:
+        return None
+
+
+class BackwardWatch:
+    """Forward hook of a DDP model whose communication hook is deferred (``Balancer(defer_hook=True)``,
+    the default where it applies): the end of its backward without a communication hook.
+
+    While every rank's weight is ``1 / world`` (equal batches: Uniform on a homogeneous cluster),
+    DDP's own averaging, fused into its copy into buckets, already is the weighted mean, so no
+    hook runs and no extra pass over the gradient is made. The step then ends the way the hook
+    would end it: a hook on the model's output (the first tensor that needs a gradient) queues
+    an autograd callback that runs once the backward's compute is done, before DDP waits for its
+    all-reduces, and stamps the compute time; that callback queues a second, which runs after
+    DDP has reduced the gradient and issues the side all-reduce of the table, so it does not
+    compete with the gradient's transfer. A backward whose output this misses (a loss that
+    does not use the first such tensor) is stamped at the step's end and exchanged there
+    instead: the same table, later. A backward outside a step raises here, as the hook would.
+    The Balancer registers the hook (and removes this watch) before the first step whose
+    weights differ. Holds the telemetry only; a copy of the model gets an inert watch.
+    """
+
+    _engine = torch.autograd.Variable._execution_engine
+
+    def __init__(self, telemetry: "StepTelemetry") -> None:
+        self.telemetry = telemetry
+        self._queued = False
+
+    def __reduce__(self) -> Any:
+        return (_InertWatch, ())
+
+    def __call__(self, module: Any, args: Any, output: Any) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        self._queued = False  # (a backward that raised ran no callback)
+        t = _grad_output(output)
+        if t is not None:
+            t.register_hook(self._output_grad)
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        if not self.telemetry.core.open:
+            raise RuntimeError(_OUTSIDE_STEP)
+        if not self._queued:
+            self._queued = True
+            self._engine.queue_callback(self._computed)
+
+    def _computed(self) -> None:
+        # Final callbacks run in order: this one was queued before DDP's (which its last bucket
+        # queues), the one queued here runs after it.
+        self._queued = False
+        self.telemetry.core.last_ready()
+        self._engine.queue_callback(self._reduced)
+
+    def _reduced(self) -> None:
+        tele = self.telemetry
+        if tele.core.ship:
+            tele.core.launch_side(tele.side_group if tele.side_group is not None
+                                  else dist.distributed_c10d._get_default_group())
 
 
 class StepTelemetry:
@@ -211,17 +335,32 @@ class StepTelemetry:
     def register(self, model: Any, native: bool = True) -> None:
         """Register the weighted all-reduce hook on the DDP ``model`` (the native one, or the
         Python reference with ``native=False``; both issue the same collectives)."""
-        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-        side = self.side_group if self.side_group is not None else pg
-        # Popped and set again, so it always comes after the reducer in the model's __dict__.
-        kept = model.__dict__.pop("_hetlb_groups_kept", None)
-        model._hetlb_groups_kept = _GroupsKept((kept.groups if kept else ()) + (pg, side))
+        pg, side = self._keep_groups(model)
         if native:
             _C.register_comm_hook(model.reducer, self.core, pg, side)
         else:
             from .reference import ReferenceHookState, weighted_allreduce_hook
             model.register_comm_hook(ReferenceHookState(self.core, self.group, self.side_group),
                                      weighted_allreduce_hook)
+
+    def _keep_groups(self, model: Any) -> tuple:
+        """The gradient and side groups, kept on ``model`` after its reducer (:class:`_GroupsKept`)."""
+        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        side = self.side_group if self.side_group is not None else pg
+        # Popped and set again, so it always comes after the reducer in the model's __dict__.
+        kept = model.__dict__.pop("_hetlb_groups_kept", None)
+        model._hetlb_groups_kept = _GroupsKept((kept.groups if kept else ()) + (pg, side))
+        return pg, side
+
+    def defer(self, model: Any) -> Any:
+        """Watch the end of the DDP ``model``'s backward without a communication hook (see
+        :class:`BackwardWatch`; the side transport); returns the forward hook's handle, removed
+        when :meth:`register` is called later."""
+        if self.transport != "side":
+            raise ValueError(f"a deferred hook sends the table by the side transport, not {self.transport!r}")
+        # (The reducer holds the gradient group even without a hook: it must not be its last owner.)
+        self._keep_groups(model)
+        return model.register_forward_hook(BackwardWatch(self))
 
     # ------------------------------------------------------------------ one step
 

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import checks
 from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty, choose_transport,
-                        is_nccl, make_side_group, raise_refusals, refuse_everywhere, weights_for)
+                        defer_blocker, is_nccl, make_side_group, raise_refusals, refuse_everywhere, weights_for)
 from .data import BalancedLoader, check_loader_config
 from .runlog import ENV_LOG_DIR, RunLog
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
@@ -238,7 +238,8 @@ class Balancer:
             its own, issued with the last bucket; the one to pair with :meth:`backward` on
             Gloo). None (default): "carry" where every rank can, else "side"; also "side" when
             some rank's DDP has ``gradient_as_bucket_view=True`` (DDP would copy the carried
-            bucket back into its gradient views). Ranks that ask for different transports get
+            bucket back into its gradient views), and when the hook is deferred (``defer_hook``:
+            no hook to carry the table). Ranks that ask for different transports get
             an error.
         native_hook: False registers the pure-Python reference hook instead of the native one
             (debugging; same collectives, so ranks may mix).
@@ -271,6 +272,19 @@ class Balancer:
             stay single steps (a warning says so) unless it holds its rule
             (``Chronica(hold=0.02)``, opt-in). Needs ``exchange_every > 1``. The same on every
             rank.
+        defer_hook: (default True) leave the model without a communication hook while every
+            rank's weight is ``1 / world`` (equal batches; "none" with samples on every rank):
+            DDP's own averaging, which it fuses into its copy into buckets, is then the weighted
+            mean, so the gradient costs what plain DDP's costs. The table travels by the side
+            transport, issued once DDP has reduced the gradient, and the compute time is taken
+            when the backward's compute ends (:class:`hetlb.aggregate.BackwardWatch`). Before the
+            first step whose weights differ (an uneven split, an idle rank, a short last step
+            that does not split evenly) the weighted hook is registered, on every rank at the
+            same step, and stays (DDP cannot remove a hook). Applies where every rank has a
+            CPU DDP model on Gloo, the native hook, no emulator, ``accumulate=1``, no
+            ``transport="carry"``, no ``static_graph`` or DDP mixed precision, and DDP averages
+            over the Balancer's group; elsewhere the hook is registered at once, as with False.
+            The same on every rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -304,7 +318,8 @@ class Balancer:
                  batch_dim: BatchDim = 0, transport: Optional[str] = None,
                  native_hook: bool = True, log_dir: Optional[str] = None,
                  tensorboard: Optional[bool] = None, watchdog: Optional[Watchdog] = None,
-                 exchange_every: int = 1, adaptive_exchange: bool = False) -> None:
+                 exchange_every: int = 1, adaptive_exchange: bool = False,
+                 defer_hook: bool = True) -> None:
         # A rank refusing its arguments tells the others at the start-up exchange, so every rank
         # raises rather than waiting in the collective until its timeout.
         try:
@@ -323,6 +338,7 @@ class Balancer:
                                     f"decide, state_dict and load_state_dict; got "
                                     f"{type(policy).__name__} {policy!r}, which lacks {missing}")
             native_hook = checks.flag(native_hook, "native_hook")
+            defer_hook = checks.flag(defer_hook, "defer_hook")
             if tensorboard is not None:
                 tensorboard = checks.flag(tensorboard, "tensorboard")
             if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
@@ -406,20 +422,21 @@ class Balancer:
             mine = {"config": {"global_batch": global_batch, "weighting": weighting,
                                "accumulate": self.accumulate, "policy": type(policy).__name__,
                                "exchange_every": self.exchange_every,
-                               "adaptive_exchange": self.adaptive_exchange},
+                               "adaptive_exchange": self.adaptive_exchange,
+                               "defer_hook": defer_hook},
                     "policy_settings": policy_settings(policy),
                     "transport": transport,
                     "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
                     "carry_penalty": carry_penalty(model),
+                    "defer": (defer_blocker(model, group, native=native_hook, emulator=emulator,
+                                            accumulate=self.accumulate, transport=transport)
+                              if is_ddp else "no DDP model"),
                     **self._bounds(lower, upper, profile)}
             everyone = self._all_gather(mine, side)
             self._exchanged = True  # (a later error is every rank's: no second exchange)
             raise_refusals(everyone, "Balancer")
             checks.agree(everyone, "config", "Balancer")
             checks.agree(everyone, "policy_settings", f"{type(policy).__name__} policy")
-            self.transport = choose_transport([e["transport"] for e in everyone],
-                                              [e["carry"] for e in everyone],
-                                              [e["carry_penalty"] for e in everyone])
             self.context = Context(self.world, global_batch, [e["lower"] for e in everyone],
                                    [e["upper"] for e in everyone],
                                    hardware=[e["hardware"] for e in everyone],
@@ -438,6 +455,16 @@ class Balancer:
                             "keeps a rule while refits change it little; exchange_every=%d without "
                             "adaptive_exchange gives fixed blocks)", type(policy).__name__,
                             self.exchange_every)
+            # The hook waits for the first step whose weights differ (see BackwardWatch) where
+            # every rank can do without it and the first decision splits evenly; the table then
+            # travels by the side transport. (A start that is already uneven, e.g. LBB from
+            # profiles, keeps the hook and the transport it would have had.)
+            deferred = defer_hook and all(e["defer"] is None for e in everyone) and \
+                self._equal_weights(self._decision)
+            self.transport = choose_transport([e["transport"] for e in everyone],
+                                              [e["carry"] for e in everyone],
+                                              [e["carry_penalty"] for e in everyone],
+                                              deferred=deferred)
             if self.transport == "side" and self.distributed and not nccl:
                 side = make_side_group(group, own=True)  # not queued behind the gradient's transfers
             self._side = side
@@ -447,8 +474,13 @@ class Balancer:
                                            block=self.exchange_every)
             self.telemetry.core.watch(list(model.parameters()))
             self._fast_backward_noted = False
-            self._comm_hook = is_ddp  # whose hook delivers every step's table with the gradient
-            if is_ddp:
+            # Whether a communication hook delivers every step's table with the gradient; a
+            # deferred one is registered by _begin before the first step whose weights differ.
+            self._comm_hook = is_ddp and not deferred
+            self._watch: Any = None  # the deferred hook's BackwardWatch handle
+            if is_ddp and deferred:
+                self._watch = self.telemetry.defer(model)
+            elif is_ddp:
                 self.telemetry.register(model, native=native_hook)
             else:
                 params = [p for p in model.parameters() if p.requires_grad]
@@ -482,8 +514,8 @@ class Balancer:
             self._ship_next = True
             # Steps of the current block: exchange_every, or with adaptive_exchange from 1 up to it.
             self._block_len = 1 if self.adaptive_exchange else self.exchange_every
-            # (sizes, data, window_len, (weight, batch, data)) of _weight's latest plan
-            self._weight_of: tuple = (None, None, 0, (0.0, 0.0, 0.0))
+            # (sizes, data, window_len, (weight, batch, data, equal)) of _weight's latest plan
+            self._weight_of: tuple = (None, None, 0, (0.0, 0.0, 0.0, True))
             self._row_buf = np.zeros(NUM_FIELDS)  # (compute, memory, cpu: filled in by the core)
             self._row_buf[COL["compute"]] = math.nan
             self._spent = 0.0
@@ -647,25 +679,31 @@ class Balancer:
         row[_EPOCH] = plan.epoch % EXACT_INT
         return row
 
-    def _weight(self, plan: StepPlan) -> Tuple[float, float, float]:
-        """This rank's aggregation weight, batch and data amount in ``plan``; the weight of a
-        window shorter than ``accumulate`` (the end of an epoch) scaled by ``accumulate /
-        length``, since each micro-step's loss is divided by ``accumulate``."""
+    def _weight(self, plan: StepPlan) -> Tuple[float, float, float, bool]:
+        """This rank's aggregation weight, batch and data amount in ``plan``, and whether every
+        rank's weight is the same (``1 / world``: DDP's own mean); the weight of a window shorter
+        than ``accumulate`` (the end of an epoch) scaled by ``accumulate / length``, since each
+        micro-step's loss is divided by ``accumulate``."""
         key = self._weight_of
         # Plans are values and whole steps share the posted decision's arrays: the same arrays
         # give the same values (the common case costs no NumPy call).
         if key[0] is plan.sizes and key[1] is plan.data and key[2] == plan.window_len:
             return key[3]
-        w = float(weights_for(self.weighting, plan.sizes, plan.data)[self.rank])
+        weights = weights_for(self.weighting, plan.sizes, plan.data)
+        w = float(weights[self.rank])
+        equal = bool((weights == weights[0]).all())
         if self.accumulate > 1 and plan.window_len < self.accumulate:
             w *= self.accumulate / plan.window_len
-        got = (w, float(plan.sizes[self.rank]), float(plan.data[self.rank]))
+            equal = False
+        got = (w, float(plan.sizes[self.rank]), float(plan.data[self.rank]), equal)
         self._weight_of = (plan.sizes, plan.data, plan.window_len, got)
         return got
 
     def _begin(self, plan: StepPlan, explicit: bool) -> None:
         t = time.perf_counter()
-        w, batch, data = self._weight(plan)
+        w, batch, data, equal = self._weight(plan)
+        if self._watch is not None and not equal:
+            self._register_hook(plan)
         first = plan.window_pos == 0
         if first:
             self._window_data = 0.0
@@ -682,6 +720,27 @@ class Balancer:
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
         self._spent += time.perf_counter() - t
+
+    def _equal_weights(self, decision: Any) -> bool:
+        """Whether a whole step of ``decision`` weighs every rank ``1 / world`` (a size-aware
+        rule's plans, or "sizes" weighting, depend on the samples drawn: not known to)."""
+        if not isinstance(decision, np.ndarray) or self.weighting == "sizes":
+            return False
+        if self.weighting == "none":
+            return bool((decision > 0).all())
+        return bool((decision == decision[0]).all() and decision[0] > 0)
+
+    def _register_hook(self, plan: StepPlan) -> None:
+        """The first step whose weights differ (``plan``, on every rank alike: plans are
+        replicated) is about to run: DDP's mean would be wrong from here on, so the deferred
+        communication hook is registered now, for good (DDP cannot remove one)."""
+        self._watch.remove()
+        self._watch = None
+        self.telemetry.register(self.model, native=True)
+        self._comm_hook = True
+        log.info("step %d of epoch %d: the ranks' weights differ (sizes %s), so the weighted "
+                 "communication hook is registered from now on", plan.step, plan.epoch,
+                 plan.sizes.tolist())
 
     def _epoch_last(self, plan: StepPlan) -> bool:
         """Whether ``plan`` is the last step of its epoch (known with a loader only)."""
@@ -777,6 +836,9 @@ class Balancer:
         w = core.weight
         low = loss.dtype not in (torch.float32, torch.float64) or \
             (gradient is not None and gradient.dtype not in (torch.float32, torch.float64))
+        if self._watch is not None:  # no hook yet: DDP's own mean is the weighted one
+            torch.autograd.backward(loss, gradient, **kwargs)
+            return
         if w == 1.0 or self.accumulate > 1 or low or not core.grads_clear():
             if w != 1.0 and self.accumulate == 1 and not low and not self._fast_backward_noted:
                 self._fast_backward_noted = True

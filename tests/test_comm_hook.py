@@ -446,7 +446,7 @@ def test_the_hook_body_scales_zeroes_and_delivers_the_table():
 
 def lost_table_worker(rank, world, transport):
     ddp = DDP(torch.nn.Linear(3, 2))
-    bal = hetlb.Balancer(ddp, 4, policy=Fixed([2, 2]), transport=transport)
+    bal = hetlb.Balancer(ddp, 4, policy=Fixed([2, 2]), transport=transport, defer_hook=False)
     ds = torch.utils.data.TensorDataset(torch.randn(40, 3))
     it = iter(bal.loader(ds, seed=0))
     (x,) = next(it)

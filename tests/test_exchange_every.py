@@ -132,7 +132,7 @@ def test_each_record_of_a_block_holds_its_own_steps_time_across_a_resume_inside_
 
 def epoch_worker(rank, world, n, gb, k, epochs):
     ddp = DDP(torch.nn.Linear(1, 1).double())
-    bal = hetlb.Balancer(ddp, gb, policy=Jitter(7), lower=0, exchange_every=k)
+    bal = hetlb.Balancer(ddp, gb, policy=Jitter(7), lower=0, exchange_every=k, defer_hook=False)
     ds = torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float64)[:, None])
     loader = bal.loader(ds, seed=11, num_workers=1, prefetch_factor=2, persistent_workers=True)
     seen, lens, caps = {}, [], []

@@ -1,0 +1,193 @@
+"""The deferred communication hook (``Balancer(defer_hook=True)``, the default on CPU Gloo).
+
+While every rank's weight is ``1 / world`` the model runs without a hook (DDP's own mean is the
+weighted one) and the table travels by the side transport from the end of backward; the weighted
+hook is registered before the first step whose weights differ. Every step's gradient is checked
+against the single-process gradient of the union of the ranks' samples, before, at and after
+that switch, and the telemetry against the plan.
+"""
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetlb  # before init_process_group in the spawned workers
+from distributed import run, unwrap
+from fixed_policy import Fixed
+from hetlb.aggregate import choose_transport
+from test_balancer_dist import _data, _loss, _net, _reference
+
+
+def deferred_worker(rank, world, n, global_batch, options):
+    net = _net()
+    ddp = DDP(net, bucket_cap_mb=options.get("bucket_cap_mb", 25),
+              gradient_as_bucket_view=options.get("gradient_as_bucket_view", False),
+              find_unused_parameters=options.get("find_unused_parameters", False))
+    policy = Fixed(options["sizes"]) if "sizes" in options else hetlb.Uniform()
+    bal = hetlb.Balancer(ddp, global_batch, policy=policy, lower=options.get("lower", 1),
+                         weighting=options.get("weighting", "samples"),
+                         defer_hook=options.get("defer_hook", True),
+                         transport=options.get("transport"))
+    x, y, tokens = _data(n)
+    loader = bal.loader(torch.utils.data.TensorDataset(x, y), seed=2)
+    steps = []
+    for epoch in range(options.get("epochs", 1)):
+        loader.set_epoch(epoch)
+        for xb, yb in loader:
+            plan = bal.board.current
+            out = ddp(xb)
+            if options.get("second_output"):  # the loss does not use the output the watch hooks
+                out = (out.detach(), out * 1.0)[1]
+            loss = _loss(out, yb, torch.ones(len(yb), dtype=torch.float64))
+            if options.get("bal_backward"):
+                bal.backward(loss)
+            else:
+                loss.backward()
+            parts = loader.sampler.step_indices(plan)
+            ref = _reference(net, x, y, tokens, parts, options.get("weighting", "samples"))
+            err = max(((p.grad - r).abs().max() / (r.abs().max() + 1e-12)).item()
+                      for p, r in zip(net.parameters(), ref))
+            steps.append({"sizes": plan.sizes.tolist(), "err": err, "hooked": bal._watch is None,
+                          "hooks_run": bal.telemetry.core.hooks_run})
+            ddp.zero_grad()
+    bal.flush()
+    records = [(r.batch.tolist(), bool(np.isfinite(r.compute).all() and (r.compute > 0).all()))
+               for r in bal.history]
+    return {"steps": steps, "records": records, "transport": bal.transport, "done": bal.steps}
+
+
+def _check(res, world):
+    same = [[(s["sizes"], s["hooked"]) for s in res[r]["steps"]] for r in range(world)]
+    assert all(v == same[0] for v in same), same  # every rank switches at the same step
+    for r in range(world):
+        for s in res[r]["steps"]:
+            assert s["err"] < 1e-12, res[r]["steps"]
+        # Every step recorded with its plan's sizes and a measured (finite, positive) compute time.
+        assert [b for b, _ in res[r]["records"]] == [s["sizes"] for s in res[r]["steps"]]
+        assert all(ok for _, ok in res[r]["records"]), res[r]["records"]
+        assert res[r]["done"] == len(res[r]["steps"])
+
+
+def test_equal_weights_run_without_a_hook_and_give_the_union_mean():
+    # 40 samples, 16 a step over 2 ranks: 8/8, 8/8, 4/4: equal every step, never hooked.
+    res = unwrap(run(deferred_worker, 2, 40, 16, {"epochs": 2}))
+    _check(res, 2)
+    for r in range(2):
+        assert res[r]["transport"] == "side"
+        assert not any(s["hooked"] for s in res[r]["steps"])
+        assert all(s["hooks_run"] == 0 for s in res[r]["steps"])  # DDP's own reduction
+
+
+def test_the_hook_is_registered_at_the_first_step_whose_weights_differ():
+    # 41 samples, 16 a step: the epoch's short last step has 9 samples, split 5/4.
+    res = unwrap(run(deferred_worker, 2, 41, 16, {"epochs": 2, "bucket_cap_mb": 0.0001}))
+    _check(res, 2)
+    for r in range(2):
+        steps = res[r]["steps"]
+        assert [s["sizes"] for s in steps[:3]] == [[8, 8], [8, 8], [5, 4]]
+        assert [s["hooked"] for s in steps] == [False, False, True, True, True, True]
+        assert [s["hooks_run"] > 0 for s in steps] == [False, False, True, True, True, True]
+
+
+@pytest.mark.parametrize("options", [
+    {"sizes": [3, 9]},                                           # uneven from the first step
+    {"sizes": [6, 0, 6], "lower": 0, "weighting": "none"},       # an idle rank (its loss is NaN)
+    {"sizes": [4, 4, 4], "weighting": "none"},                   # "none", every rank with samples
+    {"bal_backward": True},                                      # no double division by world
+    {"bal_backward": True, "sizes": [5, 7]},
+    {"gradient_as_bucket_view": True},
+    {"find_unused_parameters": True},
+    {"second_output": True},                                     # watch misses: exchanged at the end
+])
+def test_deferred_hook_keeps_the_union_mean(options):
+    world = len(options.get("sizes", [0, 0]))
+    res = unwrap(run(deferred_worker, world, 36, 12, options))
+    _check(res, world)
+    sizes = res[0]["steps"][0]["sizes"]
+    equal = options.get("weighting") == "none" and 0 not in sizes or len(set(sizes)) == 1
+    for r in range(world):
+        assert all(s["hooked"] != equal for s in res[r]["steps"]), res[r]["steps"]
+
+
+def test_defer_hook_false_registers_the_hook_at_once():
+    res = unwrap(run(deferred_worker, 2, 40, 16, {"defer_hook": False}))
+    _check(res, 2)
+    assert res[0]["transport"] == "carry"
+    assert all(s["hooks_run"] > 0 for s in res[0]["steps"])
+
+
+def outside_worker(rank, world):
+    ddp = DDP(_net())
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform())
+    x, y, _ = _data(8)
+    for xb, yb in bal.loader(torch.utils.data.TensorDataset(x, y)):
+        ddp(xb).pow(2).mean().backward()
+    assert bal._watch is not None
+    try:
+        ddp(x[:4]).pow(2).mean().backward()  # no batch of the loader: outside any step
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_backward_outside_a_step_raises_without_a_hook_too():
+    for msg in unwrap(run(outside_worker, 2)):
+        assert msg is not None and "outside a balanced step" in msg, msg
+
+
+def copy_worker(rank, world):
+    ddp = DDP(_net())
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform())
+    twin = copy.deepcopy(ddp)
+    torch.save(ddp, io.BytesIO())
+    x, y, _ = _data(16)
+    for xb, yb in bal.loader(torch.utils.data.TensorDataset(x, y)):
+        ddp(xb).pow(2).mean().backward()
+        ddp.zero_grad()
+    twin(x).pow(2).mean().backward()  # the copy is plain DDP: no step needed
+    return bal.steps, bal._watch is not None
+
+
+def test_a_model_with_a_deferred_hook_copies_and_saves():
+    for steps, deferred in unwrap(run(copy_worker, 2)):
+        assert steps == 2 and deferred
+
+
+def mismatch_worker(rank, world):
+    ddp = DDP(_net())
+    try:
+        hetlb.Balancer(ddp, 8, policy=hetlb.Uniform(), defer_hook=(rank == 0))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_must_agree_on_defer_hook():
+    for msg in unwrap(run(mismatch_worker, 2)):
+        assert msg is not None and "defer_hook" in msg, msg
+
+
+def blocked_worker(rank, world, kind):
+    ddp = DDP(_net())
+    kwargs = {"transport": "carry"} if kind == "carry" else {"native_hook": False} if kind == "python" \
+        else {"emulator": hetlb.emulate.Emulator.for_rank(rank, [1.0, 1.0])}
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform(), **kwargs)
+    return bal._watch is None, bal.transport
+
+
+@pytest.mark.parametrize("kind", ["carry", "python", "emulator"])
+def test_the_hook_is_registered_at_once_where_it_cannot_wait(kind):
+    for hooked, transport in unwrap(run(blocked_worker, 2, kind)):
+        assert hooked and transport == "carry"
+
+
+def test_choose_transport_picks_side_for_a_deferred_hook():
+    assert choose_transport([None, None], [None, None], deferred=True) == "side"
+    assert choose_transport(["side", None], [None, None], deferred=True) == "side"
+    assert choose_transport([None, None], [None, None], deferred=False) == "carry"
