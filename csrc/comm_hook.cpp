@@ -44,6 +44,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -71,6 +72,12 @@ namespace hetlb {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr const char* kOutsideStep =
+    "hetlb: a backward pass of the DDP model ran outside a balanced step. Iterate the Balancer's "
+    "loader (each batch it hands out is one step), or wrap forward and backward in `with "
+    "bal.step():`; with a plain DataLoader the gradient weights would be wrong. This DDP model "
+    "cannot be used again (its reducer stopped inside the backward pass): fix the loop and start "
+    "over";
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 double monotonic_seconds() {
@@ -290,6 +297,7 @@ struct StepCore {
   // Issue the side table before the last bucket's all-reduce even under Gloo (see the file comment).
   bool side_first = false;
   int64_t scaled_buckets = 0;  // buckets this step the hook applied the weight to
+  bool end_queued = false;     // a deferred hook's end-of-backward callback is queued (watch_output)
   std::vector<at::Tensor> params;  // the model's parameters, for grads_clear()
 
   CpuLoad cpu;
@@ -324,7 +332,7 @@ struct StepCore {
     hold_extra = 0.0;
     compute = kNaN;
     hooks_run = last_buckets = scaled_buckets = 0;
-    prescaled = false;
+    prescaled = end_queued = false;
     open = true;
     t0 = monotonic_seconds();
     if (clock && new_window) clock->begin();
@@ -442,12 +450,7 @@ struct StepCore {
   c10::intrusive_ptr<c10::ivalue::Future> run_bucket(at::Tensor buf, bool last,
                                                      const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                      const c10::intrusive_ptr<c10d::ProcessGroup>& side) {
-    TORCH_CHECK(open,
-                "hetlb: a backward pass of the DDP model ran outside a balanced step. Iterate "
-                "the Balancer's loader (each batch it hands out is one step), or wrap forward and "
-                "backward in `with bal.step():`; with a plain DataLoader the gradient weights "
-                "would be wrong. This DDP model cannot be used again (its reducer stopped inside "
-                "the backward pass): fix the loop and start over");
+    TORCH_CHECK(open, kOutsideStep);
     TORCH_CHECK(buf.is_contiguous(), "hetlb comm hook: bucket buffer is not contiguous");
     NoPythonState no_python;
     ++hooks_run;
@@ -568,6 +571,36 @@ struct StepCore {
     return buf.view({-1, fields}).clone();
   }
 };
+
+// A deferred hook (hetlb.aggregate.BackwardWatch): the end of a backward of the model without a
+// communication hook. A hook on the model's output `out` (it runs as the backward starts) checks
+// that a step is open and queues an autograd final callback, which runs when the backward's
+// compute is done and before DDP's own (queued when its last bucket is ready) waits for the
+// all-reduces: it stamps the compute time and queues a second callback, which runs after DDP's
+// and issues the side all-reduce of the table (the gradient is reduced by then: nothing to
+// compete with). All of it native and on the backward's thread, without the GIL.
+void watch_output(const std::shared_ptr<StepCore>& core, const at::Tensor& out,
+                  const c10::intrusive_ptr<c10d::ProcessGroup>& side) {
+  TORCH_CHECK(out.requires_grad(), "hetlb StepCore.watch_output: the tensor does not require grad");
+  core->end_queued = false;  // (a backward that raised ran no callback)
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> weak(side);
+  out.register_hook([core, weak](const at::Tensor&) {
+    TORCH_CHECK(core->open, kOutsideStep);
+    if (core->end_queued) return;  // (another output of the same backward)
+    core->end_queued = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([core, weak]() {
+      core->end_queued = false;
+      core->last_ready();
+      torch::autograd::Engine::get_default_engine().queue_callback([core, weak]() {
+        if (!core->ship) return;
+        if (auto group = weak.lock()) {
+          NoPythonState no_python;
+          core->launch_side(group);
+        }
+      });
+    });
+  });
+}
 
 namespace {
 
@@ -696,6 +729,18 @@ void bind_comm_hook(py::module& m) {
           "Issue the side all-reduce of this step's slots now, without waiting (take_table waits "
           "for it): the table of a step whose gradient no hook reduced (a deferred hook, see "
           "hetlb.aggregate.BackwardWatch).")
+      .def(
+          "watch_output",
+          [](const std::shared_ptr<StepCore>& c, const at::Tensor& out,
+             c10::intrusive_ptr<c10d::ProcessGroup> group) {
+            TORCH_CHECK(group && group->getSize() == c->world,
+                        "hetlb StepCore.watch_output: need the side group of ", c->world, " ranks");
+            watch_output(c, out, group);
+          },
+          py::arg("output"), py::arg("group"),
+          "Deferred hook: end this step's compute when the backward through `output` (a tensor "
+          "of the model's output that needs a gradient) is done, and issue the side all-reduce "
+          "of the table after DDP's reduction (see hetlb.aggregate.BackwardWatch).")
       .def(
           "close", [](StepCore& c) { c.open = false; },
           "End the step: a backward pass after this raises until the next start().")

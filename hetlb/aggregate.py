@@ -211,13 +211,6 @@ class _GroupsKept:
         return (_GroupsKept, ())
 
 
-_OUTSIDE_STEP = ("hetlb: a backward pass of the DDP model ran outside a balanced step. Iterate "
-                 "the Balancer's loader (each batch it hands out is one step), or wrap forward and "
-                 "backward in `with bal.step():`; with a plain DataLoader the gradient weights "
-                 "would be wrong. This DDP model cannot be used again (its reducer stopped inside "
-                 "the backward pass): fix the loop and start over")
-
-
 def _grad_output(obj: Any) -> Optional[torch.Tensor]:
     """The first tensor of a model's output (nested in tuples, lists, dicts) that needs a gradient."""
     if isinstance(obj, torch.Tensor):
@@ -246,8 +239,8 @@ class BackwardWatch:
     While every rank's weight is ``1 / world`` (equal batches: Uniform on a homogeneous cluster),
     DDP's own averaging, fused into its copy into buckets, already is the weighted mean, so no
     hook runs and no extra pass over the gradient is made. The step then ends the way the hook
-    would end it: a hook on the model's output (the first tensor that needs a gradient) queues
-    an autograd callback that runs once the backward's compute is done, before DDP waits for its
+    would end it: a native hook on the model's output (the first tensor that needs a gradient;
+    ``StepCore.watch_output``) queues an autograd callback that runs once the backward's compute is done, before DDP waits for its
     all-reduces, and stamps the compute time; that callback queues a second, which runs after
     DDP has reduced the gradient and issues the side all-reduce of the table, so it does not
     compete with the gradient's transfer. A backward whose output this misses (a loss that
@@ -257,11 +250,10 @@ class BackwardWatch:
     weights differ. Holds the telemetry only; a copy of the model gets an inert watch.
     """
 
-    _engine = torch.autograd.Variable._execution_engine
-
     def __init__(self, telemetry: "StepTelemetry") -> None:
         self.telemetry = telemetry
-        self._queued = False
+        side = telemetry.side_group
+        self._side = side if side is not None else dist.distributed_c10d._get_default_group()
 
     def __reduce__(self) -> Any:
         return (_InertWatch, ())
@@ -269,30 +261,9 @@ class BackwardWatch:
     def __call__(self, module: Any, args: Any, output: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
             return
-        self._queued = False  # (a backward that raised ran no callback)
         t = _grad_output(output)
-        if t is not None:
-            t.register_hook(self._output_grad)
-
-    def _output_grad(self, grad: torch.Tensor) -> None:
-        if not self.telemetry.core.open:
-            raise RuntimeError(_OUTSIDE_STEP)
-        if not self._queued:
-            self._queued = True
-            self._engine.queue_callback(self._computed)
-
-    def _computed(self) -> None:
-        # Final callbacks run in order: this one was queued before DDP's (which its last bucket
-        # queues), the one queued here runs after it.
-        self._queued = False
-        self.telemetry.core.last_ready()
-        self._engine.queue_callback(self._reduced)
-
-    def _reduced(self) -> None:
-        tele = self.telemetry
-        if tele.core.ship:
-            tele.core.launch_side(tele.side_group if tele.side_group is not None
-                                  else dist.distributed_c10d._get_default_group())
+        if t is not None:  # the callbacks are native (StepCore.watch_output): no Python in backward
+            self.telemetry.core.watch_output(t, self._side)
 
 
 class StepTelemetry:

@@ -191,3 +191,28 @@ def test_choose_transport_picks_side_for_a_deferred_hook():
     assert choose_transport([None, None], [None, None], deferred=True) == "side"
     assert choose_transport(["side", None], [None, None], deferred=True) == "side"
     assert choose_transport([None, None], [None, None], deferred=False) == "carry"
+
+
+def stamp_worker(rank, world):
+    import time
+    ddp = DDP(_net())
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform())
+    x, y, _ = _data(32)
+    sent = []
+    for step, (xb, yb) in enumerate(bal.loader(torch.utils.data.TensorDataset(x, y))):
+        ddp(xb).pow(2).mean().backward()
+        # By the end of backward the compute is stamped and the table's all-reduce issued
+        # (taken here, and put back for the step's end).
+        table = bal.telemetry.table()
+        sent.append(table is not None)
+        if table is not None:
+            bal.telemetry.core.store_table(table)
+        time.sleep(0.15 if step == 1 else 0.0)  # after backward: not compute
+    return {"sent": sent, "hooked": bal._watch is None,
+            "compute": [float(r.compute.max()) for r in bal.history]}
+
+
+def test_the_table_is_sent_and_the_time_stamped_by_the_end_of_backward():
+    for r in unwrap(run(stamp_worker, 2)):
+        assert not r["hooked"] and r["sent"] == [True] * 4, r
+        assert max(r["compute"]) < 0.1, r["compute"]  # step 1's nap after backward not counted
