@@ -211,15 +211,16 @@ class _GroupsKept:
         return (_GroupsKept, ())
 
 
-def _grad_output(obj: Any) -> Optional[torch.Tensor]:
-    """The first tensor of a model's output (nested in tuples, lists, dicts) that needs a gradient."""
+def first_tensor(obj: Any, requires_grad: bool = False) -> Optional[torch.Tensor]:
+    """The first tensor in ``obj`` (nested in tuples, lists, dict values): a model's batch, or
+    with ``requires_grad`` the first output tensor that needs a gradient."""
     if isinstance(obj, torch.Tensor):
-        return obj if obj.requires_grad else None
+        return obj if obj.requires_grad or not requires_grad else None
     if isinstance(obj, dict):
         obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
         for v in obj:
-            t = _grad_output(v)
+            t = first_tensor(v, requires_grad)
             if t is not None:
                 return t
     return None
@@ -261,7 +262,7 @@ class BackwardWatch:
     def __call__(self, module: Any, args: Any, output: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
             return
-        t = _grad_output(output)
+        t = first_tensor(output, requires_grad=True)
         if t is not None:  # the callbacks are native (StepCore.watch_output): no Python in backward
             self.telemetry.core.watch_output(t, self._side)
 

@@ -36,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import checks
 from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty, choose_transport,
-                        defer_blocker, is_nccl, make_side_group, raise_refusals, refuse_everywhere, weights_for)
+                        defer_blocker, first_tensor, is_nccl, make_side_group, raise_refusals,
+                        refuse_everywhere, weights_for)
 from .data import BalancedLoader, check_loader_config
 from .runlog import ENV_LOG_DIR, RunLog
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
@@ -86,19 +87,6 @@ def _groups(values: np.ndarray) -> str:
             out.append("...")
             break
     return "; ".join(out)
-
-
-def _first_tensor(obj: Any) -> Optional[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for v in obj:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None
 
 
 _SECOND_LOADER = ("this Balancer already drives a loader; iterate that one every epoch "
@@ -165,9 +153,9 @@ class _StepGate:
         if callable(self.batch_dim):
             n = self.batch_dim(args, kwargs)
             return None if n is None else int(n)
-        t = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else first_tensor(args)
         if t is None:
-            t = _first_tensor(kwargs)
+            t = first_tensor(kwargs)
         if t is None or t.dim() <= self.batch_dim:
             return None
         return int(t.shape[self.batch_dim])
