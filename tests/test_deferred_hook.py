@@ -84,9 +84,11 @@ def test_equal_weights_run_without_a_hook_and_give_the_union_mean():
         assert all(s["hooks_run"] == 0 for s in res[r]["steps"])  # DDP's own reduction
 
 
-def test_the_hook_is_registered_at_the_first_step_whose_weights_differ():
+@pytest.mark.parametrize("views", [False, True])
+def test_the_hook_is_registered_at_the_first_step_whose_weights_differ(views):
     # 41 samples, 16 a step: the epoch's short last step has 9 samples, split 5/4.
-    res = unwrap(run(deferred_worker, 2, 41, 16, {"epochs": 2, "bucket_cap_mb": 0.0001}))
+    res = unwrap(run(deferred_worker, 2, 41, 16, {"epochs": 2, "bucket_cap_mb": 0.0001,
+                                                   "gradient_as_bucket_view": views}))
     _check(res, 2)
     for r in range(2):
         steps = res[r]["steps"]
