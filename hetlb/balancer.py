@@ -690,8 +690,15 @@ class Balancer:
     def _begin(self, plan: StepPlan, explicit: bool) -> None:
         t = time.perf_counter()
         w, batch, data, equal = self._weight(plan)
-        if self._watch is not None and not equal:
-            self._register_hook(plan)
+        if self._watch is not None:
+            if getattr(self.model, "_comm_hooks", None):
+                raise RuntimeError(
+                    "hetlb: a communication hook was registered on the DDP model after the "
+                    "Balancer was made; the Balancer's own hook weighs each rank's gradient by its "
+                    "batch (it is registered once the batches differ), and DDP takes one hook "
+                    "only. Register no hook of your own on a balanced model")
+            if not equal:
+                self._register_hook(plan)
         first = plan.window_pos == 0
         if first:
             self._window_data = 0.0

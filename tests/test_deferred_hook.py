@@ -218,3 +218,22 @@ def test_the_table_is_sent_and_the_time_stamped_by_the_end_of_backward():
     for r in unwrap(run(stamp_worker, 2)):
         assert not r["hooked"] and r["sent"] == [True] * 4, r
         assert max(r["compute"]) < 0.1, r["compute"]  # step 1's nap after backward not counted
+
+
+def own_hook_worker(rank, world):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    ddp = DDP(_net())
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform())
+    ddp.register_comm_hook(None, allreduce_hook)  # accepted by DDP: no hook was registered yet
+    x, y, _ = _data(16)
+    try:
+        for xb, yb in bal.loader(torch.utils.data.TensorDataset(x, y)):
+            ddp(xb).pow(2).mean().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_hook_of_the_user_s_own_on_a_balanced_model_is_refused():
+    for msg in unwrap(run(own_hook_worker, 2)):
+        assert msg is not None and "communication hook was registered" in msg, msg
