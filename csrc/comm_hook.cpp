@@ -45,6 +45,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -578,13 +579,18 @@ struct StepCore {
 // compute is done and before DDP's own (queued when its last bucket is ready) waits for the
 // all-reduces: it stamps the compute time and queues a second callback, which runs after DDP's
 // and issues the side all-reduce of the table (the gradient is reduced by then: nothing to
-// compete with). All of it native and on the backward's thread, without the GIL.
+// compete with). All of it native and on the backward's thread, without the GIL. A pass for given
+// inputs (torch.autograd.grad, backward(inputs=)) is not the step's backward: DDP reduces
+// nothing in it, and it is skipped. `end_queued` needs no lock: deferral is for CPU models only,
+// whose hooks and callbacks all run on the thread that called backward.
 void watch_output(const std::shared_ptr<StepCore>& core, const at::Tensor& out,
                   const c10::intrusive_ptr<c10d::ProcessGroup>& side) {
   TORCH_CHECK(out.requires_grad(), "hetlb StepCore.watch_output: the tensor does not require grad");
   core->end_queued = false;  // (a backward that raised ran no callback)
   c10::weak_intrusive_ptr<c10d::ProcessGroup> weak(side);
   out.register_hook([core, weak](const at::Tensor&) {
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    if (exec_info != nullptr && !exec_info->empty()) return;
     TORCH_CHECK(core->open, kOutsideStep);
     if (core->end_queued) return;  // (another output of the same backward)
     core->end_queued = true;
@@ -715,20 +721,6 @@ void bind_comm_hook(py::module& m) {
           "All-reduce this rank's row now (blocking; with a block, its rows of positions 0..pos) "
           "and return the table. `kept` >= 1: the kept rows of positions 0..kept-1 instead "
           "(kept_slots; a flush of the block's steps so far).")
-      .def(
-          "launch_side",
-          [](StepCore& c, c10::intrusive_ptr<c10d::ProcessGroup> group) {
-            TORCH_CHECK(group, "hetlb StepCore.launch_side: need a process group, got None");
-            TORCH_CHECK(group->getSize() == c.world, "hetlb StepCore.launch_side: the group has ",
-                        group->getSize(), " ranks, the core ", c.world);
-            py::gil_scoped_release nogil;  // (see reduce)
-            NoPythonState no_python;
-            c.launch_side(group);
-          },
-          py::arg("group"),
-          "Issue the side all-reduce of this step's slots now, without waiting (take_table waits "
-          "for it): the table of a step whose gradient no hook reduced (a deferred hook, see "
-          "hetlb.aggregate.BackwardWatch).")
       .def(
           "watch_output",
           [](const std::shared_ptr<StepCore>& c, const at::Tensor& out,

@@ -43,8 +43,9 @@ nothing but the gradient (no carry copy, no side all-reduce).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -138,6 +139,12 @@ def defer_blocker(model: Any, group: Any, *, native: bool, emulator: Any, accumu
         return "accumulate > 1 weighs whole windows in the hook"
     if is_nccl(group):
         return "the group uses NCCL (its hook weighs in PREMUL_SUM at no extra pass)"
+    try:
+        registered = getattr(model, "_comm_hooks", None) or model._get_ddp_logging_data().get("comm_hook")
+    except Exception:  # noqa: BLE001 (an older DDP: the hook's registration will say)
+        registered = None
+    if registered:
+        return f"a communication hook is already registered on the DDP model ({registered})"
     if getattr(model, "static_graph", False):
         return "DDP(static_graph=True)"
     if getattr(model, "mixed_precision", None) is not None:
@@ -211,19 +218,24 @@ class _GroupsKept:
         return (_GroupsKept, ())
 
 
-def first_tensor(obj: Any, requires_grad: bool = False) -> Optional[torch.Tensor]:
-    """The first tensor in ``obj`` (nested in tuples, lists, dict values): a model's batch, or
-    with ``requires_grad`` the first output tensor that needs a gradient."""
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj``, nested in tuples, lists, dict values and dataclass fields, in order."""
     if isinstance(obj, torch.Tensor):
-        return obj if obj.requires_grad or not requires_grad else None
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
         for v in obj:
-            t = first_tensor(v, requires_grad)
-            if t is not None:
-                return t
-    return None
+            yield from tensors_in(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name))
+
+
+def first_tensor(obj: Any) -> Optional[torch.Tensor]:
+    """The first tensor in ``obj`` (see :func:`tensors_in`), or None."""
+    return next(tensors_in(obj), None)
 
 
 class _InertWatch:
@@ -240,13 +252,16 @@ class BackwardWatch:
     While every rank's weight is ``1 / world`` (equal batches: Uniform on a homogeneous cluster),
     DDP's own averaging, fused into its copy into buckets, already is the weighted mean, so no
     hook runs and no extra pass over the gradient is made. The step then ends the way the hook
-    would end it: a native hook on the model's output (the first tensor that needs a gradient;
-    ``StepCore.watch_output``) queues an autograd callback that runs once the backward's compute is done, before DDP waits for its
+    would end it: a native hook on the model's output (``StepCore.watch_output``) queues an autograd callback that runs once the backward's compute is done, before DDP waits for its
     all-reduces, and stamps the compute time; that callback queues a second, which runs after
     DDP has reduced the gradient and issues the side all-reduce of the table, so it does not
-    compete with the gradient's transfer. A backward whose output this misses (a loss that
-    does not use the first such tensor) is stamped at the step's end and exchanged there
-    instead: the same table, later. A backward outside a step raises here, as the hook would.
+    compete with the gradient's transfer. Every output tensor that needs a gradient is watched
+    (one callback per backward); a pass for given inputs (``torch.autograd.grad``,
+    ``backward(inputs=)``) is not the step's backward and is skipped. A backward that reaches the
+    parameters through none of the outputs is not seen: its step is stamped and exchanged at
+    its end (the same table, later), but until then it counts as a batch handed out and not
+    trained, so a loop left right after it (``break``) trains that batch again in the next one.
+    A backward outside a step raises here, as the hook would.
     The Balancer registers the hook (and removes this watch) before the first step whose
     weights differ. Holds the telemetry only; a copy of the model gets an inert watch.
     """
@@ -260,11 +275,13 @@ class BackwardWatch:
         return (_InertWatch, ())
 
     def __call__(self, module: Any, args: Any, output: Any) -> None:
-        if not module.training or not torch.is_grad_enabled():
+        # (In eval mode too: DDP reduces the gradient of a backward whatever the mode.)
+        if not torch.is_grad_enabled():
             return
-        t = first_tensor(output, requires_grad=True)
-        if t is not None:  # the callbacks are native (StepCore.watch_output): no Python in backward
-            self.telemetry.core.watch_output(t, self._side)
+        core = self.telemetry.core
+        for t in tensors_in(output):  # every output a loss may use; one callback per backward
+            if t.requires_grad:  # (native, StepCore.watch_output: no Python in backward)
+                core.watch_output(t, self._side)
 
 
 class StepTelemetry:
@@ -362,7 +379,8 @@ class StepTelemetry:
 
     @property
     def hooked(self) -> bool:
-        """Whether a hook ended this step's compute (its last gradient bucket ran)."""
+        """Whether a hook ended this step's compute: its last gradient bucket ran, or with a
+        deferred hook the end of a backward through the model's output (:class:`BackwardWatch`)."""
         return self.core.last_buckets > 0
 
     def stamp(self, end_window: bool = True) -> float:

@@ -261,7 +261,9 @@ class Balancer:
             (``Chronica(hold=0.02)``, opt-in). Needs ``exchange_every > 1``. The same on every
             rank.
         defer_hook: (default True) leave the model without a communication hook while every
-            rank's weight is ``1 / world`` (equal batches; "none" with samples on every rank):
+            rank's weight is ``1 / world`` (equal batches, or "none" with samples on every rank;
+            never under "sizes" or a size-aware rule such as Chronica, whose weights follow the
+            samples drawn):
             DDP's own averaging, which it fuses into its copy into buckets, is then the weighted
             mean, so the gradient costs what plain DDP's costs. The table travels by the side
             transport, issued once DDP has reduced the gradient, and the compute time is taken
@@ -270,9 +272,12 @@ class Balancer:
             that does not split evenly) the weighted hook is registered, on every rank at the
             same step, and stays (DDP cannot remove a hook). Applies where every rank has a
             CPU DDP model on Gloo, the native hook, no emulator, ``accumulate=1``, no
-            ``transport="carry"``, no ``static_graph`` or DDP mixed precision, and DDP averages
-            over the Balancer's group; elsewhere the hook is registered at once, as with False.
-            The same on every rank.
+            ``transport="carry"``, no ``static_graph`` or DDP mixed precision, no hook of another
+            already on the model, and DDP averages over the Balancer's group, and where the
+            first decision splits evenly; elsewhere the hook is registered at once, as with False.
+            The watch sees a backward through the model's outputs; one that reaches the
+            parameters only otherwise (a loss of parameters alone) counts as trained only when
+            its step ends (see :class:`~hetlb.aggregate.BackwardWatch`). The same on every rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -638,9 +643,9 @@ class Balancer:
 
     def _settle(self) -> None:
         """Finish a handed step whose backward ran now rather than at the next batch (a loop
-        left after it: ``len(loader)``, ``bal.steps`` and a checkpoint count it). No collective:
-        its hook delivered the table (more than one rank means DDP, so a hook; one process
-        exchanges with itself)."""
+        left after it: ``len(loader)``, ``bal.steps`` and a checkpoint count it). No collective
+        here that the other ranks would not join: its hook (or with a deferred hook, the end of
+        its backward) sent the table; one process exchanges with itself."""
         o = self._open
         if o is not None and not o.explicit and not self._in_with and self.telemetry.hooked:
             self._finish()
@@ -693,10 +698,10 @@ class Balancer:
         if self._watch is not None:
             if getattr(self.model, "_comm_hooks", None):
                 raise RuntimeError(
-                    "hetlb: a communication hook was registered on the DDP model after the "
-                    "Balancer was made; the Balancer's own hook weighs each rank's gradient by its "
-                    "batch (it is registered once the batches differ), and DDP takes one hook "
-                    "only. Register no hook of your own on a balanced model")
+                    "hetlb: a communication hook was registered on the DDP model besides the "
+                    "Balancer's; the Balancer's own hook weighs each rank's gradient by its batch "
+                    "(it is registered once the batches differ), and DDP takes one hook only. "
+                    "Register no hook of your own on a balanced model")
             if not equal:
                 self._register_hook(plan)
         first = plan.window_pos == 0
@@ -729,9 +734,9 @@ class Balancer:
         """The first step whose weights differ (``plan``, on every rank alike: plans are
         replicated) is about to run: DDP's mean would be wrong from here on, so the deferred
         communication hook is registered now, for good (DDP cannot remove one)."""
+        self.telemetry.register(self.model, native=True)  # (first: if DDP refuses, nothing changed)
         self._watch.remove()
         self._watch = None
-        self.telemetry.register(self.model, native=True)
         self._comm_hook = True
         log.info("step %d of epoch %d: the ranks' weights differ (sizes %s), so the weighted "
                  "communication hook is registered from now on", plan.step, plan.epoch,

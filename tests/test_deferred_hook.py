@@ -24,16 +24,49 @@ from hetlb.aggregate import choose_transport
 from test_balancer_dist import _data, _loss, _net, _reference
 
 
+class EvenThenUneven:
+    """A policy that starts with an even split and then decides ``sizes``."""
+
+    def __init__(self, sizes):
+        self.sizes = np.asarray(sizes)
+
+    def start(self, ctx):
+        return np.full(len(self.sizes), int(self.sizes.sum()) // len(self.sizes))
+
+    def decide(self, history):
+        return self.sizes.copy()
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class TwoOutputs(torch.nn.Module):
+    """``(aux, out)``: a first output that needs a gradient and that the loss does not use."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net[0](x).sum(1), self.net(x)
+
+
 def deferred_worker(rank, world, n, global_batch, options):
     net = _net()
-    ddp = DDP(net, bucket_cap_mb=options.get("bucket_cap_mb", 25),
+    module = TwoOutputs(net) if options.get("aux_first") else net
+    ddp = DDP(module, bucket_cap_mb=options.get("bucket_cap_mb", 25),
               gradient_as_bucket_view=options.get("gradient_as_bucket_view", False),
               find_unused_parameters=options.get("find_unused_parameters", False))
-    policy = Fixed(options["sizes"]) if "sizes" in options else hetlb.Uniform()
+    policy = Fixed(options["sizes"]) if "sizes" in options else \
+        EvenThenUneven(options["later"]) if "later" in options else hetlb.Uniform()
     bal = hetlb.Balancer(ddp, global_batch, policy=policy, lower=options.get("lower", 1),
                          weighting=options.get("weighting", "samples"),
                          defer_hook=options.get("defer_hook", True),
-                         transport=options.get("transport"))
+                         transport=options.get("transport"),
+                         exchange_every=options.get("exchange_every", 1))
     x, y, tokens = _data(n)
     loader = bal.loader(torch.utils.data.TensorDataset(x, y), seed=2)
     steps = []
@@ -42,8 +75,8 @@ def deferred_worker(rank, world, n, global_batch, options):
         for xb, yb in loader:
             plan = bal.board.current
             out = ddp(xb)
-            if options.get("second_output"):  # the loss does not use the output the watch hooks
-                out = (out.detach(), out * 1.0)[1]
+            if options.get("aux_first"):  # the loss uses the second output only
+                out = out[1]
             loss = _loss(out, yb, torch.ones(len(yb), dtype=torch.float64))
             if options.get("bal_backward"):
                 bal.backward(loss)
@@ -84,11 +117,11 @@ def test_equal_weights_run_without_a_hook_and_give_the_union_mean():
         assert all(s["hooks_run"] == 0 for s in res[r]["steps"])  # DDP's own reduction
 
 
-@pytest.mark.parametrize("views", [False, True])
-def test_the_hook_is_registered_at_the_first_step_whose_weights_differ(views):
-    # 41 samples, 16 a step: the epoch's short last step has 9 samples, split 5/4.
-    res = unwrap(run(deferred_worker, 2, 41, 16, {"epochs": 2, "bucket_cap_mb": 0.0001,
-                                                   "gradient_as_bucket_view": views}))
+@pytest.mark.parametrize("options", [{}, {"gradient_as_bucket_view": True}, {"exchange_every": 2}])
+def test_the_hook_is_registered_at_the_first_step_whose_weights_differ(options):
+    # 41 samples, 16 a step: the epoch's short last step has 9 samples, split 5/4 (with blocks of
+    # 2 the switch falls inside a block: steps 1-2).
+    res = unwrap(run(deferred_worker, 2, 41, 16, {"epochs": 2, "bucket_cap_mb": 0.0001, **options}))
     _check(res, 2)
     for r in range(2):
         steps = res[r]["steps"]
@@ -105,7 +138,8 @@ def test_the_hook_is_registered_at_the_first_step_whose_weights_differ(views):
     {"bal_backward": True, "sizes": [5, 7]},
     {"gradient_as_bucket_view": True},
     {"find_unused_parameters": True},
-    {"second_output": True},                                     # watch misses: exchanged at the end
+    {"aux_first": True},                                         # the loss skips the first output
+    {"exchange_every": 4},
 ])
 def test_deferred_hook_keeps_the_union_mean(options):
     world = len(options.get("sizes", [0, 0]))
@@ -237,3 +271,64 @@ def own_hook_worker(rank, world):
 def test_a_hook_of_the_user_s_own_on_a_balanced_model_is_refused():
     for msg in unwrap(run(own_hook_worker, 2)):
         assert msg is not None and "communication hook was registered" in msg, msg
+
+
+def resume_worker(rank, world):
+    x, y, tokens = _data(48)
+    ds = torch.utils.data.TensorDataset(x, y)
+
+    def train(state, steps):
+        net = _net()
+        ddp = DDP(net)
+        bal = hetlb.Balancer(ddp, 12, policy=EvenThenUneven([4, 8]))
+        loader = bal.loader(ds, seed=3)
+        if state is not None:
+            loader.load_state_dict(state)
+        out = []
+        for xb, yb in loader:
+            if bal.steps == steps:
+                break
+            plan = bal.board.current
+            _loss(ddp(xb), yb, torch.ones(len(yb), dtype=torch.float64)).backward()
+            ref = _reference(net, x, y, tokens, loader.sampler.step_indices(plan), "samples")
+            out.append((plan.sizes.tolist(), bal._watch is None,
+                        max(((p.grad - r).abs().max() / r.abs().max()).item()
+                            for p, r in zip(net.parameters(), ref))))
+            ddp.zero_grad()
+        return out, loader.state_dict()
+
+    first, state = train(None, 2)
+    second, _ = train(state, 4)  # a new model and Balancer: the checkpoint's decision is uneven
+    return first, second
+
+
+def test_a_resumed_uneven_decision_registers_the_hook_before_its_first_step():
+    for first, second in unwrap(run(resume_worker, 2)):
+        assert [(s, h) for s, h, _ in first] == [([6, 6], False), ([4, 8], True)]
+        assert [(s, h) for s, h, _ in second] == [([4, 8], True), ([4, 8], True)]
+        assert all(e < 1e-12 for _, _, e in first + second), (first, second)
+
+
+def bypass_worker(rank, world):
+    net = _net()
+    ddp = DDP(net)
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform())
+    x, y, _ = _data(24)
+    ok = []
+    for xb, yb in bal.loader(torch.utils.data.TensorDataset(x, y)):
+        inp = xb.clone().requires_grad_()
+        out = ddp(inp)
+        # A pass for given inputs (an adversarial example, say) is not the step's backward.
+        torch.autograd.grad(out.sum(), inp, retain_graph=True)
+        skipped = bal.telemetry.core.last_buckets == 0
+        # The step's loss reaches the parameters through none of the outputs: not watched.
+        loss = sum(p.pow(2).sum() for p in net.parameters()) + 0 * out.detach().sum()
+        loss.backward()
+        ok.append(skipped and all(torch.allclose(p.grad, 2 * p.detach()) for p in net.parameters()))
+        ddp.zero_grad()
+    return ok, bal.steps, len(bal.history)
+
+
+def test_a_backward_the_watch_does_not_see_is_exchanged_at_the_step_s_end():
+    for ok, steps, records in unwrap(run(bypass_worker, 2)):
+        assert ok == [True] * 3 and steps == records == 3, (ok, steps, records)
