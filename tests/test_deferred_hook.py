@@ -24,23 +24,11 @@ from hetlb.aggregate import choose_transport
 from test_balancer_dist import _data, _loss, _net, _reference
 
 
-class EvenThenUneven:
+class EvenThenUneven(Fixed):
     """A policy that starts with an even split and then decides ``sizes``."""
-
-    def __init__(self, sizes):
-        self.sizes = np.asarray(sizes)
 
     def start(self, ctx):
         return np.full(len(self.sizes), int(self.sizes.sum()) // len(self.sizes))
-
-    def decide(self, history):
-        return self.sizes.copy()
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 class TwoOutputs(torch.nn.Module):
