@@ -252,7 +252,8 @@ class BackwardWatch:
     While every rank's weight is ``1 / world`` (equal batches: Uniform on a homogeneous cluster),
     DDP's own averaging, fused into its copy into buckets, already is the weighted mean, so no
     hook runs and no extra pass over the gradient is made. The step then ends the way the hook
-    would end it: a native hook on the model's output (``StepCore.watch_output``) queues an autograd callback that runs once the backward's compute is done, before DDP waits for its
+    would end it: a native hook on the model's output (``StepCore.watch_output``) queues an
+    autograd callback that runs once the backward's compute is done, before DDP waits for its
     all-reduces, and stamps the compute time; that callback queues a second, which runs after
     DDP has reduced the gradient and issues the side all-reduce of the table, so it does not
     compete with the gradient's transfer. Every output tensor that needs a gradient is watched

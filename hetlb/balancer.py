@@ -77,6 +77,11 @@ def _num(v: float) -> str:
     return str(int(v)) if math.isfinite(v) and v == int(v) else repr(v)
 
 
+def _same(weights: np.ndarray) -> bool:
+    """Whether every rank's weight is the same (each ``1 / world``: DDP's own mean)."""
+    return bool((weights == weights[0]).all())
+
+
 def _groups(values: np.ndarray) -> str:
     """Which ranks hold which value (a corrupt table's NaN and infinities too)."""
     labels = [_num(v) for v in values.tolist()]
@@ -467,10 +472,10 @@ class Balancer:
                                            block=self.exchange_every)
             self.telemetry.core.watch(list(model.parameters()))
             self._fast_backward_noted = False
-            # Whether a communication hook delivers every step's table with the gradient; a
-            # deferred one is registered by _begin before the first step whose weights differ.
-            self._comm_hook = is_ddp and not deferred
-            self._watch: Any = None  # the deferred hook's BackwardWatch handle
+            # A DDP model, whose hook delivers every step's table with the gradient once it is
+            # registered (a deferred one by _begin, before the first step whose weights differ).
+            self._comm_hook = is_ddp
+            self._watch: Any = None  # the deferred hook's BackwardWatch handle (None: hooked)
             if is_ddp and deferred:
                 self._watch = self.telemetry.defer(model)
             elif is_ddp:
@@ -684,7 +689,7 @@ class Balancer:
             return key[3]
         weights = weights_for(self.weighting, plan.sizes, plan.data)
         w = float(weights[self.rank])
-        equal = bool((weights == weights[0]).all())
+        equal = _same(weights)
         if self.accumulate > 1 and plan.window_len < self.accumulate:
             w *= self.accumulate / plan.window_len
             equal = False
@@ -723,12 +728,10 @@ class Balancer:
 
     def _equal_weights(self, decision: Any) -> bool:
         """Whether a whole step of ``decision`` weighs every rank ``1 / world`` (a size-aware
-        rule's plans, or "sizes" weighting, depend on the samples drawn: not known to)."""
+        rule's plans, or "sizes" weighting, depend on the samples drawn: not known here)."""
         if not isinstance(decision, np.ndarray) or self.weighting == "sizes":
             return False
-        if self.weighting == "none":
-            return bool((decision > 0).all())
-        return bool((decision == decision[0]).all() and decision[0] > 0)
+        return _same(weights_for(self.weighting, decision, decision))
 
     def _register_hook(self, plan: StepPlan) -> None:
         """The first step whose weights differ (``plan``, on every rank alike: plans are
@@ -737,7 +740,6 @@ class Balancer:
         self.telemetry.register(self.model, native=True)  # (first: if DDP refuses, nothing changed)
         self._watch.remove()
         self._watch = None
-        self._comm_hook = True
         log.info("step %d of epoch %d: the ranks' weights differ (sizes %s), so the weighted "
                  "communication hook is registered from now on", plan.step, plan.epoch,
                  plan.sizes.tolist())
@@ -882,7 +884,7 @@ class Balancer:
             return
         table = tele.table() if tele.hooked else None
         if table is None:
-            if tele.hooked and self._comm_hook:
+            if tele.hooked and self._comm_hook and self._watch is None:
                 # The communication hook ran to its last bucket but delivered nothing: a bug in
                 # hetlb. An exchange here would be a collective the other ranks (whose tables
                 # arrived) never join, so it would hang until the timeout instead.
