@@ -13,6 +13,9 @@
 #include <vector>
 
 namespace hetlb::kernels {
+// Internal linkage: this header is compiled by nvcc and by the C++ compiler with different flags,
+// and one shared inline copy of these helpers must not be picked for both.
+namespace {
 
 // Below this many elements per thread, at::parallel_for's fork/join costs more than it saves on
 // a memory-bound loop (the issue asks for ~32K).
@@ -192,4 +195,5 @@ inline void unflatten_with(const at::Tensor& flat, at::TensorList tensors, doubl
   for (auto& [t, c] : write_back) t.copy_(c);
 }
 
+}  // namespace
 }  // namespace hetlb::kernels

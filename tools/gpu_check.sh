@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU validation, for a machine with CUDA: builds the CUDA extension in place, runs the CUDA test
+# GPU validation, for a machine with CUDA: builds the CUDA extension in place, checks that it can
+# raise an error message (a miscompiled one crashes there), runs the CUDA test
 # grid (kernels, opcheck), the distributed CUDA/NCCL checks (tools/gpu_check.py), and the kernel
 # benchmark on CUDA, then prints one summary. Without a CUDA device it says so and exits 0 (CI
 # runs it). Uses $PYTHON, else `python`, else `python3`.
@@ -11,6 +12,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3
   exit 0
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The system compiler unless CXX says otherwise: on the first GPU image tried, the default g++ on
+# PATH (a wrapper in /opt/gcc) built an extension that crashed printing its first error message.
+if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=${CC:-/usr/bin/gcc}; fi
 declare -A result
 step() {  # step NAME COMMAND...
   local name=$1; shift
@@ -20,12 +24,22 @@ step() {  # step NAME COMMAND...
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 step build env HETLB_FORCE_CUDA=1 "$PY" setup.py build_ext --inplace
 step extension "$PY" -c "import hetlb; assert hetlb._C.has_cuda, 'CUDA kernels not built'; print('hetlb._C.has_cuda', hetlb._C.has_cuda)"
+step error_message "$PY" -c "
+import torch
+from hetlb import ops
+try:
+    ops.scale_([torch.zeros(2), torch.zeros(3, dtype=torch.float64)], 1.0)
+except RuntimeError as e:
+    assert 'tensors[1] is Double[3]' in str(e), e
+    print('error messages format:', str(e).splitlines()[0][:80])
+else:
+    raise SystemExit('no error for mixed dtypes')"
 step cuda_tests "$PY" -m pytest tests/test_ops.py tests/test_profile.py -q -p no:cacheprovider -x
 step gpu_checks "$PY" tools/gpu_check.py
 step bench_kernels "$PY" bench/bench_kernels.py --device cuda
 echo "=== gpu_check summary"
 failed=0
-for name in build extension cuda_tests gpu_checks bench_kernels; do
+for name in build extension error_message cuda_tests gpu_checks bench_kernels; do
   printf '%-14s %s\n' "$name" "${result[$name]:-not run}"
   [ "${result[$name]:-}" = PASS ] || failed=1
 done

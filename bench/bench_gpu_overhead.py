@@ -1,0 +1,137 @@
+"""hetlb's cost on one GPU with real compute: Balancer(Uniform) + its loader against plain DDP +
+DistributedSampler, the same model, data and optimizer, in one NCCL process group of one rank.
+
+One rank makes the all-reduce trivial, so what is left of the difference is hetlb's own work per
+step on a CUDA model: the gate, the plan, the weighted hook (PREMUL_SUM on NCCL), the CUDA events of
+the compute column, the telemetry table's side all-reduce on its Gloo group. Variants run in
+rounds of ``--steps`` steps each, in an order rotated every round, with one synchronize at the end
+of a round (a training loop does not synchronize every step); the figure is the median of the
+per-round times, and each variant's ratio to ``plain`` is quoted with its min-max over rounds.
+``plain#2`` is a second copy of plain (an A/A comparison: the noise floor); ``hooked`` is
+``defer_hook=False``; ``NAME/K`` adds ``exchange_every=K``.
+
+    python bench/bench_gpu_overhead.py                    # on a CUDA machine (NCCL)
+    python bench/bench_gpu_overhead.py --device cpu       # the same on CPU (Gloo), a dry run
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+MODELS = {"mlp": (512, [1024, 1024], 10), "big": (1024, [4096] * 6, 1000)}
+
+
+def make_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    inp, hidden, out = MODELS[name]
+    layers, d = [], inp
+    for h in hidden:
+        layers += [torch.nn.Linear(d, h), torch.nn.ReLU()]
+        d = h
+    layers.append(torch.nn.Linear(d, out))
+    return torch.nn.Sequential(*layers)
+
+
+def endless(loader, sampler=None):
+    epoch = 0
+    while True:
+        (sampler or loader).set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def setup(variant: str, model: str, batch: int, device: torch.device, n_batches: int):
+    import hetlb
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    base = variant.partition("#")[0]
+    inp, _, out = MODELS[model]
+    n = batch * n_batches
+    g = torch.Generator().manual_seed(1)
+    ds = torch.utils.data.TensorDataset(torch.randn(n, inp, generator=g), torch.randint(0, out, (n,), generator=g))
+    net = make_model(model).to(device)
+    ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    pin = device.type == "cuda"
+    if base == "plain":
+        sampler = torch.utils.data.distributed.DistributedSampler(ds, seed=1)
+        loader = torch.utils.data.DataLoader(ds, batch_size=batch, sampler=sampler, pin_memory=pin)
+        return ddp, opt, endless(loader, sampler), None
+    base, _, every = base.partition("/")  # "default/16": the telemetry of 16 steps per exchange
+    kw = {"defer_hook": False} if base == "hooked" else {}
+    if every:
+        kw["exchange_every"] = int(every)
+    bal = hetlb.Balancer(ddp, batch, policy=hetlb.Uniform(), **kw)
+    loader = bal.loader(ds, seed=1, pin_memory=pin)
+    return ddp, opt, endless(loader), bal
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["mlp", "big"])
+    p.add_argument("--variants", nargs="+", default=["plain", "plain#2", "default"])
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="per model (default: mlp 128, big 512)")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    args = p.parse_args()
+    import torch.distributed as dist
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tmp = tempfile.mkdtemp()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/store",
+                            rank=0, world_size=1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}")
+    batches = args.batch or [128 if m == "mlp" else 512 for m in args.model]
+    for model, batch in zip(args.model, batches):
+        runs = {v: setup(v, model, batch, device, 64) for v in args.variants}
+        for v, (_, _, _, bal) in runs.items():
+            if bal is not None:
+                print(f"{model} {v}: transport {bal.transport!r}")
+        per_round = {v: [] for v in args.variants}
+        order = list(args.variants)
+        for r in range(args.rounds + 1):  # round 0 is the warm-up
+            k = r % len(order)
+            for v in order[k:] + order[:k]:
+                ddp, opt, it, _ = runs[v]
+                steps = args.warmup if r == 0 else args.steps
+                sync()
+                t = time.perf_counter()
+                for _ in range(steps):
+                    x, y = next(it)
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                sync()
+                if r:
+                    per_round[v].append((time.perf_counter() - t) / steps)
+        base = per_round["plain"]
+        params = sum(q.numel() for q in runs["plain"][0].parameters())
+        print(f"\n{model} ({params / 1e6:.1f} M parameters, batch {batch}), {args.rounds} rounds x {args.steps} steps:")
+        print(f"| variant | ms/step (median) | ratio to plain (median, min-max over rounds) |")
+        print(f"|---|---|---|")
+        for v in args.variants:
+            ratios = [a / b for a, b in zip(per_round[v], base)]
+            print(f"| {v} | {statistics.median(per_round[v]) * 1e3:.3f} | "
+                  f"{statistics.median(ratios):.4f} ({min(ratios):.3f}-{max(ratios):.3f}) |")
+        for v, (_, _, _, bal) in runs.items():
+            if bal is not None:
+                h = bal.history
+                print(f"{v}: {bal.steps} steps, compute column median "
+                      f"{float(np.median(h.column('compute'))) * 1e3:.3f} ms")
+        del runs
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
