@@ -218,6 +218,15 @@ class _GroupsKept:
         return (_GroupsKept, ())
 
 
+def keep_groups(model: Any, groups: Sequence[Any]) -> None:
+    """Keep Python references to ``groups`` on the DDP ``model``, after its reducer (see
+    :class:`_GroupsKept`)."""
+    # Popped and set again, so it always comes after the reducer in the model's __dict__.
+    kept = model.__dict__.pop("_hetlb_groups_kept", None)
+    old = kept.groups if kept else ()
+    model._hetlb_groups_kept = _GroupsKept(old + tuple(g for g in groups if all(g is not k for k in old)))
+
+
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """The tensors in ``obj``, nested in tuples, lists, dict values and dataclass fields, in order."""
     if isinstance(obj, torch.Tensor):
@@ -337,9 +346,7 @@ class StepTelemetry:
         """The gradient and side groups, kept on ``model`` after its reducer (:class:`_GroupsKept`)."""
         pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
         side = self.side_group if self.side_group is not None else pg
-        # Popped and set again, so it always comes after the reducer in the model's __dict__.
-        kept = model.__dict__.pop("_hetlb_groups_kept", None)
-        model._hetlb_groups_kept = _GroupsKept((kept.groups if kept else ()) + (pg, side))
+        keep_groups(model, (pg, side))
         return pg, side
 
     def defer(self, model: Any) -> Any:

@@ -36,8 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import checks
 from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty, choose_transport,
-                        defer_blocker, first_tensor, is_nccl, make_side_group, raise_refusals,
-                        refuse_everywhere, weights_for)
+                        defer_blocker, first_tensor, is_nccl, keep_groups, make_side_group,
+                        raise_refusals, refuse_everywhere, weights_for)
 from .data import BalancedLoader, check_loader_config
 from .runlog import ENV_LOG_DIR, RunLog
 from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
@@ -414,6 +414,11 @@ class Balancer:
             self.group = group
             self.watchdog = watchdog
 
+            if is_ddp and self.distributed:
+                # From the start, so a start-up that raises (ranks disagree, a policy refuses)
+                # leaves no reducer as its group's last owner either (see keep_groups).
+                keep_groups(model, (getattr(model, "process_group", None) or
+                                    dist.distributed_c10d._get_default_group(),))
             # One exchange at start-up (not per step): configuration, hook capabilities, bounds.
             nccl = self.distributed and is_nccl(group)
             side = self._refusal_side = make_side_group(group) if self.distributed else None

@@ -39,15 +39,19 @@ def _entry(fn: Callable, rank: int, world: int, store: str, out: str, args: tupl
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world, timeout=COLLECTIVE_TIMEOUT)
-        try:
-            result = ("ok", fn(rank, world, *args))
-        finally:
-            import gc
-            gc.collect()  # DDP reducers must not outlive the process group
-            if dist.is_initialized():  # a worker may have torn it down itself
-                dist.destroy_process_group()
+        result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which re-raises)
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    # Torn down once the exception is gone: its traceback's frames hold the worker's objects
+    # (a DDP model), which must not outlive the process group.
+    try:
+        import gc
+        gc.collect()
+        if dist.is_initialized():  # a worker may have torn it down itself
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        if result[0] == "ok":
+            result = ("error", f"teardown: {type(e).__name__}: {e}\n{traceback.format_exc()}")
     with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 

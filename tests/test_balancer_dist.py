@@ -637,7 +637,8 @@ def test_the_model_keeps_its_hook_s_groups_after_its_reducer(transport, native):
     # first (tools/exit_hang_repro.py, "outlive").
     for r in unwrap(run(groups_kept_worker, 2, transport, native)):
         assert r["after_reducer"] and r["default_kept"], r
-        assert r["kept"] == ["ProcessGroup", "ProcessGroup"], r
+        # Each group once: carry sends the table on the gradient group, side on a second one.
+        assert r["kept"] == ["ProcessGroup"] * (1 if transport == "carry" else 2), r
         assert r["copy_kept"] == (), r
 
 

@@ -166,6 +166,26 @@ def test_ranks_agree_at_start_up_or_get_an_error_naming_them(case, match):
         assert status == "error" and "ValueError" in msg and match in msg, msg
 
 
+def failed_start_worker(rank, world):
+    ddp = DDP(torch.nn.Linear(3, 2))
+    try:
+        hetlb.Balancer(ddp, 4, policy=Fixed([2, 2]), transport=["side", "carry"][rank])
+    except ValueError:
+        pass
+    keys = list(ddp.__dict__)
+    kept = ddp.__dict__.get("_hetlb_groups_kept")
+    return {"kept": kept is not None and any(g is ddp.process_group for g in kept.groups),
+            "after_reducer": "reducer" in keys and kept is not None and
+                             keys.index("_hetlb_groups_kept") > keys.index("reducer")}
+
+
+def test_a_start_up_that_raises_leaves_the_reducer_no_last_owner_of_its_group():
+    # The reducer's destructor holds the GIL while it joins Gloo's threads: if it dropped the
+    # group's last reference, an exit after a failed start-up could hang (seen once in CI).
+    for res in run(failed_start_worker, 2, timeout=120):
+        assert res == ("ok", {"kept": True, "after_reducer": True}), res
+
+
 def test_transport_choice_over_the_ranks():
     # (Ranks of one DDP job cannot differ in parameter dtype, but can in device, e.g. CPU and
     # CUDA ranks in one Gloo job: the choice works from each rank's carry blocker.)
