@@ -12,6 +12,7 @@ per-round times, and each variant's ratio to ``plain`` is quoted with its min-ma
 
     python bench/bench_gpu_overhead.py                    # on a CUDA machine (NCCL)
     python bench/bench_gpu_overhead.py --device cpu       # the same on CPU (Gloo), a dry run
+    python bench/bench_gpu_overhead.py --trace $OUT       # also where each variant's host time goes
 """
 from __future__ import annotations
 
@@ -72,6 +73,35 @@ def setup(variant: str, model: str, batch: int, device: torch.device, n_batches:
     return ddp, opt, endless(loader), bal
 
 
+def run_steps(run: tuple, steps: int, device: torch.device) -> None:
+    ddp, opt, it, _ = run
+    for _ in range(steps):
+        x, y = next(it)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def trace(runs: dict, model: str, device: torch.device, out: str, steps: int = 30) -> None:
+    """Each variant's ``steps`` steps under torch.profiler: the top host-side operators (a
+    device synchronisation shows as cudaEventSynchronize / cudaStreamSynchronize) and a Chrome
+    trace ``out/{model}_{variant}.json.gz`` per variant."""
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(out, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for v, run in runs.items():
+        run_steps(run, 5, device)
+        with profile(activities=acts) as prof:
+            run_steps(run, steps, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        name = v.replace("#", "_").replace("/", "_")
+        prof.export_chrome_trace(os.path.join(out, f"{model}_{name}.json.gz"))
+        print(f"\n{model} {v}: {steps} steps under torch.profiler, by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -81,6 +111,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="then profile 30 steps of each variant (torch.profiler): top operators, Chrome traces in DIR")
     args = p.parse_args()
     import torch.distributed as dist
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -106,12 +138,7 @@ def main() -> None:
                 steps = args.warmup if r == 0 else args.steps
                 sync()
                 t = time.perf_counter()
-                for _ in range(steps):
-                    x, y = next(it)
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    torch.nn.functional.cross_entropy(ddp(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
+                run_steps(runs[v], steps, device)
                 sync()
                 if r:
                     per_round[v].append((time.perf_counter() - t) / steps)
@@ -129,6 +156,8 @@ def main() -> None:
                 h = bal.history
                 print(f"{v}: {bal.steps} steps, compute column median "
                       f"{float(np.median(h.column('compute'))) * 1e3:.3f} ms")
+        if args.trace:
+            trace(runs, model, device, args.trace)
         del runs
     dist.destroy_process_group()
 
