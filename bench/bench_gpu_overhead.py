@@ -26,26 +26,8 @@ import time
 import numpy as np
 import torch
 
-MODELS = {"mlp": (512, [1024, 1024], 10), "big": (1024, [4096] * 6, 1000)}
-
-
-def make_model(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    inp, hidden, out = MODELS[name]
-    layers, d = [], inp
-    for h in hidden:
-        layers += [torch.nn.Linear(d, h), torch.nn.ReLU()]
-        d = h
-    layers.append(torch.nn.Linear(d, out))
-    return torch.nn.Sequential(*layers)
-
-
-def endless(loader, sampler=None):
-    epoch = 0
-    while True:
-        (sampler or loader).set_epoch(epoch)
-        yield from loader
-        epoch += 1
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_overhead import MODELS, endless, make_model  # noqa: E402  (the same models)
 
 
 def setup(variant: str, model: str, batch: int, device: torch.device, n_batches: int):

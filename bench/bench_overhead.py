@@ -88,7 +88,8 @@ from report import emit
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODELS = {"mlp": (512, [1024, 1024], 10), "wide": (6144, [1024], 10), "tiny": (8, [], 10)}
+MODELS = {"mlp": (512, [1024, 1024], 10), "wide": (6144, [1024], 10), "tiny": (8, [], 10),
+          "big": (1024, [4096] * 6, 1000)}  # (92 M parameters: bench_gpu_overhead.py's GPU model)
 
 
 def make_model(name: str) -> torch.nn.Module:
