@@ -39,6 +39,9 @@ own choice ("side" with the hook deferred, as here: Uniform's equal batches need
 "carry", or "side" under ``--bucket-view``, where DDP would copy carry's bucket back).
 ``NAME@hooked`` passes ``defer_hook=False``: the weighted hook registered at once, as every
 hetlb variant ran before session 22 (``default@hooked`` is that session's default: "carry").
+``NAME@lbb`` runs the Balancer's default policy, ``LBB()``, instead of ``Uniform()``: on a
+homogeneous cluster its fine-tune reacts to timing noise, and the first uneven split registers
+the hook for good.
 
 A variant ``NAME/K`` (e.g. ``carry/16``, ``side+backward/16``) is hetlb's ``NAME`` with
 ``Balancer(exchange_every=K)``: the telemetry of K steps in one exchange (opt-in; the papers
@@ -133,7 +136,9 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
             kw["adaptive_exchange"] = every.endswith("a")
         if flag == "hooked":  # the weighted hook registered at once (before session 22)
             kw["defer_hook"] = False
-        bal = hetlb.Balancer(ddp, args.global_batch, policy=hetlb.Uniform(), **kw)
+        # "@lbb": the Balancer's default policy (LBB, paper settings) instead of Uniform
+        policy = hetlb.LBB() if flag == "lbb" else hetlb.Uniform()
+        bal = hetlb.Balancer(ddp, args.global_batch, policy=policy, **kw)
         loader = bal.loader(ds, seed=1)
         if flag == "first":  # the side table issued before the last bucket's all-reduce (as before session 12)
             bal.telemetry.core.side_first = True
