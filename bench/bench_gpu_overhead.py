@@ -8,7 +8,9 @@ rounds of ``--steps`` steps each, in an order rotated every round, with one sync
 of a round (a training loop does not synchronize every step); the figure is the median of the
 per-round times, and each variant's ratio to ``plain`` is quoted with its min-max over rounds.
 ``plain#2`` is a second copy of plain (an A/A comparison: the noise floor); ``hooked`` is
-``defer_hook=False``; ``NAME/K`` adds ``exchange_every=K``.
+``defer_hook=False``; ``NAME/K`` adds ``exchange_every=K``; ``NAME@hostclock`` (a diagnostic)
+times steps on the host, without the CUDA events whose one-step-late read waits for the previous
+step's end.
 
     python bench/bench_gpu_overhead.py                    # on a CUDA machine (NCCL)
     python bench/bench_gpu_overhead.py --device cpu       # the same on CPU (Gloo), a dry run
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -46,11 +49,18 @@ def setup(variant: str, model: str, batch: int, device: torch.device, n_batches:
         sampler = torch.utils.data.distributed.DistributedSampler(ds, seed=1)
         loader = torch.utils.data.DataLoader(ds, batch_size=batch, sampler=sampler, pin_memory=pin)
         return ddp, opt, endless(loader, sampler), None
+    base, _, flag = base.partition("@")
     base, _, every = base.partition("/")  # "default/16": the telemetry of 16 steps per exchange
     kw = {"defer_hook": False} if base == "hooked" else {}
     if every:
         kw["exchange_every"] = int(every)
-    bal = hetlb.Balancer(ddp, batch, policy=hetlb.Uniform(), **kw)
+    device_of = hetlb.Balancer.__dict__["_device"]  # (the staticmethod itself)
+    if flag == "hostclock":  # (diagnostic) host timing: no CUDA events, no wait for the last step's end
+        hetlb.Balancer._device = staticmethod(lambda m: torch.device("cpu"))
+    try:
+        bal = hetlb.Balancer(ddp, batch, policy=hetlb.Uniform(), **kw)
+    finally:
+        hetlb.Balancer._device = device_of
     loader = bal.loader(ds, seed=1, pin_memory=pin)
     return ddp, opt, endless(loader), bal
 
@@ -78,7 +88,7 @@ def trace(runs: dict, model: str, device: torch.device, out: str, steps: int = 3
             run_steps(run, steps, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        name = v.replace("#", "_").replace("/", "_")
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", v)  # (file names the device tool brings back)
         prof.export_chrome_trace(os.path.join(out, f"{model}_{name}.json.gz"))
         print(f"\n{model} {v}: {steps} steps under torch.profiler, by self CPU time")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))

@@ -13,14 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_gpu_overhead_bench_runs_on_cpu(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_gpu_overhead.py"), "--device", "cpu",
            "--model", "mlp", "--rounds", "1", "--steps", "3", "--warmup", "1",
-           "--variants", "plain", "default", "hooked", "default/2", "--trace", str(tmp_path)]
+           "--variants", "plain", "default", "hooked", "default/2@hostclock", "--trace", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = dict(re.findall(r"^\| (\S+) \| [\d.]+ \| ([\d.]+) ", out.stdout, re.M))
-    assert set(rows) == {"plain", "default", "hooked", "default/2"}, out.stdout
+    assert set(rows) == {"plain", "default", "hooked", "default/2@hostclock"}, out.stdout
     assert float(rows["plain"]) == 1.0
     assert "default: transport 'side'" in out.stdout.replace("mlp default", "default")
     assert "hooked: transport 'carry'" in out.stdout.replace("mlp hooked", "hooked")
     assert sorted(p.name for p in tmp_path.glob("*.json.gz")) == \
-        ["mlp_default.json.gz", "mlp_default_2.json.gz", "mlp_hooked.json.gz", "mlp_plain.json.gz"]
+        ["mlp_default.json.gz", "mlp_default_2_hostclock.json.gz", "mlp_hooked.json.gz", "mlp_plain.json.gz"]
