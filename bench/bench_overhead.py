@@ -41,7 +41,8 @@ own choice ("side" with the hook deferred, as here: Uniform's equal batches need
 hetlb variant ran before session 22 (``default@hooked`` is that session's default: "carry").
 ``NAME@lbb`` runs the Balancer's default policy, ``LBB()``, instead of ``Uniform()``: on a
 homogeneous cluster its fine-tune reacts to timing noise, and the first uneven split registers
-the hook for good.
+the hook for good. ``NAME@lbbK`` runs ``LBB(confirm=K)`` (a rapid-tune only after K records in
+a row with SE >= RT).
 
 A variant ``NAME/K`` (e.g. ``carry/16``, ``side+backward/16``) is hetlb's ``NAME`` with
 ``Balancer(exchange_every=K)``: the telemetry of K steps in one exchange (opt-in; the papers
@@ -136,8 +137,12 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
             kw["adaptive_exchange"] = every.endswith("a")
         if flag == "hooked":  # the weighted hook registered at once (before session 22)
             kw["defer_hook"] = False
-        # "@lbb": the Balancer's default policy (LBB, paper settings) instead of Uniform
-        policy = hetlb.LBB() if flag == "lbb" else hetlb.Uniform()
+        # "@lbb": the Balancer's default policy (LBB, paper settings) instead of Uniform;
+        # "@lbbK": LBB(confirm=K)
+        if flag.startswith("lbb"):
+            policy = hetlb.LBB(confirm=int(flag[3:])) if flag[3:] else hetlb.LBB()
+        else:
+            policy = hetlb.Uniform()
         bal = hetlb.Balancer(ddp, args.global_batch, policy=policy, **kw)
         loader = bal.loader(ds, seed=1)
         if flag == "first":  # the side table issued before the last bucket's all-reduce (as before session 12)

@@ -287,6 +287,55 @@ def test_lbb_observation_window_counts_records_that_ran_the_rapid_tune():
     assert p.waiting == p.last.tolist() != d.tolist()  # the new rapid-tune's wait
 
 
+def test_lbb_confirm_rapid_tunes_only_after_that_many_high_records_in_a_row():
+    # Two identical ranks; one noisy step (SE 0.4) fine-tunes under confirm=3 where the paper's
+    # rule rapid-tunes; three in a row rapid-tune on the third.
+    noisy = [1.0, 1.4]
+    paper, confirmed = LBB(), LBB(confirm=3)
+    for p in (paper, confirmed):
+        p.start(Context.simple(2, 128, lower=1))
+    h = History(2)
+    h.append(record(0, [64, 64], noisy))
+    assert paper.decide(h).tolist() != [64, 64] and paper.actions == ["rapid"]
+    assert confirmed.decide(h).tolist() == [65, 63] and confirmed.actions == ["fine"]
+    assert confirmed.high == 1
+    h.append(record(1, [65, 63], [1.0, 1.0]))  # a calm step ends the run
+    confirmed.decide(h)
+    assert confirmed.high == 0
+    sizes = confirmed.last.tolist()
+    for k in range(2, 5):
+        h.append(record(k, sizes, [1.0, 1.5]))
+        sizes = confirmed.decide(h).tolist()
+    assert confirmed.actions[2:] == ["fine", "fine", "rapid"] and confirmed.high == 0
+
+
+def test_lbb_confirm_does_not_count_records_inside_the_window():
+    p = LBB(window=2, confirm=2)
+    p.start(Context.simple(2, 100, lower=0))
+    h = History(2)
+    for k in range(2):
+        h.append(record(k, [50, 50], [1.0, 2.0]))
+        p.decide(h)
+    assert p.actions == ["fine", "rapid"]
+    d = p.last.tolist()
+    for k in range(2, 4):  # the window: two records of the rapid-tune's sizes, still slow
+        h.append(record(k, d, [1.0, 2.0]))
+        p.decide(h)
+        assert p.high == 0
+    h.append(record(4, p.last, [1.0, 2.0]))
+    p.decide(h)
+    assert p.actions[-1] == "fine" and p.high == 1  # the first high record after the window
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default():
+    from hetlb.policies.base import check_same_policy
+    old = {"policy_type": "LBB", "policy_settings": {k: v for k, v in LBB().settings().items()
+                                                     if k != "confirm"}}
+    check_same_policy(LBB(), old, "this run")  # confirm=1 is what the old run did
+    with pytest.raises(ValueError, match="confirm"):
+        check_same_policy(LBB(confirm=3), old, "this run")
+
+
 def rapid_tuned_lbb():
     """An LBB(window=10) that rapid-tuned on step 0; its history and the sizes it waits for."""
     p = LBB(window=10)
@@ -642,7 +691,7 @@ def test_random_clusters_always_valid(cluster, cls):
 
 
 @pytest.mark.parametrize("make", [Uniform, LBB, DBS, WLBS, lambda: LBB(step=4, window=2),
-                                  lambda: WLBS(steps_per_epoch=5)])
+                                  lambda: LBB(confirm=2, window=2), lambda: WLBS(steps_per_epoch=5)])
 def test_state_dict_round_trip_decides_identically(make):
     ctx = Context.simple(4, 500, lower=1, hardware=[{"cpus": c, "cores": c, "memory": 1e9} for c in (4, 3, 2, 1)])
     T = linear_cluster(noise=3e-4, seed=7, disturb=(1, 12, 0.05))
@@ -717,7 +766,7 @@ def test_all_ranks_inf_raises_for_wlbs():
 
 @pytest.mark.parametrize("kwargs", [dict(fine=-0.1), dict(fine=0.3, rapid=0.1), dict(step=0),
                                     dict(step=1.5), dict(window=-1), dict(priority=0),
-                                    dict(rapid=float("nan"))])
+                                    dict(rapid=float("nan")), dict(confirm=0), dict(confirm=1.5)])
 def test_lbb_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         LBB(**kwargs)

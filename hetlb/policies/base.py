@@ -243,6 +243,16 @@ def check_same_policy(policy: Any, state: Mapping[str, Any], who: str, hint: str
     free = tuple(getattr(policy, "resume_free", ()))
     saved = {k: v for k, v in saved.items() if k not in free}
     now = {k: v for k, v in policy_settings(policy).items() if k not in free}
+    # A setting newer than the checkpoint matches when it holds its default (the behaviour the
+    # checkpoint's run had).
+    try:
+        params = inspect.signature(type(policy).__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    for k in [k for k in now if k not in saved and k in params]:
+        default = params[k].default
+        if default is not inspect.Parameter.empty and now[k] == plain_value(default):
+            del now[k]
     if saved != now:
         diff = [k for k in list(now) + [k for k in saved if k not in now]
                 if saved.get(k) != now.get(k)]

@@ -37,6 +37,14 @@ more than ``step``), shared among the ranks below the new level in proportion to
 no receiver becomes the new straggler. Its per-sample time is a secant through an earlier step of
 the same rank at a clearly different batch size, trusted within a factor 4 of the rough model's
 slope. ``bench/bench_policies.py`` compares it with the paper's plain fine-tune.
+
+**Confirm** (opt-in, e.g. ``confirm=3``; off by default: 1, the paper's rule): a rapid-tune only
+once SE has stayed at or above ``rapid`` for that many records in a row outside the observation
+window; until then such a record fine-tunes. The paper's rule acts on the SE of one step, so on a
+machine whose step times jitter by more than ``rapid`` between ranks now and then, a single noisy
+step re-solves the split from its noisy times (on two identical CPU ranks: 17 rapid-tunes in 300
+steps, splits such as 50/78 of 128; ``bench/RESULTS.md``). ``bench/bench_policies.py`` compares
+it with the paper's rule.
 """
 from __future__ import annotations
 
@@ -70,12 +78,16 @@ class LBB(SizedPolicy):
             ``(T_slowest - mean T) / mean T`` from which the slowest rank counts as much slower
             and a fine-tune halves its excess instead of moving ``step`` samples (see the module
             docstring), e.g. 0.1.
+        confirm: opt-in improvement (default 1: the paper's rule): records in a row, outside
+            the observation window, with SE >= ``rapid`` before a rapid-tune (see the module
+            docstring), e.g. 3.
 
     Attributes:
         actions: one of ``"none"``, ``"fine"``, ``"rapid"`` per :meth:`decide` call, the latest
             :attr:`ACTIONS_KEPT` of them (it is checkpointed with the policy, so it is bounded).
         last_se: SE of the latest record seen by :meth:`decide`.
         window_left: records still to count in the observation window.
+        high: records in a row (outside the window) with SE >= ``rapid`` so far.
         waiting: the rapid-tune sizes the window waits for before counting (None: counting).
         last_step: step of the latest record :meth:`decide` consumed (None: none yet). With
             ``exchange_every > 1`` a decision follows a block of records; every record after
@@ -89,7 +101,7 @@ class LBB(SizedPolicy):
     ACTIONS_KEPT = 1024
 
     def __init__(self, fine: float = 0.05, rapid: float = 0.3, step: int = 1, window: int = 10,
-                 priority: float = math.inf) -> None:
+                 priority: float = math.inf, confirm: int = 1) -> None:
         fine = number(fine, "LBB: fine", minimum=0.0)
         rapid = number(rapid, "LBB: rapid", minimum=0.0, finite=False)  # inf disables rapid-tuning
         if rapid < fine:
@@ -99,6 +111,8 @@ class LBB(SizedPolicy):
         self.fine, self.rapid, self.priority = fine, rapid, priority
         self.step = integer(step, "LBB: step", 1)
         self.window = integer(window, "LBB: window", 0)
+        self.confirm = integer(confirm, "LBB: confirm", 1)
+        self.high = 0
         self.window_left = 0
         self.waiting: Optional[List[int]] = None
         self.last_step: Optional[int] = None  # step of the latest record a decision consumed
@@ -128,6 +142,7 @@ class LBB(SizedPolicy):
         # Last known per-sample time of each rank: only used for a rank that had no samples.
         self.slope = np.array([float(m.a1) if m is not None else np.nan for m in lin])
         self.window_left = 0
+        self.high = 0
         self.waiting = None
         self.last_step = None
         self.actions = []
@@ -148,16 +163,20 @@ class LBB(SizedPolicy):
         new = records_after(history, self.last_step)
         for old in new[:-1]:
             if self.usable(old):  # (a record refused as the newest does not count later either)
-                self._count(old)
+                inside = self._count(old)
+                self._high(straggler_effect(old.compute, old.batch), inside)
         in_window = self._count(rec) if new else self.waiting is not None or self.window_left > 0
         self.last_step = int(rec.step)
         se = straggler_effect(rec.compute, rec.batch)
         self.last_se = se
+        if new:
+            self._high(se, in_window)
         action, sizes = "none", self.last
         if se < self.fine:
             pass
-        elif se >= self.rapid and not in_window:
+        elif se >= self.rapid and not in_window and self.high >= self.confirm:
             action, sizes = "rapid", self._rapid_tune(rec)
+            self.high = 0
             if self.window > 0:
                 self.window_left = self.window
                 self.waiting = [int(v) for v in sizes]
@@ -170,6 +189,10 @@ class LBB(SizedPolicy):
         if len(self.actions) > self.ACTIONS_KEPT:
             del self.actions[:-self.ACTIONS_KEPT]
         return self.emit(sizes)
+
+    def _high(self, se: float, inside: bool) -> None:
+        """Count a record towards ``confirm``: a run of SE >= ``rapid`` outside the window."""
+        self.high = self.high + 1 if (se >= self.rapid and not inside) else 0
 
     def _count(self, rec: StepRecord) -> bool:
         """Count ``rec`` in the observation window; whether ``rec`` lies inside it."""
