@@ -4,8 +4,10 @@ LB-BSP's decision with NARX.
 Part ``options`` (in-process emulated clusters, deterministic): every policy default (the paper's
 algorithm) next to its named option, on the same cluster and the same seeded noise:
 
-* LBB vs ``LBB(priority=0.1)``: 4 workers with speeds 1:2:3:4 (``T = 10 ms + 1 ms/sample / s``),
-  global batch 500, LBB's case study disturbance (+50 ms on one worker from step 30);
+* LBB vs ``LBB(priority=0.1)`` and ``LBB(confirm=3)``: 4 workers with speeds 1:2:3:4 (``T = 10 ms
+  + 1 ms/sample / s``), global batch 500, LBB's case study disturbance (+50 ms on one worker from
+  step 30); and LBB vs ``LBB(confirm=3)`` on 2 identical workers whose times jitter by 12 %
+  (5 seeds: the mean step over the noiseless even split, and the rapid-tunes per run);
 * LBB-SP GPU mode vs ``settle=True`` and vs ``reequilibrate=0.3``: 4 GPU-like workers (launch
   overhead, per-sample cost, flat below 16 samples), global batch 512, one worker 2.3x slower per
   sample from step 400;
