@@ -472,18 +472,19 @@ struct StepCore {
     if (send && !carry && table_first) launch_side(side);
     if (nccl) {
       c10d::AllreduceOptions opts;
-      if (weigh && buf.scalar_type() == at::kBFloat16) {
-        // c10d reads a bfloat16 PREMUL_SUM factor through a float (a tensor factor is refused,
-        // a host one arrives as zero): scale the bucket here and sum, one pass on the device.
-        buf.mul_(w);
-        ++scaled_buckets;
-      } else if (weigh) {
-        // Built by hand: torch < 2.12 names the helper makeNCCLPreMulSum, later ones makePreMulSum;
-        // the supplement's old name is kept as an alias in both.
-        c10d::ReduceOp op;
-        op.op_ = c10d::ReduceOp::PREMUL_SUM;
-        op.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(factor(buf));
-        opts.reduceOp = std::move(op);
+      if (weigh) {
+        if (buf.scalar_type() == at::kBFloat16) {
+          // c10d reads a bfloat16 PREMUL_SUM factor through a float (a tensor factor is refused,
+          // a host one arrives as zero): scale the bucket here and sum, one pass on the device.
+          buf.mul_(w);
+        } else {
+          // Built by hand: torch < 2.12 names the helper makeNCCLPreMulSum, later ones
+          // makePreMulSum; the supplement's old name is kept as an alias in both.
+          c10d::ReduceOp op;
+          op.op_ = c10d::ReduceOp::PREMUL_SUM;
+          op.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(factor(buf));
+          opts.reduceOp = std::move(op);
+        }
         ++scaled_buckets;
       }
       auto fut = pg->allreduce(tensors, opts)->getFuture();

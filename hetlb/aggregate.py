@@ -223,8 +223,11 @@ def keep_groups(model: Any, groups: Sequence[Any]) -> None:
     :class:`_GroupsKept`)."""
     # Popped and set again, so it always comes after the reducer in the model's __dict__.
     kept = model.__dict__.pop("_hetlb_groups_kept", None)
-    old = kept.groups if kept else ()
-    model._hetlb_groups_kept = _GroupsKept(old + tuple(g for g in groups if all(g is not k for k in old)))
+    held = list(kept.groups if kept else ())
+    for g in groups:  # each group once (carry's side group is the gradient group)
+        if all(g is not k for k in held):
+            held.append(g)
+    model._hetlb_groups_kept = _GroupsKept(held)
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:

@@ -417,8 +417,7 @@ class Balancer:
             if is_ddp and self.distributed:
                 # From the start, so a start-up that raises (ranks disagree, a policy refuses)
                 # leaves no reducer as its group's last owner either (see keep_groups).
-                keep_groups(model, (getattr(model, "process_group", None) or
-                                    dist.distributed_c10d._get_default_group(),))
+                keep_groups(model, (model.process_group,))
             # One exchange at start-up (not per step): configuration, hook capabilities, bounds.
             nccl = self.distributed and is_nccl(group)
             side = self._refusal_side = make_side_group(group) if self.distributed else None
