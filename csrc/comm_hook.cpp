@@ -452,7 +452,11 @@ struct StepCore {
                                                      const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                      const c10::intrusive_ptr<c10d::ProcessGroup>& side) {
     TORCH_CHECK(open, kOutsideStep);
-    TORCH_CHECK(buf.is_contiguous(), "hetlb comm hook: bucket buffer is not contiguous");
+    TORCH_CHECK(!buf.is_sparse(), "hetlb comm hook: got a sparse gradient bucket (layout ",
+                buf.layout(), "); the Balancer weighs dense gradients only: build the model's "
+                "embeddings with sparse=False");
+    TORCH_CHECK(buf.is_contiguous(), "hetlb comm hook: bucket buffer is not contiguous (sizes ",
+                buf.sizes(), ", strides ", buf.strides(), ")");
     NoPythonState no_python;
     ++hooks_run;
     const double w = weight;

@@ -52,7 +52,8 @@ log = logging.getLogger("hetlb.balancer")
 
 # checksum, plan and step are adjacent columns: one view of the table checks all three.
 assert (COL["plan"], COL["step"]) == (COL["checksum"] + 1, COL["checksum"] + 2)
-_IDS = slice(COL["checksum"], COL["step"] + 1)
+_IDS = slice(COL["checksum"], COL["epoch"] + 1)
+assert COL["epoch"] == COL["step"] + 1 == COL["plan"] + 2 == COL["checksum"] + 3  # (_verify reads them so)
 _BATCH, _DATA, _PREDICTED, _CHECKSUM, _PLAN, _STEP, _EPOCH = (
     COL[f] for f in ("batch", "data", "predicted", "checksum", "plan", "step", "epoch"))
 # A StepRecord's arrays are the table's first columns, in order (one slice copies them all).
@@ -98,6 +99,68 @@ _SECOND_LOADER = ("this Balancer already drives a loader; iterate that one every
                   "(loader.set_epoch(epoch)). A loader for evaluation is a plain "
                   "torch.utils.data.DataLoader (run it under torch.no_grad() or model.eval(): "
                   "the Balancer checks only training batches)")
+
+
+def _check_rule_bounds(everyone: List[Dict[str, Any]], global_batch: int, policy: str) -> None:
+    """Refuse bounds a size-aware rule would ignore (the same on every rank: ``everyone`` is the
+    start-up exchange); warn of a profile's memory limit it cannot honour either."""
+    asked = []
+    for r, e in enumerate(everyone):
+        lo, up = e["asked"]["lower"], e["asked"]["upper"]
+        what = ([f"lower={lo}"] if lo else []) + ([f"upper={up}"] if up is not None and up < global_batch else [])
+        if what:
+            asked.append(f"rank {r}: {', '.join(what)}")
+    if asked:
+        raise ValueError(
+            f"{policy} assigns each step's samples to ranks by their estimated time, in counts "
+            f"that differ freely (a rank may get none), so the Balancer's lower and upper bounds "
+            f"cannot hold ({'; '.join(asked)}). Leave lower and upper out (or lower=0); bound a "
+            f"rank's memory with the policy's cap= (its summed sample sizes)")
+    limited = [r for r, e in enumerate(everyone)
+               if e["profile"] is not None and e["profile"].get("oom_at") is not None]
+    if limited:
+        log.warning("%s does not bound sample counts: the out-of-memory limits of the profiles of "
+                    "ranks %s are not applied (bound memory with cap=)", policy, limited)
+
+
+def _check_model(model: torch.nn.Module, is_ddp: bool, accumulate: int) -> None:
+    """Refuse, before anything touches it, a model this Balancer could not train correctly: a
+    DDP model that already has a Balancer or a communication hook of its own, sparse gradients
+    on a DDP model, DDP's static graph with accumulation. (A plain module, one process, may get
+    a new Balancer: :func:`_take_over` then removes the earlier one's forward check.)"""
+    if is_ddp and any(isinstance(h, _StepGate) for h in model._forward_pre_hooks.values()):
+        raise ValueError(
+            "this model already has a Balancer (its hooks stay on the model for the model's life; "
+            "DDP cannot remove a communication hook): make one Balancer per DDP model. To change "
+            "the policy or the settings, wrap the module in a new DistributedDataParallel and "
+            "make the new Balancer for that")
+    if not is_ddp:
+        return
+    if getattr(model, "_comm_hooks", None):
+        raise ValueError(
+            "a communication hook is already registered on this DDP model; DDP takes one hook, and "
+            "the Balancer needs its own (it weighs each rank's gradient by its batch once the "
+            "batches differ). Make the Balancer for a DDP model without a hook of your own")
+    sparse = [name or type(m).__name__ for name, m in model.module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(
+            f"the model has sparse gradients ({', '.join(sparse[:3])}"
+            f"{', ...' if len(sparse) > 3 else ''}: sparse=True): the Balancer weighs and "
+            f"all-reduces dense gradient buckets only. Build the embeddings with sparse=False")
+    if accumulate > 1 and getattr(model, "static_graph", False):
+        raise ValueError(
+            f"accumulate={accumulate} enters ddp.no_sync() on all but a window's last micro-step, "
+            f"which DDP(static_graph=True) does not support (torch fails with an internal "
+            f"assertion): build the DDP model with static_graph=False")
+
+
+def _take_over(model: torch.nn.Module) -> None:
+    """Remove an earlier Balancer's forward check from a plain module (one process, no
+    communication hook): the new Balancer's board is the one its batches follow from now on."""
+    for key in [k for k, h in model._forward_pre_hooks.items() if isinstance(h, _StepGate)]:
+        del model._forward_pre_hooks[key]
+        model._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 class _CopiedGate:
@@ -202,9 +265,12 @@ class Balancer:
             the loader) or "none" (the plain mean over ranks with samples, e.g. cross-silo FL).
         loader: a :func:`hetlb.DataLoader` made before the model, to bind to this Balancer.
         group: process group (default: the world).
-        lower, upper: bounds on this rank's batch (integers, ``0 <= lower <= upper``). ``upper``
-            is also capped by ``profile.limit`` when the profile ran out of memory (a real memory
-            bound).
+        lower, upper: bounds on this rank's batch (integers, ``0 <= lower <= upper``; ``lower``
+            1 when not given). ``upper`` is also capped by ``profile.limit`` when the profile ran
+            out of memory (a real memory bound). A size-aware policy (:class:`hetlb.Chronica`),
+            which assigns each step's samples freely and may give a rank none, cannot honour
+            them: a ``lower`` above 0 or an ``upper`` below ``global_batch`` is refused with it
+            (bound its memory with ``Chronica(cap=...)``).
         profile: this rank's :class:`hetlb.profile.Profile` (LBB starts from the fitted models);
             checked with :meth:`~hetlb.profile.Profile.validate`.
         emulator: an :class:`hetlb.emulate.Emulator` that stretches this rank's compute.
@@ -310,7 +376,7 @@ class Balancer:
 
     def __init__(self, model: torch.nn.Module, global_batch: Optional[int] = None,
                  policy: Optional[Policy] = None, weighting: str = "samples", *,
-                 loader: Optional[BalancedLoader] = None, group: Any = None, lower: int = 1,
+                 loader: Optional[BalancedLoader] = None, group: Any = None, lower: Optional[int] = None,
                  upper: Optional[int] = None, profile: Any = None, emulator: Any = None,
                  history: int = 1024, max_bad_steps: int = 10, accumulate: int = 1,
                  batch_dim: BatchDim = 0, transport: Optional[str] = None,
@@ -365,7 +431,8 @@ class Balancer:
                 raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; "
                                  "with exchange_every=1 every step is exchanged anyway: pass "
                                  "exchange_every=k > 1 (e.g. 16)")
-            lower = checks.integer(lower, "lower", 0)
+            lower_given = lower  # (a size-aware rule cannot honour bounds: see below)
+            lower = 1 if lower is None else checks.integer(lower, "lower", 0)
             if batch_dim is not None and not callable(batch_dim):
                 batch_dim = checks.integer(batch_dim, "batch_dim", 0)
             if transport is not None:
@@ -379,6 +446,7 @@ class Balancer:
                                 f"got {type(model).__name__}")
             if not is_ddp and not native_hook:
                 raise ValueError("native_hook=False selects the hook of a DistributedDataParallel model")
+            _check_model(model, is_ddp, self.accumulate)
             if loader is not None:
                 if not isinstance(loader, BalancedLoader):
                     raise TypeError(f"loader must be a hetlb.DataLoader, got {type(loader).__name__}")
@@ -433,6 +501,7 @@ class Balancer:
                     "defer": (defer_blocker(model, group, native=native_hook, emulator=emulator,
                                             accumulate=self.accumulate, transport=transport)
                               if is_ddp else "no DDP model"),
+                    "asked": {"lower": lower_given, "upper": upper},
                     **self._bounds(lower, upper, profile)}
             everyone = self._all_gather(mine, side)
             self._exchanged = True  # (a later error is every rank's: no second exchange)
@@ -450,6 +519,8 @@ class Balancer:
                             have, sorted(set(range(self.world)) - set(have)))
             # Before any hook is registered: a policy refusing the context leaves the model as it was.
             self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
+            if isinstance(self._decision, ScheduleRule):
+                _check_rule_bounds(everyone, global_batch, type(policy).__name__)
             if self.adaptive_exchange and isinstance(self._decision, ScheduleRule) and \
                     not getattr(policy, "hold", 0):
                 log.warning("adaptive_exchange: %s decides a rule of fitted time models, refitted at "
@@ -494,6 +565,8 @@ class Balancer:
             else:
                 self.board = PlanBoard(self.world, self.rank, global_batch, self.accumulate)
             self.board.lower = np.asarray(self.context.lower, dtype=np.int64).copy()
+            if not is_ddp:
+                _take_over(model)
             model.register_forward_pre_hook(_StepGate(self.board, self.telemetry, batch_dim),
                                             with_kwargs=True)
 
@@ -503,6 +576,8 @@ class Balancer:
             self._open: Optional[_Open] = None
             self._in_with = False
             self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
+            self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
+            self._window_param: Optional[torch.Tensor] = None  # see _check_window_kept
             self._last_sizes: Optional[np.ndarray] = None  # the sizes of the last step done
             self._micro = 0  # micro-steps without a loader (window position)
             self._window_data = 0.0
@@ -607,8 +682,18 @@ class Balancer:
         if self.weighting == "sizes" and loader.sample_sizes is None:
             raise ValueError('weighting="sizes" needs per-sample sizes: '
                              'bal.loader(dataset, sample_sizes=...)')
-        everyone = self._all_gather({"loader": loader.sampler.config()}, self._side)
+        everyone = self._all_gather({"loader": loader.sampler.config(), "lag": loader.lag}, self._side)
         checks.agree(everyone, "loader", "loader")
+        lags = [e["lag"] for e in everyone]
+        if any(lag != lags[0] for lag in lags):
+            # A step's sizes are drawn when the DataLoader draws its indices, this many steps
+            # ahead: ranks drawing at different depths would draw one step under different
+            # decisions (a DecisionMismatchError at the first change of sizes, maybe hours in).
+            raise ValueError(
+                f"ranks prefetch their batches to different depths (num_workers x prefetch_factor "
+                f"steps ahead, 0 without workers; by rank: {lags}): each step's sizes are drawn "
+                f"when its indices are, so every rank must draw them equally far ahead. Pass the "
+                f"same num_workers and prefetch_factor (or products equal) to bal.loader on every rank")
         d = self._decision
         if isinstance(d, ScheduleRule) and d.cap is not None and loader.sample_sizes is not None:
             # Checked here, not when the sample's step comes (possibly hours in); every rank has
@@ -631,13 +716,17 @@ class Balancer:
 
     @property
     def batch_sizes(self) -> np.ndarray:
-        """int64 ``[world]``: sizes of the step in progress, else of the batch handed out last,
-        else of the next step to be drawn; under a size-aware rule (:class:`hetlb.Chronica`),
-        whose sizes are drawn with each step's samples, of the last step (zeros before any)."""
+        """int64 ``[world]``: sizes of the step in progress, else of the batch handed out last
+        (also once its ``with bal.step():`` has ended it, or its accumulation window), else of
+        the next step to be drawn (without the Balancer's loader: of the next step, to draw its
+        batch by); under a size-aware rule (:class:`hetlb.Chronica`), whose sizes
+        are drawn with each step's samples, of the last step (zeros before any)."""
         if self._open is not None:
             return self._open.plan.sizes.copy()
         if self.board.current is not None:
             return self.board.current.sizes.copy()
+        if self._ended is not None:  # a step (window) ended in `with bal.step():`, no next batch yet
+            return self._ended.copy()
         d = self._decision
         if isinstance(d, np.ndarray):
             return d.copy()
@@ -784,6 +873,8 @@ class Balancer:
             raise RuntimeError("hetlb: ddp.no_sync() (gradient accumulation) needs "
                                "Balancer(..., accumulate=K): bal.step() then enters no_sync itself "
                                "and weights the whole window exactly")
+        if plan.window_pos > 0:
+            self._check_window_kept(plan)
         self._begin(plan, explicit=True)
         self._in_with = True
         local = not plan.window_end and isinstance(self.model, DistributedDataParallel)
@@ -796,17 +887,36 @@ class Balancer:
             raise
         self._in_with = False
         self._consumed = plan
+        if self._loader_config is not None:  # (without one, batch_sizes says the next step's)
+            self._ended = plan.sizes
         if plan.window_end:
             self._finish()
         else:
             t = time.perf_counter()
             self.telemetry.stamp(end_window=False)
             self._window_data += float(plan.data[self.rank])
+            # One parameter holding a gradient now: the next micro-step checks it still does.
+            self._window_param = next((p for p in self.model.parameters() if p.grad is not None), None)
             self.telemetry.close()
             self._open = None
             if self._loader_config is None:
                 self._micro += 1
             self._spent += time.perf_counter() - t
+
+    def _check_window_kept(self, plan: StepPlan) -> None:
+        """A micro-step after the first of its window: the gradient the window's earlier
+        micro-steps accumulated must still be there. ``optimizer.step()`` and ``zero_grad()`` on
+        a micro-step that did not synchronise would update each rank's copy of the model with
+        its own local gradient, and the copies would drift apart with no error."""
+        p, self._window_param = self._window_param, None
+        if p is not None and p.grad is None:
+            raise RuntimeError(
+                f"hetlb: the gradient accumulated by micro-steps 1-{plan.window_pos} of this "
+                f"accumulation window (step {plan.step} of epoch {plan.epoch}) is gone "
+                f"(optimizer.zero_grad() after micro-step {plan.window_pos}?). Those micro-steps "
+                f"ran under ddp.no_sync(), so an optimizer step there updates each rank's copy "
+                f"with its own gradient and the copies drift apart: step the optimizer and zero "
+                f"the gradients only when bal.synced is True")
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor] = None,
                  **kwargs: Any) -> None:
@@ -1001,6 +1111,13 @@ class Balancer:
             steps = table[:, COL["step"]]
             if (steps != g % EXACT_INT).any():
                 raise DecisionMismatchError(f"step {g}: ranks are at different steps ({_groups(steps)})")
+            epochs = table[:, COL["epoch"]]
+            if (epochs != epochs[0]).any():
+                raise DecisionMismatchError(
+                    f"step {g}: ranks are training different epochs ({_groups(epochs)}): each "
+                    f"would draw its slice of another epoch's order, so samples would be lost and "
+                    f"repeated. Call loader.set_epoch(e) with the same e on every rank (or not at "
+                    f"all: epochs then follow one another by themselves)")
             for col, what in (("checksum", "batch-size decision"), ("plan", "step plan (sizes used)")):
                 c = table[:, COL[col]]
                 if (c != c[0]).any():
@@ -1115,6 +1232,7 @@ class Balancer:
                     f"True, or drop the window's gradients (optimizer.zero_grad()) on every rank "
                     f"before the new loop")
         self._consumed = None
+        self._ended = None
 
     def _gradients_dropped(self) -> bool:
         """Whether no parameter of the model holds a nonzero gradient."""
@@ -1122,6 +1240,7 @@ class Balancer:
 
     def _before_next(self) -> None:
         """The loop asks for the next batch: the previous one's step ends here."""
+        self._ended = None
         o = self._open
         if o is not None and not self._in_with:
             self._finish()  # trained (its hook ran), or stepped without gradients: exchanged
@@ -1237,6 +1356,7 @@ class Balancer:
         if self._open is not None:
             self._discard()
         self._consumed = None
+        self._ended = None
         self._partials.clear()
         self._block = []
         self._ship_next = True

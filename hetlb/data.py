@@ -672,10 +672,11 @@ def _empty_like(batch: Any) -> Any:
 def _empty_of(one: Any, two: Any) -> Any:
     """The batch of no samples with the structure of ``one``, the collated batch of one sample,
     read against ``two``, the same sample collated twice: a list or tuple that grew holds one
-    item per sample and is emptied, a tensor is cut to 0 along every dimension that grew (along
-    its first when none did, as before), mappings, dataclasses and namedtuples are rebuilt, and
-    any other value is kept (a number that counts the samples becomes 0). Never raises: an idle
-    rank that failed here would leave the others waiting in the all-reduce."""
+    item per sample and is emptied, a tensor is cut to 0 along every dimension that grew and
+    kept whole when none did (a mask or position table shared by the batch's samples: cut, an
+    attention layer would refuse it), mappings, dataclasses and namedtuples are rebuilt, and any
+    other value is kept (a number that counts the samples becomes 0). Never raises: an idle rank
+    that failed here would leave the others waiting in the all-reduce."""
     if isinstance(one, (Padded, Packed)):
         empty = one.empty()
         empty.rest = _empty_of(one.rest, two.rest)
@@ -685,7 +686,7 @@ def _empty_of(one: Any, two: Any) -> Any:
             return _empty_like(one)
         grew = [d for d, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
         if not grew:
-            return _empty_like(one) if one.ndim else one
+            return one
         return one[tuple(slice(0, 0) if d in grew else slice(None) for d in range(one.ndim))]
     if isinstance(one, Mapping):
         if not isinstance(two, Mapping) or set(one) != set(two):

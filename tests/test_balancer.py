@@ -470,7 +470,7 @@ def test_policy_refusing_the_context_leaves_the_model_unhooked():
 def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds(world, step, data):
     """The step end's table check (Balancer._verify) accepts the table of this step and raises
     DecisionMismatchError, naming what differs, for one that differs in a rank's batch, decision
-    or plan checksum, or step, including the NaN and infinities of a corrupt table (before, their
+    or plan checksum, step or epoch, including the NaN and infinities of a corrupt table (before, their
     message failed with ValueError/OverflowError from int())."""
     from types import SimpleNamespace
     from hetlb.balancer import Balancer
@@ -482,13 +482,14 @@ def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds
     table[:, COL["batch"]] = sizes
     table[:, COL["checksum"]], table[:, COL["plan"]] = rng.integers(0, 2 ** 24, 2)
     table[:, COL["step"]] = step
+    table[:, COL["epoch"]] = data.draw(st.integers(0, 2 ** 24 - 1))
     me, plan = SimpleNamespace(), SimpleNamespace(sizes=sizes)
     Balancer._verify(me, table, plan, step)
-    col = data.draw(st.sampled_from(["batch", "checksum", "plan", "step"]))
+    col = data.draw(st.sampled_from(["batch", "checksum", "plan", "step", "epoch"]))
     r = data.draw(st.integers(0, world - 1))
     table[r, COL[col]] = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf"),
                                                     table[r, COL[col]] + 1, 0.5]))
     words = {"batch": "ran batch sizes", "checksum": "batch-size decision",
-             "plan": "step plan", "step": "different steps"}[col]
+             "plan": "step plan", "step": "different steps", "epoch": "different epochs"}[col]
     with pytest.raises(hetlb.DecisionMismatchError, match=words):
         Balancer._verify(me, table, plan, step)

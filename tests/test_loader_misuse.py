@@ -275,8 +275,11 @@ def test_an_empty_batch_never_raises_on_the_idle_rank():
     assert e[0].shape == (0, 2) and e[1] == 0 and e[2] != e[2]
     e = _collated_empty(torch.ones(2), lambda b: {"x": torch.stack(b), "pairs": torch.ones(len(b), len(b))})
     assert e["x"].shape == (0, 2) and e["pairs"].shape == (0, 0)
-    e = _collated_empty(torch.ones(2), lambda b: torch.zeros(8, 2))  # padded to a fixed batch
-    assert e.shape == (0, 2)
+    # A tensor that does not grow with the samples is not per sample: kept whole (a causal mask
+    # or a position table shared by the batch; cut to 0 rows an attention layer refuses it).
+    e = _collated_empty(torch.ones(2), lambda b: (torch.stack(b), torch.tril(torch.ones(5, 5)),
+                                                  torch.arange(5)))
+    assert e[0].shape == (0, 2) and e[1].shape == (5, 5) and e[2].tolist() == list(range(5))
     e = _collated_empty(torch.ones(2), lambda b: {"x": torch.stack(b), "scale": torch.tensor(2.0)})
     assert e["x"].shape == (0, 2) and e["scale"].item() == 2.0
 
