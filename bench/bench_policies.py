@@ -40,7 +40,8 @@ from report import emit
 
 
 def run_cluster(policy, world: int, total: int, times: Callable[[int, int, int], float], steps: int,
-                lower: int = 1, seed: int = 0, noise: float = 0.01):
+                lower: int = 1, seed: int = 0, noise: float = 0.01, sizes: list = None):
+    """The makespan of every step (``sizes``, if given, receives every step's sizes)."""
     from hetlb.policies.base import Context
     from hetlb.telemetry import History, StepRecord
     rng = np.random.default_rng(seed)
@@ -53,6 +54,8 @@ def run_cluster(policy, world: int, total: int, times: Callable[[int, int, int],
         t = np.where(cur > 0, t * (1 + rng.normal(0, noise, world)), 0.0)
         h.append(StepRecord(k, 0, cur.copy(), t, cur.astype(float), np.full(world, 0.5), np.full(world, 0.5)))
         makespan.append(float(t.max()))
+        if sizes is not None:
+            sizes.append(cur.copy())
         cur = policy.decide(h)
     return np.array(makespan)
 
