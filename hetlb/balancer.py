@@ -142,7 +142,8 @@ def _check_model(model: torch.nn.Module, is_ddp: bool, accumulate: int) -> None:
             "the Balancer needs its own (it weighs each rank's gradient by its batch once the "
             "batches differ). Make the Balancer for a DDP model without a hook of your own")
     sparse = [name or type(m).__name__ for name, m in model.module.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+              and m.weight.requires_grad]  # (a frozen one gives DDP no gradient)
     if sparse:
         raise ValueError(
             f"the model has sparse gradients ({', '.join(sparse[:3])}"
@@ -567,8 +568,8 @@ class Balancer:
             self.board.lower = np.asarray(self.context.lower, dtype=np.int64).copy()
             if not is_ddp:
                 _take_over(model)
-            model.register_forward_pre_hook(_StepGate(self.board, self.telemetry, batch_dim),
-                                            with_kwargs=True)
+            self._gate = model.register_forward_pre_hook(
+                _StepGate(self.board, self.telemetry, batch_dim), with_kwargs=True)
 
             self.history = History(self.world, maxlen=history)
             self._step = 0  # completed steps (accumulation windows)
@@ -617,6 +618,11 @@ class Balancer:
         except (ValueError, TypeError) as e:
             if not self.__dict__.get("_exchanged", False):
                 refuse_everywhere(e, group, self.__dict__.get("_refusal_side"))
+            # Refused after the forward hooks were added (the loader's check): take them off, so
+            # the model can get a Balancer again (a registered communication hook cannot go).
+            for handle in (self.__dict__.get("_gate"), self.__dict__.get("_watch")):
+                if handle is not None:
+                    handle.remove()
             raise
         del self._refusal_side  # (the telemetry holds the groups it uses)
 

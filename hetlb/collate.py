@@ -141,6 +141,7 @@ def to_nested(packed: Packed) -> torch.Tensor:
             "tensor cannot be empty. Run the model on the rank's empty input another way (e.g. "
             "one component of length 0, torch.nested.nested_tensor([batch.data[:0]], "
             "layout=torch.jagged), counted as 0 samples by your batch_dim), or pass lower=1 to "
-            "the Balancer so a rank idles only on a short last step")
+            "the Balancer so a rank idles only on a short last step (a sized policy; a "
+            "size-aware one such as Chronica may give a rank no sample in any step)")
     parts = list(torch.split(packed.data, lengths, dim=0))
     return torch.nested.nested_tensor(parts, layout=torch.jagged)

@@ -97,6 +97,24 @@ def _refusals(rank, world):
         bal.loader(dataset(), num_workers=rank + 1, prefetch_factor=4 // (rank + 1))
     refused("equal_depth", equal_depth)
 
+    # Refused when the loader binds, inside the constructor: the hooks come off again, so the
+    # model can get a Balancer after all (before: "already has a Balancer").
+    retry = DDP(torch.nn.Linear(3, 1))
+    refused("bind", lambda: hetlb.Balancer(retry, loader=hetlb.DataLoader(
+        dataset(), batch_size=4, num_workers=rank)))
+    assert not retry._forward_pre_hooks and not retry._forward_hooks
+    hetlb.Balancer(retry, 8, policy=hetlb.Uniform())
+
+    class Frozen(torch.nn.Module):  # a frozen sparse table gives DDP no gradient: accepted
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(10, 3, sparse=True).requires_grad_(False)
+            self.head = torch.nn.Linear(3, 1)
+
+        def forward(self, i):
+            return self.head(self.table(i))
+    refused("frozen_sparse", lambda: hetlb.Balancer(DDP(Frozen()), 8))
+
     sizes = np.arange(1, 41, dtype=float)
     refused("chronica_lower", lambda: hetlb.Balancer(DDP(torch.nn.Linear(3, 1)), 8,
                                                      policy=hetlb.Chronica(), lower=1))
@@ -121,7 +139,8 @@ def test_models_and_settings_a_balancer_cannot_train_are_refused_on_every_rank()
     assert "static_graph=False" in r0["static"] and "accumulate=2" in r0["static"]
     assert "by rank: [0, 2]" in r0["lag"] and r0["lag"] == r1["lag"]
     assert "num_workers and prefetch_factor" in r0["lag"]
-    assert r0["equal_depth"] is None
+    assert r0["equal_depth"] is None and r0["frozen_sparse"] is None
+    assert "prefetch their batches to different depths" in r0["bind"]
     assert "rank 0: lower=1; rank 1: lower=1" in r0["chronica_lower"] and "cap=" in r0["chronica_lower"]
     assert "rank 0: upper=5; rank 1: upper=6" in r0["chronica_upper"]
     assert r0["chronica_default"] is None and r0["chronica_zero"] is None and r0["lbb_bounds"] is None

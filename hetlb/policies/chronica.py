@@ -13,10 +13,11 @@ Two pieces (CHRONICA Sec. V-A, V-B):
   order (so coverage, checkpoints and resume are those of every policy); it returns a
   :class:`hetlb.plan.ScheduleRule` with the prophet's models, and the loader assigns the step's
   samples with :func:`hetlb.schedule` (largest first, each to the rank that would finish first)
-  so the ranks' estimated training times (ETT) are equal. Per-rank sample counts differ freely:
-  the Balancer's ``lower`` and ``upper`` bound sized decisions only, so a rank (a slow one, or any
-  in a step of few large samples) may get no sample; its gradient is then weighed 0 (see the
-  Balancer's idle ranks). Pass ``lower=0`` to say so.
+  so the ranks' estimated training times (ETT) are equal. Per-rank sample counts differ freely,
+  so a rank (a slow one, or any in a step of few large samples) may get no sample; its gradient
+  is then weighed 0 (see the Balancer's idle ranks). The Balancer's ``lower`` and ``upper``
+  cannot bound such counts and are refused with this policy (above 0, below the global batch);
+  ``cap=`` bounds a rank's summed sample sizes instead.
 
 Aggregation then weighs ranks by data amount (``Balancer(..., weighting="sizes")``, CHRONICA's
 learning-rate compensation, Eq. 7) with the loss as a mean per data unit (per token).
