@@ -83,17 +83,10 @@ def part_real(policies: List[str], steps: int, pin: bool) -> List[str]:
 
 
 def part_emulated(policies: List[str]) -> List[str]:
-    from bench_policies import best_time, run_cluster, settled
-    speeds = np.array([1.0, 2.0, 3.0, 4.0])
-
-    def lbb_times(k, r, b):
-        return 0.010 + 0.001 * b / speeds[r] + (0.05 if (r == 1 and k >= 30) else 0.0)
-
-    def even_times(k, r, b):
-        return 0.010 + 0.00015 * b
+    from bench_policies import best_time, even_times, lbb_times, run_cluster, settled
 
     def slow_times(k, r, b):
-        return 0.010 + 0.00015 * b * (1.1 if r == 1 else 1.0)
+        return 0.010 + 0.00015 * b * (1.1 if r == 1 else 1.0)  # even_times, rank 1 10 % slower
     best = np.array([best_time(lbb_times, 4, 500, k) for k in (0, 30)])
     best_k = np.where(np.arange(200) < 30, best[0], best[1])
     clusters = [(f"identical, {int(100 * z)} % jitter", even_times, even_times(0, 0, 64), z)

@@ -39,6 +39,20 @@ import numpy as np
 from report import emit
 
 
+SPEEDS = np.array([1.0, 2.0, 3.0, 4.0])
+
+
+def lbb_times(k: int, r: int, b: int) -> float:
+    """LBB's case study: speeds 1:2:3:4, ``T = 10 ms + 1 ms/sample / s``, +50 ms on rank 1 from
+    step 30."""
+    return 0.010 + 0.001 * b / SPEEDS[r] + (0.05 if (r == 1 and k >= 30) else 0.0)
+
+
+def even_times(k: int, r: int, b: int) -> float:
+    """Identical workers: ``T = 10 ms + 0.15 ms x b``."""
+    return 0.010 + 0.00015 * b
+
+
 def run_cluster(policy, world: int, total: int, times: Callable[[int, int, int], float], steps: int,
                 lower: int = 1, seed: int = 0, noise: float = 0.01, sizes: list = None):
     """The makespan of every step (``sizes``, if given, receives every step's sizes)."""
@@ -81,10 +95,6 @@ def part_options() -> List[str]:
              "| cluster | policy | mean step / best | last quarter / best | steps to settle after the change |",
              "|---|---|---:|---:|---:|"]
 
-    speeds = np.array([1.0, 2.0, 3.0, 4.0])
-
-    def lbb_times(k, r, b):
-        return 0.010 + 0.001 * b / speeds[r] + (0.05 if (r == 1 and k >= 30) else 0.0)
     steps = 200
     best = np.array([best_time(lbb_times, 4, 500, k) for k in (0, 30)])
     best_k = np.where(np.arange(steps) < 30, best[0], best[1])
@@ -97,8 +107,6 @@ def part_options() -> List[str]:
     # Two identical workers whose step times jitter by 12 % (one sigma, per rank and step): a
     # single step's SE passes RT = 0.3 now and then. The mean over the seeds of the makespan
     # (the slower rank's time) relative to the noiseless even split, and the rapid-tunes.
-    def even_times(k, r, b):
-        return 0.010 + 0.00015 * b
     steps, even = 300, even_times(0, 0, 64)
     for name, make in (("LBB() (paper)", hetlb.LBB), ("LBB(confirm=3)", lambda: hetlb.LBB(confirm=3))):
         means, rapids = [], []
@@ -126,7 +134,7 @@ def part_options() -> List[str]:
                      f"{np.mean(ms[-steps // 4:] / best_k[-steps // 4:]):.3f} | {settled(ms, best_k, 400)} |")
 
     def int_times(k, r, b):
-        return (0.1 + 0.05 * b) / speeds[r]
+        return (0.1 + 0.05 * b) / SPEEDS[r]
     steps = 400
     b0 = best_time(int_times, 4, 64, 0)
     for name, pol in (("LBBSP('gpu') (Algorithm 2)", hetlb.LBBSP("gpu")),

@@ -50,10 +50,9 @@ from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRec
 
 log = logging.getLogger("hetlb.balancer")
 
-# checksum, plan and step are adjacent columns: one view of the table checks all three.
-assert (COL["plan"], COL["step"]) == (COL["checksum"] + 1, COL["checksum"] + 2)
+# checksum, plan, step and epoch are adjacent columns: one view of the table checks all four.
+assert (COL["plan"], COL["step"], COL["epoch"]) == tuple(COL["checksum"] + i for i in (1, 2, 3))
 _IDS = slice(COL["checksum"], COL["epoch"] + 1)
-assert COL["epoch"] == COL["step"] + 1 == COL["plan"] + 2 == COL["checksum"] + 3  # (_verify reads them so)
 _BATCH, _DATA, _PREDICTED, _CHECKSUM, _PLAN, _STEP, _EPOCH = (
     COL[f] for f in ("batch", "data", "predicted", "checksum", "plan", "step", "epoch"))
 # A StepRecord's arrays are the table's first columns, in order (one slice copies them all).
@@ -128,14 +127,14 @@ def _check_model(model: torch.nn.Module, is_ddp: bool, accumulate: int) -> None:
     DDP model that already has a Balancer or a communication hook of its own, sparse gradients
     on a DDP model, DDP's static graph with accumulation. (A plain module, one process, may get
     a new Balancer: :func:`_take_over` then removes the earlier one's forward check.)"""
-    if is_ddp and any(isinstance(h, _StepGate) for h in model._forward_pre_hooks.values()):
+    if not is_ddp:
+        return
+    if any(isinstance(h, _StepGate) for h in model._forward_pre_hooks.values()):
         raise ValueError(
             "this model already has a Balancer (its hooks stay on the model for the model's life; "
             "DDP cannot remove a communication hook): make one Balancer per DDP model. To change "
             "the policy or the settings, wrap the module in a new DistributedDataParallel and "
             "make the new Balancer for that")
-    if not is_ddp:
-        return
     if getattr(model, "_comm_hooks", None):
         raise ValueError(
             "a communication hook is already registered on this DDP model; DDP takes one hook, and "
