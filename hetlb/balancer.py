@@ -159,6 +159,9 @@ def _take_over(model: torch.nn.Module) -> None:
     """Remove an earlier Balancer's forward check from a plain module (one process, no
     communication hook): the new Balancer's board is the one its batches follow from now on."""
     for key in [k for k, h in model._forward_pre_hooks.items() if isinstance(h, _StepGate)]:
+        ends = model._forward_pre_hooks[key].ends
+        if ends is not None:  # (else the old telemetry stays held by the parameters' hooks)
+            ends.remove()
         del model._forward_pre_hooks[key]
         model._forward_pre_hooks_with_kwargs.pop(key, None)
 
@@ -180,8 +183,12 @@ class _StepGate:
     def __reduce__(self) -> Any:
         return (_CopiedGate, ())
 
-    def __init__(self, board: PlanBoard, telemetry: StepTelemetry, batch_dim: BatchDim) -> None:
+    def __init__(self, board: PlanBoard, telemetry: StepTelemetry, batch_dim: BatchDim,
+                 ends: Any = None) -> None:
         self.board, self.telemetry, self.batch_dim = board, telemetry, batch_dim
+        #: One process: the handle of the same Balancer's :class:`_BackwardEnd` hooks, removed
+        #: with this gate when a new Balancer takes the module over.
+        self.ends = ends
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         plan = self.board.current
@@ -386,6 +393,7 @@ class Balancer:
                  defer_hook: bool = True) -> None:
         # A rank refusing its arguments tells the others at the start-up exchange, so every rank
         # raises rather than waiting in the collective until its timeout.
+        ends = None  # one process: the handle of the _BackwardEnd hooks (the gate holds it)
         try:
             # Every argument is checked before anything touches the model (hooks) or the group.
             checks.instance(model, "model", torch.nn.Module, "a torch.nn.Module (DDP-wrapped with "
@@ -558,7 +566,8 @@ class Balancer:
             else:
                 params = [p for p in model.parameters() if p.requires_grad]
                 if params:  # one process: the end of backward ends the step's compute, as the hook would
-                    torch.autograd.graph.register_multi_grad_hook(params, _BackwardEnd(self.telemetry), mode="all")
+                    ends = torch.autograd.graph.register_multi_grad_hook(
+                        params, _BackwardEnd(self.telemetry), mode="all")
             if loader is not None:
                 self.board = loader.board
                 self.board.accumulate = self.accumulate
@@ -568,7 +577,7 @@ class Balancer:
             if not is_ddp:
                 _take_over(model)
             self._gate = model.register_forward_pre_hook(
-                _StepGate(self.board, self.telemetry, batch_dim), with_kwargs=True)
+                _StepGate(self.board, self.telemetry, batch_dim, ends), with_kwargs=True)
 
             self.history = History(self.world, maxlen=history)
             self._step = 0  # completed steps (accumulation windows)
@@ -619,7 +628,7 @@ class Balancer:
                 refuse_everywhere(e, group, self.__dict__.get("_refusal_side"))
             # Refused after the forward hooks were added (the loader's check): take them off, so
             # the model can get a Balancer again (a registered communication hook cannot go).
-            for handle in (self.__dict__.get("_gate"), self.__dict__.get("_watch")):
+            for handle in (self.__dict__.get("_gate"), self.__dict__.get("_watch"), ends):
                 if handle is not None:
                     handle.remove()
             raise

@@ -581,7 +581,6 @@ class _Iteration:
             self._done = True
             raise
         self._bal._handed(self._board.hand())
-        self._last = batch
         return batch
 
     def __del__(self) -> None:
@@ -612,8 +611,9 @@ class _Iteration:
             f"loader: ...`), or leave the loop (`break`) before moving to the next epoch")
 
     def _empty(self) -> Any:
-        last = getattr(self, "_last", None)
-        return _empty_like(last) if last is not None else self._collate([])
+        # The collate's own batch of no samples (one sample collated once and twice): a tensor
+        # shared by the samples (a mask) stays whole, which cutting the last batch would not do.
+        return self._collate([])
 
 
 class _Steps:

@@ -368,3 +368,32 @@ def test_measured_speeds_leave_out_times_that_cannot_describe_work():
         got = measured_speeds(broken, 3)
         # rank 1's broken time is left out with its samples; the others count that iteration
         np.testing.assert_allclose(got, [24 / 0.4, 24 / 0.8, 16 / 0.2], err_msg=repr(bad))
+
+
+def _with_mask(samples):
+    """A collate that adds a mask shared by the batch's samples (it does not grow with them)."""
+    x = torch.stack([s[0] for s in samples]) if samples else torch.zeros(0, 1)
+    return x, torch.ones(4, 4)
+
+
+def mask_worker(rank, world):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    ds = hetlb.DelayedSync(net, opt, reference_batch=8, batches_per_iteration=1)
+    data = torch.utils.data.TensorDataset(torch.arange(50, dtype=torch.float32)[:, None])
+    shapes = []
+    for x, mask in ds.loader(data, seed=3, collate_fn=_with_mask):
+        shapes.append((len(x), tuple(mask.shape)))
+        (net(x).sum() + 0 * mask.sum()).backward()
+        ds.step()
+    ds.flush()
+    return shapes
+
+
+def test_a_draining_rank_keeps_a_tensor_shared_by_the_batch():
+    # Shards 17, 17, 16: rank 2 drains through empty batches while the others train their last.
+    shapes = unwrap(run(mask_worker, 3))
+    empty = [m for n, m in shapes[2] if n == 0]
+    assert empty, shapes[2]
+    assert all(m == (4, 4) for r in shapes for _, m in r), shapes  # before: (0, 4) when drained

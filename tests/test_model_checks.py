@@ -56,6 +56,20 @@ def test_a_new_balancer_takes_over_a_plain_module():
     assert new.steps == 2 and len(train_one[0]) == 8
 
 
+def test_balancers_made_again_on_a_plain_module_do_not_pile_up_hooks():
+    # Before: each new Balancer left the old one's end-of-backward hooks (and its telemetry) on
+    # the parameters, one more per Balancer made.
+    model = torch.nn.Linear(3, 1)
+    counts = []
+    for _ in range(3):
+        bal = hetlb.Balancer(model, 4, policy=hetlb.Uniform())
+        counts.append([len(p._backward_hooks or {}) for p in model.parameters()])
+    assert counts[0] == counts[1] == counts[2] and all(c >= 1 for c in counts[0]), counts
+    for x, y in bal.loader(dataset(8)):  # the last one still times its steps
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert bal.steps == 2 and (bal.history.column("compute") > 0).all()
+
+
 def _refusals(rank, world):
     out = {}
 
