@@ -10,7 +10,8 @@ per-round times, and each variant's ratio to ``plain`` is quoted with its min-ma
 ``plain#2`` is a second copy of plain (an A/A comparison: the noise floor); ``hooked`` is
 ``defer_hook=False``; ``NAME/K`` adds ``exchange_every=K``; ``NAME@hostclock`` (a diagnostic)
 times steps on the host, without the CUDA events whose one-step-late read waits for the previous
-step's end.
+step's end; ``NAME@lagN`` reads them N steps late (``StepTelemetry.set_clock_lag``), so the host
+may run N steps ahead of the device.
 
     python bench/bench_gpu_overhead.py                    # on a CUDA machine (NCCL)
     python bench/bench_gpu_overhead.py --device cpu       # the same on CPU (Gloo), a dry run
@@ -61,6 +62,8 @@ def setup(variant: str, model: str, batch: int, device: torch.device, n_batches:
         bal = hetlb.Balancer(ddp, batch, policy=hetlb.Uniform(), **kw)
     finally:
         hetlb.Balancer._device = device_of
+    if flag.startswith("lag"):  # (diagnostic) device times read N steps late: the host runs N ahead
+        bal.telemetry.set_clock_lag(int(flag[3:]))
     loader = bal.loader(ds, seed=1, pin_memory=pin)
     return ddp, opt, endless(loader), bal
 

@@ -57,6 +57,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <deque>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -133,8 +134,11 @@ class CpuLoad {
   uint64_t busy_ = 0, total_ = 0;
 };
 
-// CUDA (or any accelerator) compute time from device events, read one step late so the host never
-// waits for the device: the previous step's end event has normally completed long before.
+// CUDA (or any accelerator) compute time from device events, read `depth` steps late (1 by
+// default) so the host never waits for the device: that step's end event has normally completed
+// long before. Reading it still waits for it, so the host can run at most `depth` steps ahead of
+// the device; a deeper clock lets it run further (the compute column then lags its row by
+// `depth` steps: StepTelemetry.lag).
 class DeviceClock {
  public:
   explicit DeviceClock(c10::Device device) : device_(device), impl_(device.type()) {}
@@ -144,28 +148,42 @@ class DeviceClock {
     start_->record(impl_.getStream(device_));
   }
 
-  // Records this step's end; returns the previous step's seconds (NaN for the first step).
-  double end_and_read_previous() {
-    double out = kNaN;
-    if (start_) {
-      std::optional<c10::Event> end;
-      end.emplace(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
-      end->record(impl_.getStream(device_));
-      if (prev_start_ && prev_end_) {
-        prev_end_->synchronize();
-        out = prev_start_->elapsedTime(*prev_end_) / 1e3;
-      }
-      prev_start_ = std::move(start_);
-      prev_end_ = std::move(end);
-      start_.reset();
+  // Records this step's end; returns the seconds of the step `depth` steps before (NaN for the
+  // first `depth` steps). A second end in the same step (a second backward) returns what the
+  // first one read.
+  double end_and_read() {
+    if (!start_) return last_;
+    c10::Event end(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+    end.record(impl_.getStream(device_));
+    ended_.emplace_back(std::move(*start_), std::move(end));
+    start_.reset();
+    last_ = kNaN;
+    if (static_cast<int64_t>(ended_.size()) > depth_) {
+      auto& [s, e] = ended_.front();
+      e.synchronize();
+      last_ = s.elapsedTime(e) / 1e3;
+      ended_.pop_front();
     }
-    return out;
+    return last_;
+  }
+
+  int64_t depth() const { return depth_; }
+
+  // Before the first step only: the steps already ended would be read at the wrong lag.
+  void set_depth(int64_t depth) {
+    TORCH_CHECK(depth >= 1, "hetlb DeviceClock: depth must be >= 1, got ", depth);
+    TORCH_CHECK(ended_.empty() && !start_, "hetlb DeviceClock: the depth can only be set before "
+                "the first step");
+    depth_ = depth;
   }
 
  private:
   c10::Device device_;
   c10::impl::VirtualGuardImpl impl_;
-  std::optional<c10::Event> start_, prev_start_, prev_end_;
+  int64_t depth_ = 1;
+  double last_ = kNaN;
+  std::optional<c10::Event> start_;
+  std::deque<std::pair<c10::Event, c10::Event>> ended_;  // (start, end) of steps not read yet
 };
 
 // What a step delivers the table with, written by an all-reduce's continuation (on a Gloo
@@ -363,7 +381,7 @@ struct StepCore {
     }
     compute = offset + (now - t0);
     double reported = compute;
-    if (clock && end_window) reported = clock->end_and_read_previous();  // host time stays in `compute`
+    if (clock && end_window) reported = clock->end_and_read();  // host time stays in `compute`
     if (no_progress) reported = kInf;
     row[compute_col] = reported;
     row[cpu_col] = cpu.read(now);
@@ -836,6 +854,16 @@ void bind_comm_hook(py::module& m) {
       .def_readonly("hooks_run", &StepCore::hooks_run)
       .def_readonly("last_buckets", &StepCore::last_buckets)
       .def_readwrite("seconds_per_byte", &StepCore::seconds_per_byte)
+      .def_property(
+          "clock_depth",
+          [](const StepCore& c) -> int64_t { return c.clock ? c.clock->depth() : 0; },
+          [](StepCore& c, int64_t depth) {
+            TORCH_CHECK(c.clock, "hetlb StepCore.clock_depth: a CPU step core has no device clock "
+                        "(its compute times are not read late)");
+            c.clock->set_depth(depth);
+          },
+          "Steps by which device compute times are read late (0: the host clock, no lag); "
+          "settable before the first step only.")
       .def_property(
           "cpu_interval", [](const StepCore& c) { return c.cpu.interval; },
           [](StepCore& c, double v) {

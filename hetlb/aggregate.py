@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .checks import integer
 from .telemetry import COL, NUM_FIELDS, Probe
 
 log = logging.getLogger("hetlb.aggregate")
@@ -327,10 +328,21 @@ class StepTelemetry:
                                 COL["compute"], COL["cpu"], device if device.type != "cpu" else None)
         if block != 1:
             self.core.set_block(int(block))
-        #: Steps by which the compute column lags its row (device events are read one step late).
-        self.lag = 0 if device.type == "cpu" else 1
+        #: Steps by which the compute column lags its row (device events are read one step late;
+        #: see :meth:`set_clock_lag`).
+        self.lag = int(self.core.clock_depth)
         if emulator is not None and getattr(emulator, "bandwidth", None):
             self.core.seconds_per_byte = 1.0 / float(emulator.bandwidth)
+
+    def set_clock_lag(self, steps: int) -> None:
+        """Read a device's compute times ``steps`` steps late instead of one (before the first
+        step only). Reading a step's end event waits for it, so the host runs at most this many
+        steps ahead of the device; every record then completes ``steps`` steps after its step.
+        (A diagnostic for now: ``bench/bench_gpu_overhead.py``'s ``@lag2``.) Raises on a CPU
+        model, whose compute times come from the host clock and do not lag."""
+        steps = integer(steps, "set_clock_lag: steps", 1)
+        self.core.clock_depth = steps
+        self.lag = steps
 
     # ------------------------------------------------------------------ registration
 

@@ -254,6 +254,17 @@ def test_step_core_checks_its_inputs():
     assert c >= 0 and core.row[COL["compute"]] == c and 0 <= core.row[COL["cpu"]] <= 1
     core.close()
     assert not core.open
+    # A CPU core times on the host: no device clock, no lag to set.
+    assert core.clock_depth == 0
+    with pytest.raises(RuntimeError, match="a CPU step core has no device clock"):
+        core.clock_depth = 2
+    tele = hetlb.aggregate.StepTelemetry(0, 1)
+    assert tele.lag == 0
+    with pytest.raises(ValueError, match="steps must be an integer >= 1, got 0"):
+        tele.set_clock_lag(0)
+    with pytest.raises(RuntimeError, match="no device clock"):
+        tele.set_clock_lag(2)
+    assert tele.lag == 0
 
 
 @settings(max_examples=40, deadline=None)

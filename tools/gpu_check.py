@@ -7,7 +7,8 @@ failures. Run from the repository root with the extension built in place (``PYTH
   in float32/bfloat16/float16, a weight-0 bucket holding NaN (zeroed before it is sent), and the
   side table on the Gloo side group.
 * ``nccl_balancer``: a one-rank NCCL Balancer on a CUDA model: steps through the loader, the
-  compute column from CUDA events (one step late), the memory column from ``mem_get_info``.
+  compute column from CUDA events (one step late; and two with ``set_clock_lag(2)``), the memory
+  column from ``mem_get_info``.
 * ``gloo_cuda``: two Gloo ranks with CUDA tensors sharing the GPU, sizes 3:7: the gradient equals
   one process over the union, with the native hook and with the Python reference.
 * ``profile_oom``: ``hetlb.profile`` stops at a real CUDA out-of-memory and frees it.
@@ -54,18 +55,21 @@ def nccl_premul_worker(rank, world):
     return out
 
 
-def nccl_balancer_worker(rank, world):
+def nccl_balancer_worker(rank, world, lag=1):
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
     ddp = DDP(net, device_ids=[0])
     bal = hetlb.Balancer(ddp, 32, policy=hetlb.LBB())
+    if lag != 1:
+        bal.telemetry.set_clock_lag(lag)
     ds = torch.utils.data.TensorDataset(torch.randn(320, 64), torch.randn(320, 8))
     for x, y in bal.loader(ds):
         torch.nn.functional.mse_loss(ddp(x.cuda()), y.cuda()).backward()
     h = bal.history
     compute = h.column("compute")
-    assert bal.steps == 10 and len(h) == 9  # CUDA events: each record completes one step later
+    # CUDA events: each record completes `lag` steps later
+    assert bal.steps == 10 and len(h) == 10 - lag and h[0].step == 0, (bal.steps, len(h))
     assert np.all(np.isfinite(compute)) and np.all(compute > 0), compute
     assert np.all((h.column("memory") > 0) & (h.column("memory") < 1))
     return {"transport": bal.transport, "compute_ms": float(np.median(compute) * 1e3)}
@@ -160,6 +164,8 @@ def main() -> int:
     checks = {
         "nccl_premul": lambda: unwrap(run(nccl_premul_worker, 1, backend="nccl", timeout=300))[0],
         "nccl_balancer": lambda: unwrap(run(nccl_balancer_worker, 1, backend="nccl", timeout=300))[0],
+        "nccl_balancer (clock lag 2)": lambda: unwrap(run(nccl_balancer_worker, 1, 2, backend="nccl",
+                                                          timeout=300))[0],
         "gloo_cuda (native)": lambda: _gloo(True),
         "gloo_cuda (reference)": lambda: _gloo(False),
         "gloo_cuda (bal.backward)": lambda: _gloo(True, True),
