@@ -44,6 +44,10 @@ homogeneous cluster its fine-tune reacts to timing noise, and the first uneven s
 the hook for good. ``NAME@lbbK`` runs ``LBB(confirm=K)`` (a rapid-tune only after K records in
 a row with SE >= RT).
 
+``exchange`` and ``floor`` are plain DDP plus the least a per-step telemetry exchange costs,
+written directly in torch (see :func:`floor_variant`): the floor under hetlb's design, which
+exchanges a table every step (the papers decide every step), whatever its bookkeeping costs.
+
 A variant ``NAME/K`` (e.g. ``carry/16``, ``side+backward/16``) is hetlb's ``NAME`` with
 ``Balancer(exchange_every=K)``: the telemetry of K steps in one exchange (opt-in; the papers
 decide every step, ``/1``). ``NAME/Ka`` adds ``adaptive_exchange=True`` (blocks grow from 1 to K
@@ -125,10 +129,12 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
     if variant == "torchhook":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         ddp.register_comm_hook(None, allreduce_hook)
-    if variant in ("plain", "torchhook"):
+    if variant in ("plain", "torchhook", "floor", "exchange"):
         sampler = torch.utils.data.distributed.DistributedSampler(ds, seed=1)
         loader = torch.utils.data.DataLoader(ds, batch_size=args.global_batch // world, sampler=sampler)
         bal = None
+        if variant in ("floor", "exchange"):
+            return floor_variant(variant, ddp, opt, loader)
     else:
         transport = variant.partition("+")[0]  # "default": the Balancer's own choice
         kw = {"transport": transport} if new_api and transport != "default" else {}
@@ -158,6 +164,43 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
             ddp._forward_pre_hooks_with_kwargs.clear()
     backward = bal.backward if variant.endswith("+backward") else torch.Tensor.backward
     return ddp, opt, loader, bal, backward
+
+
+FLOOR_NAMES = {"exchange": "DDP + a row all-reduce per step", "floor": "DDP + row all-reduce + no-op hook"}
+
+
+class _Waited:
+    """A loader whose batches wait for the previous step's table exchange first (``floor``)."""
+
+    def __init__(self, loader, pending: list) -> None:
+        self.loader, self.sampler, self.pending = loader, loader.sampler, pending
+
+    def __iter__(self):
+        for batch in self.loader:
+            if self.pending:
+                self.pending.pop().wait()
+            yield batch
+
+
+def floor_variant(variant: str, ddp, opt, loader):
+    """Plain DDP plus the least any per-step telemetry exchange costs, written as directly as
+    torch allows: ``exchange`` all-reduces a 10-float64 row on a second Gloo group after every
+    backward (issued from the loop, waited by a Python generator around the loader before the
+    next batch, as hetlb's side table is); ``floor`` adds a no-op forward pre-hook on the model
+    (what checking a batch costs at the least: the module call's hook path). No record,
+    no policy, no plan: the floor under any design that exchanges telemetry every step."""
+    import torch.distributed as dist
+    side = dist.new_group(backend="gloo")
+    row = torch.zeros(10, dtype=torch.float64)
+    pending: list = []
+
+    def backward(loss):
+        loss.backward()
+        pending.append(dist.all_reduce(row, group=side, async_op=True))
+
+    if variant == "floor":
+        ddp.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
+    return ddp, opt, _Waited(loader, pending), None, backward
 
 
 def run_variant(variant: str, model_name: str, args: argparse.Namespace, rank: int, world: int) -> float:
@@ -370,7 +413,7 @@ def instructions(args: argparse.Namespace) -> List[str]:
         for v in args.variants:
             if v == "plain":
                 continue
-            name = {"torchhook": "DDP + torch allreduce_hook"}.get(v, f"hetlb {v}")
+            name = variant_name(v)
             added = per[v] - per["plain"]
             lines.append(f"| {m} | {name} | {added / 1e6:.2f} M | {real / 1e6:.1f} M | {added / real:.4f} |")
     return lines
@@ -437,7 +480,7 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
 def variant_name(v: str) -> str:
     """The table's name of a variant."""
     name, _, copy = v.partition("#")
-    name = {"plain": "plain DDP", "torchhook": "DDP + torch allreduce_hook"}.get(name, f"hetlb {name}")
+    name = {"plain": "plain DDP", "torchhook": "DDP + torch allreduce_hook", **FLOOR_NAMES}.get(name, f"hetlb {name}")
     return f"{name} (copy {copy})" if copy else name
 
 
@@ -512,7 +555,7 @@ def main() -> None:
                 continue
             rw = [wall[(m, r, v)] / wall[(m, r, "plain")] for r in R]
             rc = [cpu[(m, r, v)] / cpu[(m, r, "plain")] for r in R]
-            name = "DDP + torch allreduce_hook" if v == "torchhook" else f"hetlb {v}"
+            name = variant_name(v)
             lines.append(f"| {m} | {name} | {1e3 * statistics.median([wall[(m, r, v)] for r in R]):.2f} | "
                          f"**{statistics.median(rw):.4f}** | {min(rw):.4f} | {max(rw):.4f} | "
                          f"{1e3 * statistics.median([cpu[(m, r, v)] for r in R]):.2f} | "
