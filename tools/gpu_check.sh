@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU validation, for a machine with CUDA: builds the CUDA extension in place, checks that it can
 # raise an error message (a miscompiled one crashes there), runs the CUDA test
-# grid (kernels, opcheck), the distributed CUDA/NCCL checks (tools/gpu_check.py), and the kernel
-# benchmark on CUDA, then prints one summary. Without a CUDA device it says so and exits 0 (CI
+# grid (kernels, opcheck), the distributed CUDA/NCCL checks (tools/gpu_check.py), the kernel
+# benchmark and hetlb's per-step cost on CUDA (bench/bench_gpu_overhead.py; GPU_CHECK_TRACE=DIR
+# adds profiler traces), then prints one summary. Without a CUDA device it says so and exits 0 (CI
 # runs it). Uses $PYTHON, else `python`, else `python3`.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,9 +38,14 @@ else:
 step cuda_tests "$PY" -m pytest tests/test_ops.py tests/test_profile.py -q -p no:cacheprovider -x
 step gpu_checks "$PY" tools/gpu_check.py
 step bench_kernels "$PY" bench/bench_kernels.py --device cuda
+# hetlb's per-step cost on one GPU, with the diagnostics that separate its suspects: the table
+# exchanged every 16 steps, host timing without CUDA events, device times read two steps late.
+# ${GPU_CHECK_TRACE:+...}: a directory for torch.profiler traces of each variant.
+step gpu_overhead "$PY" bench/bench_gpu_overhead.py --variants plain plain#2 default default/16 \
+  default@hostclock default@lag2 --rounds 9 --steps 100 ${GPU_CHECK_TRACE:+--trace "$GPU_CHECK_TRACE"}
 echo "=== gpu_check summary"
 failed=0
-for name in build extension error_message cuda_tests gpu_checks bench_kernels; do
+for name in build extension error_message cuda_tests gpu_checks bench_kernels gpu_overhead; do
   printf '%-14s %s\n' "$name" "${result[$name]:-not run}"
   [ "${result[$name]:-}" = PASS ] || failed=1
 done
