@@ -458,3 +458,46 @@ def test_an_emulated_failure_is_refused_on_every_client():
         Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4, emulator=emu)
     Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4,
               emulator=Emulator(disturbances=[Disturbance(0, 5, extra=0.01)]))  # no failure: taken
+
+
+class _Shifted(torch.utils.data.TensorDataset):
+    """A TensorDataset whose samples are transformed in ``__getitem__`` (an augmentation)."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x + 100.0, y
+
+
+def test_the_loader_reads_samples_through_the_dataset_and_the_collate():
+    # Before: any TensorDataset, a subclass too, was indexed whole, skipping its __getitem__ and
+    # the user's collate_fn (a user audit, session 25).
+    net = torch.nn.Linear(2, 1)
+    x = torch.arange(20, dtype=torch.float32).reshape(10, 2)
+    y = torch.zeros(10)
+    fl = Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4)
+    bx, _ = next(fl.loader(_Shifted(x, y)))
+    assert (bx >= 100).all(), bx
+    fl = Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4)
+    batch = next(fl.loader(torch.utils.data.TensorDataset(x, y), collate_fn=lambda s: ("mine", len(s))))
+    assert batch == ("mine", 4)
+    fl = Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4)  # the whole-tensor path
+    bx, by = next(fl.loader(torch.utils.data.TensorDataset(x, y)))
+    assert bx.shape == (4, 2) and by.shape == (4,) and all(r.tolist() in x.tolist() for r in bx)
+
+
+def test_a_second_loader_is_refused_rather_than_restarting_the_order():
+    # Before: a port that made fl.loader(...) in every epoch replayed the first order each time
+    # (32 samples, 6 batches of 5 an epoch: samples never read, a user audit, session 25).
+    net = torch.nn.Linear(3, 1).double()
+    fl = Federated(net, torch.optim.SGD(net.parameters(), lr=0.01), 3, 5)
+    data = client_data(0)
+    loader = fl.loader(data, seed=0)
+    with pytest.raises(RuntimeError, match="already called.*once, before the epoch loop"):
+        fl.loader(data, seed=0)
+    seen = []
+    it = iter(loader)
+    for _ in range(len(data)):  # 7 batches of 5 from one stream: 5 local epochs of 7 samples
+        seen += [tuple(r) for r in next(it)[0].tolist()]
+    epochs = [seen[e * len(data):(e + 1) * len(data)] for e in range(5)]
+    assert all(len(set(e)) == len(data) for e in epochs)  # each a permutation of the data
+    assert len({tuple(e) for e in epochs}) > 1  # in an order of its own

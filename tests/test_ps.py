@@ -284,6 +284,19 @@ def test_in_process_checks_model_size_and_keeps_float64():
                          timeout=5.0)
     with pytest.raises(RuntimeError, match="same model"):
         ps._call(1, {"hello": True, "hardware": {}, "numel": 3}).wait()
+    # The same element count in other shapes (a user audit, session 25: before, it trained).
+    from hetlb.sync.ps import _shapes_digest
+    other = [torch.zeros(DIM + 1, 1, dtype=torch.float64)]
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
+                         timeout=5.0)
+    with pytest.raises(RuntimeError, match="other shapes or dtypes.*same model"):
+        ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1,
+                     "shapes": _shapes_digest(other)}).wait()
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
+                         timeout=5.0)
+    r = ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1,
+                     "shapes": _shapes_digest(list(model.parameters()))}).wait()
+    assert len(r["indices"]) == 8
     model = _model().double()
     before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
@@ -316,3 +329,20 @@ def test_worker_refuses_an_emulated_failure():
         Worker(_model(), _data(), torch.nn.functional.mse_loss, 1, emulator=emu)
     Worker(_model(), _data(), torch.nn.functional.mse_loss, 1,
            emulator=Emulator(disturbances=[Disturbance(2, extra=30.0)]))  # taken
+
+
+def test_a_server_model_with_running_statistics_is_warned_about(caplog):
+    # The server runs no forward pass, so its BatchNorm statistics keep their initial values (a
+    # user audit, session 25: the saved model normalised with mean 0 / var 1 in eval mode).
+    import logging
+    from hetlb.sync.ps import ParameterServer
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1))
+    with caplog.at_level(logging.WARNING, logger="hetlb"):
+        ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
+    assert any("1 keep running statistics" in r.getMessage() and "update_bn" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hetlb"):
+        plain = _model()
+        ParameterServer(plain, torch.optim.SGD(plain.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
+    assert not [r for r in caplog.records if "running statistics" in r.getMessage()]

@@ -28,7 +28,9 @@ def _pg(rank, world, mode):
     import hetlb
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
-    out = hetlb.sync.train(mode, model, _data(), _loss, global_batch=16, epochs=2)
+    # (local SGD: 8 steps and an average every 3, so the last two steps are local)
+    kw = {"period": 3} if mode == "localsgd" else {}
+    out = hetlb.sync.train(mode, model, _data(), _loss, global_batch=16, epochs=2, **kw)
     moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return {"updates": out["updates"], "moved": moved,
             "params": [p.detach().clone() for p in model.parameters()]}
@@ -38,9 +40,8 @@ def _pg(rank, world, mode):
 def test_process_group_modes(mode):
     a, b = unwrap(run(_pg, 2, mode))
     assert a["moved"] and a["updates"] >= 2 * N // 16 - (mode == "delayed") * 4
-    if mode != "localsgd":  # (local SGD's ranks differ between its averages)
-        for x, y in zip(a["params"], b["params"]):  # every rank holds the same model
-            torch.testing.assert_close(x, y)
+    for x, y in zip(a["params"], b["params"]):  # every rank returns the same model
+        torch.testing.assert_close(x, y)
 
 
 def _rpc(rank, world, init, mode):

@@ -382,8 +382,16 @@ class Federated:
 
         A batch may run across a local epoch boundary (the next epoch's permutation continues
         it), so every batch has exactly ``B_i`` samples even when ``B_i`` exceeds the local data.
-        Drawing a round's first batch starts the round's clock.
+        Drawing a round's first batch starts the round's clock. One loader per client: the
+        stream is endless, so an epoch loop draws ``len(loader) // fl.batch_size`` batches of
+        the same loader each epoch (a second loader would start the local order again: refused).
         """
+        if self._loader is not None:
+            raise RuntimeError(
+                "Federated.loader was already called: its stream is endless and carries the local "
+                "epoch and position, so a second loader would start the order again (samples "
+                "repeated, others never read). Make the loader once, before the epoch loop, and "
+                "keep drawing from it (`it = iter(loader)` once, then `next(it)`)")
         self._loader = ClientLoader(self, dataset, indices, seed=seed, collate_fn=collate_fn)
         if self._pending_loader is not None:
             self._loader.load_state_dict(self._pending_loader)
@@ -469,8 +477,11 @@ class ClientLoader:
         self.collate_fn = collate_fn if collate_fn is not None else torch.utils.data.default_collate
         self.epoch, self.offset = 0, 0
         self._order = self._permutation(0)
-        self._tensors = getattr(dataset, "tensors", None) if isinstance(
-            dataset, torch.utils.data.TensorDataset) else None
+        # A plain TensorDataset with the default collate is indexed whole (what the collate of
+        # its samples would give); a subclass may transform samples in __getitem__, and a
+        # collate_fn of the user's must see them, so both go sample by sample.
+        self._tensors = dataset.tensors if type(dataset) is torch.utils.data.TensorDataset \
+            and collate_fn is None else None
 
     def _permutation(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, self.fl.rank, epoch])

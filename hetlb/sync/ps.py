@@ -44,10 +44,12 @@ the server waits for the goodbyes (at most ``timeout``) and everyone shuts RPC d
 graceful barrier, so a dead worker cannot hang it.
 
 Model buffers (BatchNorm statistics) stay the server's: workers use the server's parameters with
-their own buffers, and only gradients travel.
+their own buffers, and only gradients travel, so the server's running statistics keep their
+initial values (a warning says so): recompute them on the trained model before evaluating it.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -84,6 +86,13 @@ _FORMAT = "hetlb.ParameterServer/1"
 # cannot be handed to a worker outside an RPC call, so the live server of this process is found
 # here; it is set only inside ParameterServer.serve() and cleared when it returns.
 _LIVE: Dict[str, "ParameterServer"] = {}
+
+
+def _shapes_digest(params: Sequence[torch.Tensor]) -> str:
+    """A short digest of the parameters' shapes and dtypes, in order (the list itself can run to
+    thousands of characters)."""
+    shapes = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
+    return hashlib.sha1(shapes).hexdigest()[:12]
 
 
 def worker_name(rank: int) -> str:
@@ -189,6 +198,15 @@ class ParameterServer:
         if not self._params:
             raise ValueError("ParameterServer: the model has no trainable parameters")
         self._numel = sum(p.numel() for p in self._params)
+        self._shapes = _shapes_digest(self._params)
+        running = [n or type(model).__name__ for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
+        if running:
+            log.warning("ParameterServer: %s keep running statistics, which only forward passes "
+                        "in training mode update: the workers' copies do, the server's keeps its "
+                        "initial values (only gradients travel). Recompute them on the trained "
+                        "model before evaluating it, e.g. torch.optim.swa_utils.update_bn(loader, "
+                        "model)", ", ".join(running[:4]) + (", ..." if len(running) > 4 else ""))
         self._lock = threading.Lock()
         self._finished = threading.Event()
         #: Events: dicts with ``kind`` ``"handout"``, ``"sync"``, ``"drop"``, ``"epoch"``, ``"wait"``.
@@ -354,6 +372,12 @@ class ParameterServer:
                     raise ValueError(f"worker {w + 1}'s model has {int(numel)} trainable parameter "
                                      f"elements, the server's {self._numel}: every rank must build "
                                      f"the same model")
+                shapes = push.get("shapes")
+                if shapes is not None and shapes != self._shapes:
+                    # (the same element count in other shapes would train a scrambled model)
+                    raise ValueError(f"worker {w + 1}'s model has trainable parameters of other "
+                                     f"shapes or dtypes than the server's (both {self._numel} "
+                                     f"elements): every rank must build the same model")
                 self._hardware[w] = dict(push.get("hardware") or {})
         else:
             held = self._out.pop(w, None)
@@ -666,7 +690,7 @@ class Worker:
     def run(self) -> int:
         """Train until the server says done; the number of iterations this worker ran."""
         hello = {"hello": True, "hardware": hardware_info(),
-                 "numel": sum(p.numel() for p in self._params)}
+                 "numel": sum(p.numel() for p in self._params), "shapes": _shapes_digest(self._params)}
         reply = self._call(hello)
         deadline = time.monotonic() + self.timeout
         while reply.get("reason") == "no server running" and time.monotonic() < deadline:

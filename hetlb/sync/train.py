@@ -90,7 +90,10 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
     Returns:
         ``{"mode", "model", "seconds", "updates"}`` plus the mode's object: ``"balancer"``,
         ``"delayed"``, ``"server"`` (rank 0) or ``"worker"``, ``"optimizer"`` (``localsgd``: the
-        ``PostLocalSGDOptimizer``), ``"federated"``.
+        ``PostLocalSGDOptimizer``), ``"federated"``. ``localsgd``'s model is averaged once more
+        after the last step, so every rank returns the same parameters (its batches come from
+        torch's ``DistributedSampler``, which pads an epoch to a multiple of the world size by
+        repeating samples, as in plain DDP).
     """
     mode = choice(mode, "train: mode", TRAIN_MODES)
     global_batch = integer(global_batch, "train: global_batch", 1)
@@ -151,6 +154,10 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
                 opt.step()
                 opt.zero_grad()
                 updates += 1
+        # The steps after the last periodic average left each rank its own parameters: one more
+        # average, so every rank returns the same model (a user audit, session 25).
+        from torch.distributed.algorithms.model_averaging.utils import average_parameters
+        average_parameters(model.parameters(), dist.group.WORLD)
         return {"mode": mode, "model": model, "seconds": time.perf_counter() - t0,
                 "updates": updates, "optimizer": opt}
     if mode == "fl":
