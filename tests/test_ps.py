@@ -346,3 +346,16 @@ def test_a_server_model_with_running_statistics_is_warned_about(caplog):
         plain = _model()
         ParameterServer(plain, torch.optim.SGD(plain.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
     assert not [r for r in caplog.records if "running statistics" in r.getMessage()]
+
+
+def test_a_dropped_worker_back_after_training_ended_stops_cleanly():
+    # Worker 2 stalls 6 s in its second iteration, is dropped after 1 s, and the others finish
+    # the epoch (about 2 s) and leave: its push then finds no server. Before: a raw tensorpipe
+    # "eof" RuntimeError and a failed rank, though training had ended correctly (a user audit,
+    # session 25); now it knows it was dropped (it held its batch past the server's timeout).
+    res = unwrap(run(_ps, 3, "ssp", (0.02, 0.02), {"epochs": 1, "timeout": 1.0},
+                     (2, 2, 6.0), backend="rpc"))
+    server = res[0]
+    assert res[2]["dropped"] and not res[1]["dropped"]
+    assert [e["rank"] for e in server["log"] if e["kind"] == "drop"] == [2]
+    assert (_applied(server["log"], 1) == 1).all()

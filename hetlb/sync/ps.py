@@ -560,7 +560,7 @@ class ParameterServer:
                 params = parameters_to_vector([p.detach() for p in self._params]).clone()
             ready.append((fut, {"done": False, "indices": take, "params": params,
                                 "version": self.version, "epoch": self.epoch,
-                                "iteration": int(self.clock[w])}))
+                                "iteration": int(self.clock[w]), "drop_after": self.timeout}))
             changed = True
         return changed
 
@@ -703,6 +703,7 @@ class Worker:
                     vector_to_parameters(reply["params"], self._params)
                 version = int(reply["version"])
             idx = reply["indices"]
+            handed = time.monotonic()
             x, y = self.collate_fn([self.dataset[i] for i in idx])
             t0 = time.perf_counter()
             for p in self._params:
@@ -715,8 +716,22 @@ class Worker:
             if self.emulator is not None:
                 compute = self.emulator.stretch(int(reply["iteration"]), len(idx), t0)
             self.iterations.append({"n": len(idx), "compute": compute, "wait": reply["_wait"]})
-            reply = self._call({"grad": grad.detach(), "n": len(idx), "compute": compute,
-                                "version": version, "indices": idx})
+            held = time.monotonic() - handed
+            try:
+                reply = self._call({"grad": grad.detach(), "n": len(idx), "compute": compute,
+                                    "version": version, "indices": idx})
+            except RuntimeError as e:
+                drop_after = reply.get("drop_after")
+                if drop_after is None or held <= drop_after:
+                    raise
+                # Held past the server's timeout: the server dropped this worker, handed its
+                # samples to the others and may have finished training and left since.
+                log.warning("worker %d: the server could not be reached after this worker held "
+                            "its batch %.1f s, longer than the server's timeout (%.1f s): it was "
+                            "dropped, and the server has finished or stopped (%s); stopping",
+                            self.rank, held, drop_after, str(e).splitlines()[0][:200])
+                self.dropped = True
+                return len(self.iterations)
         self.dropped = bool(reply.get("dropped"))
         if self.dropped:
             log.warning("worker %d: the server dropped this worker (it did not answer within the "
