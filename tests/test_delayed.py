@@ -397,3 +397,91 @@ def test_a_draining_rank_keeps_a_tensor_shared_by_the_batch():
     empty = [m for n, m in shapes[2] if n == 0]
     assert empty, shapes[2]
     assert all(m == (4, 4) for r in shapes for _, m in r), shapes  # before: (0, 4) when drained
+
+
+def _resume_sizes():
+    x = torch.randn(200, 3, dtype=torch.float64)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 1).double()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        ds = hetlb.DelayedSync(net, opt, reference_batch=8, batches_per_iteration=1)
+        return net, opt, ds, ds.loader(data)
+
+    net, opt, ds, loader = make()
+    before = []
+    for x, y in loader:
+        before.append(len(x))
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        if ds.step() and ds.updates == 10:
+            state = {"net": net.state_dict(), "opt": opt.state_dict(), "ds": ds.state_dict()}
+            break
+    net, opt, ds, loader = make()
+    net.load_state_dict(state["net"])
+    opt.load_state_dict(state["opt"])
+    loader.load_state_dict(state["ds"])
+    after = []
+    for x, y in loader:
+        after.append(len(x))
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        ds.step()
+    return before, after
+
+
+def test_a_mid_epoch_resume_keeps_the_reference_batch():
+    # Before: the restored round's batches were 1 sample each for the rest of the epoch (113
+    # batches, 123 updates where about 25 were due; a user audit, session 25).
+    before, after = _resume_sizes()
+    assert set(before) <= {0, 8} and sum(before) + sum(after) == 200  # (0: a round's drain)
+    trained = [n for n in after if n > 0]
+    assert max(trained) == 8 and sum(1 for n in trained if n < 8) <= 2, after  # (a split tail)
+
+
+def _compensation_run(flush_at=None):
+    """One process, lam = 0.5, two epochs: for each update, how far the applied step is from the
+    plain gradient it applies, split by whether that gradient was computed at the parameters it
+    is applied to (fresh) or at older ones (stale)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 3, dtype=torch.float64, generator=g)
+    data = torch.utils.data.TensorDataset(torch.arange(96), x, torch.randn(96, 1, dtype=torch.float64, generator=g))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1).double()
+    ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.1), reference_batch=8, lam=0.5,
+                           batches_per_iteration=1, probe_batches=4)
+    loader = ds.loader(data)
+    grads, version, fresh, stale = {}, {}, [], []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for idx, xb, yb in loader:
+            it = ds.iteration
+            torch.nn.functional.mse_loss(net(xb), yb).backward()
+            if len(idx):
+                grads[it], version[it] = net.weight.grad.clone(), ds.updates
+            before = net.weight.detach().clone()
+            if ds.step():
+                k = ds.history[-1].iteration  # the iteration this update applied
+                dev = ((before - net.weight.detach()) / 0.1 - grads[k]).abs().max().item()
+                (fresh if version[k] == ds.updates - 1 else stale).append((k, dev))
+                if ds.updates == flush_at:
+                    ds.flush()  # applies the in-flight iteration and the accumulated one
+    return fresh, stale
+
+
+def test_a_gradient_computed_at_the_current_parameters_is_not_compensated():
+    # After a round's end (the probe round, an epoch) nothing is in flight, so the next
+    # iteration's gradient is computed at the parameters it is applied to. Before: it was still
+    # "compensated" with the previous update's step (2.8e-2 off; a user audit, session 25).
+    # Stale gradients keep their compensation.
+    fresh, stale = _compensation_run()
+    assert len(fresh) >= 3 and max(d for _, d in fresh) < 1e-12, fresh  # start, probe end, epoch
+    assert len(stale) >= 5 and min(d for _, d in stale) > 1e-6, stale
+
+
+def test_after_a_flush_the_next_gradient_is_not_compensated():
+    fresh, _ = _compensation_run()
+    fresh_flushed, _ = _compensation_run(flush_at=8)
+    # the flush's own two updates are not seen by the loop; the first one after it is fresh
+    assert len(fresh_flushed) == len(fresh) + 1, (fresh, fresh_flushed)
+    assert max(d for _, d in fresh_flushed) < 1e-12, fresh_flushed

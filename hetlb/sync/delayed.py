@@ -322,7 +322,17 @@ class DelayedSync:
             applied = self._complete()
         if not self._round_over:
             self._send()
+        else:
+            self._rebase()
         return applied
+
+    def _rebase(self) -> None:
+        """Nothing in flight and nothing accumulated (a round's end, a flush): the next gradient
+        is computed at the current parameters, so it is not stale and gets no compensation."""
+        if self._prev is not None:
+            with torch.no_grad():
+                for p, prev in zip(self.params, self._prev):
+                    prev.copy_(p.detach())
 
     def _complete(self) -> bool:
         """Wait for the in-flight all-reduce and apply its update; returns whether one was applied
@@ -406,6 +416,7 @@ class DelayedSync:
             self._complete()
         self._send()
         self._complete()
+        self._rebase()
 
     # ------------------------------------------------------------------ data
 
@@ -428,6 +439,8 @@ class DelayedSync:
                 raise ValueError(f"DelayedSync.loader: {key}= is not accepted: reference batches are "
                                  f"reference_batch={self.reference_batch} samples of this rank's shard")
         self.board = PlanBoard(self.world, self.rank, self.world * self.reference_batch, mode="stream")
+        # (also for a round restored from a checkpoint, whose shards are not posted again)
+        self.board.reference = self.reference_batch
         loader = BalancedLoader(dataset, None, shuffle, sample_sizes=sample_sizes, seed=seed,
                                 drop_last=drop_last, board=self.board, **dataloader_kwargs)
         if self.weighting == "sizes" and loader.sample_sizes is None:
