@@ -323,6 +323,17 @@ def test_bad_input():
     frozen = torch.nn.Linear(1, 1).requires_grad_(False)
     with pytest.raises(ValueError, match="the model has no parameter that requires a gradient"):
         hetlb.DelayedSync(frozen, other, 4)
+    # A step without a backward, or a second one after it, would count samples with no gradient
+    # (before: silently, shrinking the update; a user audit, session 25).
+    net = torch.nn.Linear(1, 1)
+    ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.1), 4)
+    with pytest.raises(RuntimeError, match="no parameter holds a gradient.*loss.backward"):
+        ds.step()
+    net(torch.ones(4, 1)).sum().backward()
+    ds.step()
+    with pytest.raises(RuntimeError, match="no parameter holds a gradient"):
+        ds.step()
+    assert ds.references == 1
 
 
 def mismatch_worker(rank, world, case):
@@ -485,3 +496,25 @@ def test_after_a_flush_the_next_gradient_is_not_compensated():
     # the flush's own two updates are not seen by the loop; the first one after it is fresh
     assert len(fresh_flushed) == len(fresh) + 1, (fresh, fresh_flushed)
     assert max(d for _, d in fresh_flushed) < 1e-12, fresh_flushed
+
+
+def broadcast_worker(rank, world):
+    torch.manual_seed(rank)  # no common seed: each rank builds other weights
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
+    net[1].running_mean.add_(rank)
+    net.register_buffer("mask", torch.tensor([rank % 2 == 0, True]))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    hetlb.DelayedSync(net, opt, reference_batch=4)
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_every_rank_starts_from_rank_0_s_parameters_and_buffers():
+    # As DDP does when it wraps a model. Before: replicas built without a common seed trained
+    # apart for good, since the update averages gradients only (a user audit, session 25).
+    states = unwrap(run(broadcast_worker, 3))
+    torch.manual_seed(0)
+    want = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
+    for state in states:
+        assert state["mask"].tolist() == [True, True]
+        for k, v in want.state_dict().items():
+            assert torch.equal(state[k], v), k

@@ -143,9 +143,11 @@ class DelayedSync:
             ``"sizes"`` (by data amount: the loss a mean per data unit, needs ``sample_sizes``),
             ``"none"`` (the plain mean of the ranks' mean gradients).
         group: process group (default: the world).
-        batches_per_iteration: deterministic mode: every rank computes exactly this many
-            reference batches per iteration and then waits for the all-reduce (tests,
-            reproducibility); None: as many as fit while the all-reduce runs (the paper's).
+        batches_per_iteration: every rank computes exactly this many reference batches per
+            iteration and then waits for the all-reduce, so iterations do not depend on timing
+            (tests); the shards of a round are still sized by measured speeds, so a rerun
+            repeats exactly only within one round. None: as many as fit while the all-reduce
+            runs (the paper's).
         probe_batches: while no rank's speed has been measured (a fresh run), the epoch's first
             round is this many reference batches per rank in equal shares, so the rest of the
             epoch is cut by measured speed (0: the whole first epoch in equal shares).
@@ -244,8 +246,31 @@ class DelayedSync:
                      "probe_batches": self.probe_batches, "dtype": str(self.dtype),
                      "parameters": (len(self.params), sum(p.numel() for p in self.params))},
                     "DelayedSync")
+        self._broadcast_state()
         if watchdog is not None and on:
             watchdog.attach_to(group)
+
+    def _broadcast_state(self) -> None:
+        """Rank 0's parameters and buffers on every rank, as DDP does when it wraps a model: the
+        update averages gradients, never parameters, so replicas that start apart (a model built
+        without a common seed) would stay apart for good."""
+        if self.world == 1:
+            return
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        tensors = [t for t in list(self.model.parameters()) + list(self.model.buffers()) if t.numel()]
+        by_kind: Dict[tuple, List[torch.Tensor]] = {}
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for group in by_kind.values():  # one broadcast per dtype and device
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                sent = flat.to(torch.uint8) if flat.dtype == torch.bool else flat  # (Gloo: no bool)
+                dist.broadcast(sent, src=src, group=self.group)
+                flat = sent.to(flat.dtype)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     def _agree(self, mine: Dict[str, Any], what: str) -> None:
         if self.world == 1:
@@ -286,6 +311,12 @@ class DelayedSync:
             self.emulator.stretch(self.references, amount if by_data else m, self._mark)
         self._compute += time.perf_counter() - self._mark
         weight = {"samples": m, "sizes": amount, "none": m}[self.weighting]
+        if all(p.grad is None for p in self.params):
+            # (each step takes the gradients and clears them: a second step finds none either)
+            raise RuntimeError(
+                f"DelayedSync.step(): no parameter holds a gradient. Call loss.backward() on each "
+                f"reference batch, then ds.step() once: a step without a backward would count "
+                f"the batch's {m} samples with no gradient and shrink the update")
         for p, a in zip(self.params, self._acc):
             if p.grad is not None:
                 a.add_(p.grad.to(self.dtype), alpha=float(weight))
