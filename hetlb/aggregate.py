@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -432,6 +432,26 @@ class StepTelemetry:
     def close(self) -> None:
         """End the step: a backward pass now raises until the next :meth:`start`."""
         self.core.close()
+
+
+def broadcast_module_state(model: torch.nn.Module, group: Any = None) -> None:
+    """Rank 0's parameters and buffers (of ``group``) on every rank, as DDP does when it wraps a
+    model: one broadcast per dtype and device. Collective."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    by_kind: Dict[tuple, List[torch.Tensor]] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.numel():
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for tensors in by_kind.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            sent = flat.to(torch.uint8) if flat.dtype == torch.bool else flat  # (Gloo: no bool)
+            dist.broadcast(sent, src=src, group=group)
+            flat = sent.to(flat.dtype)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def make_side_group(group: Any, own: bool = False) -> Any:

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..aggregate import make_side_group, raise_refusals, refuse_everywhere
+from ..aggregate import broadcast_module_state, make_side_group, raise_refusals, refuse_everywhere
 from ..checks import agree, choice, instance, integer, number
 from ..data import BalancedLoader
 from ..emulate import sleep_until
@@ -246,31 +246,10 @@ class DelayedSync:
                      "probe_batches": self.probe_batches, "dtype": str(self.dtype),
                      "parameters": (len(self.params), sum(p.numel() for p in self.params))},
                     "DelayedSync")
-        self._broadcast_state()
+        if self.world > 1:  # the update averages gradients: replicas that start apart stay apart
+            broadcast_module_state(model, group)
         if watchdog is not None and on:
             watchdog.attach_to(group)
-
-    def _broadcast_state(self) -> None:
-        """Rank 0's parameters and buffers on every rank, as DDP does when it wraps a model: the
-        update averages gradients, never parameters, so replicas that start apart (a model built
-        without a common seed) would stay apart for good."""
-        if self.world == 1:
-            return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        tensors = [t for t in list(self.model.parameters()) + list(self.model.buffers()) if t.numel()]
-        by_kind: Dict[tuple, List[torch.Tensor]] = {}
-        for t in tensors:
-            by_kind.setdefault((t.dtype, t.device), []).append(t)
-        with torch.no_grad():
-            for group in by_kind.values():  # one broadcast per dtype and device
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                sent = flat.to(torch.uint8) if flat.dtype == torch.bool else flat  # (Gloo: no bool)
-                dist.broadcast(sent, src=src, group=self.group)
-                flat = sent.to(flat.dtype)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
 
     def _agree(self, mine: Dict[str, Any], what: str) -> None:
         if self.world == 1:

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..aggregate import make_side_group
+from ..aggregate import broadcast_module_state, make_side_group
 from ..checks import agree, choice, flag, instance, integer, number, optional_integer
 from ..policies.predictors import EMA
 from ..solve import allocate_proportional
@@ -231,6 +231,8 @@ class Federated:
                      "max_batch": self.max_batch, "dtype": str(self.dtype),
                      "tensors": len(self.tensors), "elements": self._numel,
                      "shapes": hashlib.sha1(shapes).hexdigest()[:12]}, refused)
+        if on and self.world > 1:  # every client starts its first round from one model (FedAvg)
+            broadcast_module_state(model, group)
         if watchdog is not None and on:
             watchdog.attach_to(group)
 
