@@ -149,10 +149,14 @@ class DeviceClock {
   }
 
   // Records this step's end; returns the seconds of the step `depth` steps before (NaN for the
-  // first `depth` steps). A second end in the same step (a second backward) returns what the
-  // first one read.
+  // first `depth` steps). A second end in the same step (a second backward) moves the step's end
+  // event to now (its pair is the newest, not read yet: depth >= 1) and returns what the first
+  // end read.
   double end_and_read() {
-    if (!start_) return last_;
+    if (!start_) {
+      if (!ended_.empty()) ended_.back().second.record(impl_.getStream(device_));
+      return last_;
+    }
     c10::Event end(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
     end.record(impl_.getStream(device_));
     ended_.emplace_back(std::move(*start_), std::move(end));

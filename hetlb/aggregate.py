@@ -434,24 +434,37 @@ class StepTelemetry:
         self.core.close()
 
 
-def broadcast_module_state(model: torch.nn.Module, group: Any = None) -> None:
-    """Rank 0's parameters and buffers (of ``group``) on every rank, as DDP does when it wraps a
-    model: one broadcast per dtype and device. Collective."""
+#: Bytes of one broadcast of :func:`broadcast_module_state` (DDP's broadcast bucket size).
+BROADCAST_BUCKET = 250 * 1024 * 1024
+
+
+def broadcast_module_state(model: torch.nn.Module, group: Any = None,
+                           bucket: int = BROADCAST_BUCKET) -> None:
+    """Rank 0's parameters and buffers (rank 0 of ``group``) on every rank, as DDP does when it
+    wraps a model: tensors of one dtype and device flattened into broadcasts of at most
+    ``bucket`` bytes (a larger tensor alone). Collective; every rank's model must have the same
+    tensors in the same order (compare them first)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    by_kind: Dict[tuple, List[torch.Tensor]] = {}
+    by_kind: Dict[tuple, List[List[torch.Tensor]]] = {}
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.numel():
-            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        if not t.numel():
+            continue
+        buckets = by_kind.setdefault((t.dtype, t.device), [[]])
+        last = buckets[-1]
+        if last and (sum(u.numel() for u in last) + t.numel()) * t.element_size() > bucket:
+            buckets.append(last := [])
+        last.append(t)
     with torch.no_grad():
-        for tensors in by_kind.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            sent = flat.to(torch.uint8) if flat.dtype == torch.bool else flat  # (Gloo: no bool)
-            dist.broadcast(sent, src=src, group=group)
-            flat = sent.to(flat.dtype)
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        for buckets in by_kind.values():
+            for tensors in buckets:
+                flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+                sent = flat.to(torch.uint8) if flat.dtype == torch.bool else flat  # (Gloo: no bool)
+                dist.broadcast(sent, src=src, group=group)
+                flat = sent.to(flat.dtype)
+                offset = 0
+                for t in tensors:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
 
 def make_side_group(group: Any, own: bool = False) -> Any:

@@ -1064,8 +1064,9 @@ class Balancer:
         the end of training, or before a checkpoint whose history should hold every step. A
         step whose backward ran is finished first; a batch handed out but not trained yet (a
         ``break`` at the top of the loop body) stays handed out, its step the first of the
-        next block. On CUDA a step's compute time is read one step late, so the last flushed
-        step's record completes with the next step (a checkpoint right after a flush lacks it).
+        next block. On CUDA a step's compute time is read one step late (``telemetry.lag`` steps), so
+        the last flushed step's record completes with the next step (a checkpoint right after a
+        flush lacks it).
 
         Raises :class:`DecisionMismatchError` as an exchange would."""
         if self._in_with:

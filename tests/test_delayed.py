@@ -338,6 +338,10 @@ def test_bad_input():
 
 def mismatch_worker(rank, world, case):
     net = torch.nn.Linear(1, 1)
+    if case == "shapes":  # the same parameter count and size, other shapes: [1x2, 1] and [2x1, 1]
+        net = torch.nn.Linear(2, 1) if rank == 0 else torch.nn.Linear(1, 2, bias=False)
+        if rank == 1:
+            net.extra = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     kw = {"lam": 0.5 + 0.25 * rank} if case == "lam" else {}
     kw.update({"weighting": ("samples", "none")[rank]} if case == "weighting" else {})
@@ -354,7 +358,8 @@ def mismatch_worker(rank, world, case):
 @pytest.mark.parametrize("case, named", [
     ("seed", "seed=0; rank 1 has seed=1"), ("length", "length=40; rank 1 has length=42"),
     ("reference_batch", "reference_batch=4; rank 1 has reference_batch=5"),
-    ("lam", "lam=0.5; rank 1 has lam=0.75"), ("weighting", "weighting='samples'; rank 1 has weighting='none'")])
+    ("lam", "lam=0.5; rank 1 has lam=0.75"), ("weighting", "weighting='samples'; rank 1 has weighting='none'"),
+    ("shapes", "tensors=")])
 def test_ranks_that_disagree_on_a_setting_fail_at_start_up(case, named):
     # Each used to train on with no error: samples lost and repeated (seed, length,
     # reference_batch) or the replicas drifting apart (lam, weighting).
@@ -518,3 +523,55 @@ def test_every_rank_starts_from_rank_0_s_parameters_and_buffers():
         assert state["mask"].tolist() == [True, True]
         for k, v in want.state_dict().items():
             assert torch.equal(state[k], v), k
+
+
+def test_a_loop_left_on_a_round_s_last_update_goes_on_in_the_next_epoch():
+    # The loop is left right after the round's last iteration was sent (its all-reduce in
+    # flight), then the next epoch runs. Before: that all-reduce, completed in the new round,
+    # marked the new round over, so nothing more was sent: the whole epoch piled into one
+    # iteration of 64 samples, one update (found in review, session 25).
+    x = torch.randn(64, 3, dtype=torch.float64)
+    data = torch.utils.data.TensorDataset(torch.arange(64), x, x.sum(1, keepdim=True))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1).double()
+    ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.05), reference_batch=8,
+                           batches_per_iteration=1, probe_batches=0)
+    loader = ds.loader(data)
+    seen = []
+    for idx, xb, yb in loader:
+        seen += idx.tolist()
+        torch.nn.functional.mse_loss(net(xb), yb).backward()
+        ds.step()
+        if len(seen) == 64:
+            assert ds._flight is not None
+            break
+    loader.set_epoch(1)
+    seen = []
+    before = ds.updates
+    for idx, xb, yb in loader:
+        seen += idx.tolist()
+        (torch.nn.functional.mse_loss(net(xb), yb) if len(idx) else net(xb).sum()).backward()
+        ds.step()
+    ds.flush()
+    assert sorted(seen) == list(range(64))
+    assert ds.updates - before >= 8 and max(int(r.batch.sum()) for r in ds.history) == 8
+
+
+def subgroup_broadcast_worker(rank, world):
+    import torch.distributed as dist
+    from hetlb.aggregate import broadcast_module_state
+    group = dist.new_group([1, 2])  # its rank 0 is global rank 1
+    torch.manual_seed(rank)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    net.register_buffer("mask", torch.tensor([rank == 1, False]))
+    if rank > 0:
+        broadcast_module_state(net, group, bucket=40)  # 5 float64 a broadcast: several buckets
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_the_broadcast_takes_rank_0_of_its_group_in_buckets():
+    states = unwrap(run(subgroup_broadcast_worker, 3))
+    for k in states[1]:
+        assert torch.equal(states[2][k], states[1][k]), k
+    assert states[2]["mask"].tolist() == [True, False]
+    assert not torch.equal(states[0]["0.weight"], states[1]["0.weight"])  # (not in the group)

@@ -502,20 +502,3 @@ def test_a_second_loader_is_refused_rather_than_restarting_the_order():
     assert all(len(set(e)) == len(data) for e in epochs)  # each a permutation of the data
     assert len({tuple(e) for e in epochs}) > 1  # in an order of its own
 
-
-def _start_worker(rank, world):
-    torch.manual_seed(rank)  # no common seed
-    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
-    Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4)
-    return {k: v.clone() for k, v in net.state_dict().items()}
-
-
-def test_every_client_starts_from_rank_0_s_model():
-    # FedAvg's clients start their first round from one model; before, each kept its own
-    # initialisation until the first average (a user audit of DelayedSync, session 25).
-    states = unwrap(run(_start_worker, 2))
-    torch.manual_seed(0)
-    want = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double().state_dict()
-    for state in states:
-        for k, v in want.items():
-            assert torch.equal(state[k], v), k

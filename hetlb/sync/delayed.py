@@ -37,6 +37,7 @@ tail iteration's update) is made of a handful of samples.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -134,7 +135,8 @@ class DelayedSync:
                 ds.step()                           # True when an update was applied
 
     Args:
-        model: a plain ``torch.nn.Module`` (not wrapped in DDP), identical on every rank.
+        model: a plain ``torch.nn.Module`` (not wrapped in DDP), of the same tensors on every
+            rank; rank 0's parameters and buffers are broadcast to the others when it is made.
         optimizer: any torch optimizer over its parameters; stepped once per update (step an LR
             scheduler when :meth:`step` returns True).
         reference_batch: samples per reference batch (the paper's ``M_r``).
@@ -244,7 +246,10 @@ class DelayedSync:
         self._agree({"reference_batch": self.reference_batch, "lam": self.lam, "weighting": weighting,
                      "scale_lr": scale_lr, "batches_per_iteration": self.fixed,
                      "probe_batches": self.probe_batches, "dtype": str(self.dtype),
-                     "parameters": (len(self.params), sum(p.numel() for p in self.params))},
+                     "parameters": (len(self.params), sum(p.numel() for p in self.params)),
+                     # (a digest: the list can run to thousands of characters in an error)
+                     "tensors": hashlib.sha1(repr([(tuple(t.shape), str(t.dtype)) for t in list(
+                         model.parameters()) + list(model.buffers())]).encode()).hexdigest()[:12]},
                     "DelayedSync")
         if self.world > 1:  # the update averages gradients: replicas that start apart stay apart
             broadcast_module_state(model, group)
@@ -285,17 +290,17 @@ class DelayedSync:
                     "batch_size", 1)
         amount = number(data, "data", minimum=0.0) if data is not None else \
             float(plan.data if plan is not None and plan.data is not None else m)
-        if self.emulator is not None:
-            by_data = getattr(self.emulator, "by", "batch") == "data"
-            self.emulator.stretch(self.references, amount if by_data else m, self._mark)
-        self._compute += time.perf_counter() - self._mark
-        weight = {"samples": m, "sizes": amount, "none": m}[self.weighting]
         if all(p.grad is None for p in self.params):
             # (each step takes the gradients and clears them: a second step finds none either)
             raise RuntimeError(
                 f"DelayedSync.step(): no parameter holds a gradient. Call loss.backward() on each "
                 f"reference batch, then ds.step() once: a step without a backward would count "
                 f"the batch's {m} samples with no gradient and shrink the update")
+        if self.emulator is not None:
+            by_data = getattr(self.emulator, "by", "batch") == "data"
+            self.emulator.stretch(self.references, amount if by_data else m, self._mark)
+        self._compute += time.perf_counter() - self._mark
+        weight = {"samples": m, "sizes": amount, "none": m}[self.weighting]
         for p, a in zip(self.params, self._acc):
             if p.grad is not None:
                 a.add_(p.grad.to(self.dtype), alpha=float(weight))
@@ -336,10 +341,14 @@ class DelayedSync:
             self._rebase()
         return applied
 
+    def _round_key(self) -> Any:
+        b = self.board
+        return None if b is None else (b.epoch, b.base)
+
     def _rebase(self) -> None:
         """Nothing in flight and nothing accumulated (a round's end, a flush): the next gradient
         is computed at the current parameters, so it is not stale and gets no compensation."""
-        if self._prev is not None:
+        if self._prev is not None and self._flight is None and self._batch == 0:
             with torch.no_grad():
                 for p, prev in zip(self.params, self._prev):
                     prev.copy_(p.detach())
@@ -366,7 +375,10 @@ class DelayedSync:
         self.history.append(rec)
         self._table = table
         # Every shard trained and (with this update) applied: the round ends on every rank here.
+        # (Only the round the iteration was sent in: a loop left on the last update of a round and
+        # moved to the next epoch completes that update's all-reduce in the new round.)
         self._round_over = bool(self.board is not None and self.board.shards is not None
+                                and flight.round_key == self._round_key()
                                 and np.all(table[:, _R["left"]] == 0))
         if self.weighting == "samples":
             total = float(batch.sum())
@@ -411,7 +423,7 @@ class DelayedSync:
         delay = 0.0
         if self.emulator is not None and getattr(self.emulator, "bandwidth", None):
             delay = self.emulator.comm_delay(buf.numel() * buf.element_size())
-        self._flight = _Flight(work, buf, self.iteration, delay)
+        self._flight = _Flight(work, buf, self.iteration, delay, self._round_key())
         self.iteration += 1
         for a in self._acc:
             a.zero_()
@@ -618,8 +630,10 @@ class _Flight:
     joined), as the Balancer's hook delays a bucket; the completion is stamped by a callback on
     the work's future, so polling costs no collective."""
 
-    def __init__(self, work: Any, buf: torch.Tensor, iteration: int, delay: float) -> None:
+    def __init__(self, work: Any, buf: torch.Tensor, iteration: int, delay: float,
+                 round_key: Any = None) -> None:
         self.buf, self.iteration, self.delay = buf, iteration, float(delay)
+        self.round_key = round_key  # (epoch, first sample) of the round it was sent in
         self.sent = time.perf_counter()
         # One rank: nothing to reduce, complete at once.
         self._done = None if work is None else work.get_future().then(_stamp)

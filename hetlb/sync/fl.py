@@ -66,7 +66,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..aggregate import broadcast_module_state, make_side_group
+from ..aggregate import make_side_group
 from ..checks import agree, choice, flag, instance, integer, number, optional_integer
 from ..policies.predictors import EMA
 from ..solve import allocate_proportional
@@ -231,8 +231,6 @@ class Federated:
                      "max_batch": self.max_batch, "dtype": str(self.dtype),
                      "tensors": len(self.tensors), "elements": self._numel,
                      "shapes": hashlib.sha1(shapes).hexdigest()[:12]}, refused)
-        if on and self.world > 1:  # every client starts its first round from one model (FedAvg)
-            broadcast_module_state(model, group)
         if watchdog is not None and on:
             watchdog.attach_to(group)
 
@@ -373,8 +371,9 @@ class Federated:
         """An endless iterator over this client's data in batches of its current ``B_i``.
 
         Args:
-            dataset: a map-style dataset (``len`` and ``__getitem__``); a
-                ``TensorDataset`` is indexed with a whole index tensor at once.
+            dataset: a map-style dataset (``len`` and ``__getitem__``); a plain
+                ``TensorDataset`` without ``collate_fn`` is indexed with a whole index tensor at
+                once (a subclass goes sample by sample, through its ``__getitem__``).
             indices: this client's samples in ``dataset`` (e.g. ``classes_split(...)[rank]``);
                 default: all of ``dataset``.
             seed: shuffling seed; the order of local epoch ``e`` is a permutation drawn from
