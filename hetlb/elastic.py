@@ -14,16 +14,19 @@ bootstraps a fresh store for this attempt: global rank 0 starts a TCPStore serve
 address with a random token through the agent's store; every other rank reads that address,
 connects, and checks the token there, so a stale address from an earlier attempt (whose server died
 with its process) is retried rather than trusted. The process group is then created on that store.
-Elsewhere it is torch's ``init_process_group`` unchanged.
+Elsewhere it is torch's ``init_process_group`` unchanged. :func:`rpc_init_method` gives
+``torch.distributed.rpc`` the same fresh store (the parameter-server modes use it).
 """
 from __future__ import annotations
 
 import datetime
+import importlib
 import logging
 import os
 import time
 import uuid
 from typing import Any, Optional
+from urllib.parse import parse_qsl, urlparse
 
 import torch.distributed as dist
 
@@ -64,6 +67,37 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     wait = timeout if timeout is not None else datetime.timedelta(minutes=10)
     fresh = _fresh_store(rank, world_size, wait)
     dist.init_process_group(backend, timeout=timeout, world_size=world_size, rank=rank, store=fresh, **kwargs)
+
+
+#: The rendezvous scheme of :func:`rpc_init_method` (a store fresh for this attempt).
+_SCHEME = "hetlb-fresh"
+
+
+def rpc_init_method(init_method: Optional[str]) -> str:
+    """``init_method`` for ``torch.distributed.rpc``, restart-safe under torchrun: under the
+    agent's shared store, ``hetlb-fresh://``, a rendezvous that bootstraps from a store made
+    fresh for this attempt as :func:`init_process_group` does (``init_rpc`` takes no store, so
+    the store comes through a rendezvous handler, registered once per process); elsewhere
+    ``init_method`` unchanged."""
+    if not _under_agent_store(init_method, None):
+        return init_method or "env://"
+    # (torch.distributed.rendezvous is also a function re-exported by torch.distributed: take
+    # the module's own name)
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    try:
+        rdzv.register_rendezvous_handler(_SCHEME, _fresh_rendezvous)
+    except RuntimeError as e:  # registered by an earlier call in this process
+        if "already registered" not in str(e):
+            raise
+    return f"{_SCHEME}://"
+
+
+def _fresh_rendezvous(url: str, **kwargs: Any) -> Any:
+    """Rendezvous handler of ``hetlb-fresh://?rank=R&world_size=W`` (see :func:`rpc_init_method`)."""
+    query = dict(parse_qsl(urlparse(url).query))
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    timeout = kwargs.get("timeout") or datetime.timedelta(minutes=10)
+    yield _fresh_store(rank, world_size, timeout), rank, world_size
 
 
 def _fresh_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:

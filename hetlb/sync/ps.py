@@ -66,6 +66,7 @@ from torch.utils.data import default_collate
 
 from ..checkpoint import Checkpointer
 from ..checks import choice, flag, instance, integer, number, optional_integer
+from ..elastic import rpc_init_method
 from ..emulate import Emulator, sleep_until
 from ..policies.base import (Context, SizedPolicy, check_same_policy, from_state, policy_settings,
                              to_state)
@@ -764,7 +765,10 @@ def run_ps(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *
         raise ValueError(f"run_ps: a parameter server needs a server and at least one worker "
                          f"(world_size >= 2), got {world}")
     choice(mode, "run_ps: mode", MODES)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=worker_timeout,
+    # (under torchrun, a store fresh for this attempt: a restarted job would otherwise read the
+    # failed attempt's addresses from the agent's shared store)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=rpc_init_method(init_method),
+                                           rpc_timeout=worker_timeout,
                                            num_worker_threads=max(16, 2 * world))
     rpc.init_rpc(SERVER if rank == 0 else worker_name(rank), rank=rank, world_size=world,
                  rpc_backend_options=opts)
