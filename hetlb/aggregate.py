@@ -44,6 +44,7 @@ nothing but the gradient (no carry copy, no side all-reduce).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -434,6 +435,13 @@ class StepTelemetry:
         self.core.close()
 
 
+def shapes_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A short digest of the tensors' shapes and dtypes, in order, for comparing models across
+    ranks (the list itself can run to thousands of characters in an error)."""
+    shapes = repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()
+    return hashlib.sha1(shapes).hexdigest()[:12]
+
+
 #: Bytes of one broadcast of :func:`broadcast_module_state` (DDP's broadcast bucket size).
 BROADCAST_BUCKET = 250 * 1024 * 1024
 
@@ -446,14 +454,17 @@ def broadcast_module_state(model: torch.nn.Module, group: Any = None,
     tensors in the same order (compare them first)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     by_kind: Dict[tuple, List[List[torch.Tensor]]] = {}
+    filled: Dict[tuple, int] = {}  # bytes in each kind's last bucket
     for t in list(model.parameters()) + list(model.buffers()):
         if not t.numel():
             continue
-        buckets = by_kind.setdefault((t.dtype, t.device), [[]])
-        last = buckets[-1]
-        if last and (sum(u.numel() for u in last) + t.numel()) * t.element_size() > bucket:
-            buckets.append(last := [])
-        last.append(t)
+        kind, size = (t.dtype, t.device), t.numel() * t.element_size()
+        buckets = by_kind.setdefault(kind, [[]])
+        if buckets[-1] and filled[kind] + size > bucket:
+            buckets.append([])
+            filled[kind] = 0
+        buckets[-1].append(t)
+        filled[kind] = filled.get(kind, 0) + size
     with torch.no_grad():
         for buckets in by_kind.values():
             for tensors in buckets:

@@ -285,7 +285,7 @@ def test_in_process_checks_model_size_and_keeps_float64():
     with pytest.raises(RuntimeError, match="same model"):
         ps._call(1, {"hello": True, "hardware": {}, "numel": 3}).wait()
     # The same element count in other shapes (a user audit, session 25: before, it trained).
-    from hetlb.sync.ps import _shapes_digest
+    from hetlb.aggregate import shapes_digest as _shapes_digest
     other = [torch.zeros(DIM + 1, 1, dtype=torch.float64)]
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)

@@ -37,7 +37,6 @@ tail iteration's update) is made of a handful of samples.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import deque
@@ -49,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..aggregate import broadcast_module_state, make_side_group, raise_refusals, refuse_everywhere
+from ..aggregate import (broadcast_module_state, make_side_group, raise_refusals, refuse_everywhere,
+                         shapes_digest)
 from ..checks import agree, choice, instance, integer, number
 from ..data import BalancedLoader
 from ..emulate import sleep_until
@@ -247,9 +247,7 @@ class DelayedSync:
                      "scale_lr": scale_lr, "batches_per_iteration": self.fixed,
                      "probe_batches": self.probe_batches, "dtype": str(self.dtype),
                      "parameters": (len(self.params), sum(p.numel() for p in self.params)),
-                     # (a digest: the list can run to thousands of characters in an error)
-                     "tensors": hashlib.sha1(repr([(tuple(t.shape), str(t.dtype)) for t in list(
-                         model.parameters()) + list(model.buffers())]).encode()).hexdigest()[:12]},
+                     "tensors": shapes_digest(list(model.parameters()) + list(model.buffers()))},
                     "DelayedSync")
         if self.world > 1:  # the update averages gradients: replicas that start apart stay apart
             broadcast_module_state(model, group)
@@ -349,9 +347,13 @@ class DelayedSync:
         """Nothing in flight and nothing accumulated (a round's end, a flush): the next gradient
         is computed at the current parameters, so it is not stale and gets no compensation."""
         if self._prev is not None and self._flight is None and self._batch == 0:
-            with torch.no_grad():
-                for p, prev in zip(self.params, self._prev):
-                    prev.copy_(p.detach())
+            self._prev_from_params()
+
+    def _prev_from_params(self) -> None:
+        """The next gradient is computed at the current parameters."""
+        with torch.no_grad():
+            for p, prev in zip(self.params, self._prev):
+                prev.copy_(p.detach())
 
     def _complete(self) -> bool:
         """Wait for the in-flight all-reduce and apply its update; returns whether one was applied
@@ -387,9 +389,7 @@ class DelayedSync:
         else:
             total = float(np.count_nonzero(batch))
         if total <= 0:  # nobody had samples: no update; the next gradient is at these parameters
-            with torch.no_grad():
-                for p, prev in zip(self.params, self._prev):
-                    prev.copy_(p.detach())
+            self._prev_from_params()
             return False
         # scale_lr: the sum over the nominal batch, i.e. the mean with the rate scaled by total/nominal
         ops.unflatten_(buf, self._gbar, 1.0 / (self.world * self.reference_batch if self.scale_lr else total))

@@ -55,7 +55,6 @@ implementations that keep one optimizer per client; plain SGD (the paper's) has 
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import deque
@@ -66,7 +65,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..aggregate import make_side_group
+from ..aggregate import make_side_group, shapes_digest
 from ..checks import agree, choice, flag, instance, integer, number, optional_integer
 from ..policies.predictors import EMA
 from ..solve import allocate_proportional
@@ -223,14 +222,12 @@ class Federated:
         self.watchdog = watchdog
         # Clients that differ here average out of step: another local_steps or batch table mixes
         # rounds of different lengths, another model makes the all-reduce pair unrelated elements
-        # (or Gloo abort on the sizes). One exchange at start-up compares them. The shapes are
-        # sent as a digest: the list itself can run to thousands of characters in an error.
-        shapes = repr([(tuple(t.shape), str(t.dtype)) for t in self.tensors]).encode()
+        # (or Gloo abort on the sizes). One exchange at start-up compares them.
         self._agree({"local_steps": self.local_steps, "batch": self.batch, "tune": self.tune,
                      "average": self.average, "alpha": self.alpha, "min_batch": self.min_batch,
                      "max_batch": self.max_batch, "dtype": str(self.dtype),
                      "tensors": len(self.tensors), "elements": self._numel,
-                     "shapes": hashlib.sha1(shapes).hexdigest()[:12]}, refused)
+                     "shapes": shapes_digest(self.tensors)}, refused)
         if watchdog is not None and on:
             watchdog.attach_to(group)
 

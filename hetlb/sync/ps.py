@@ -49,7 +49,6 @@ initial values (a warning says so): recompute them on the trained model before e
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -64,6 +63,7 @@ import torch.distributed.rpc as rpc
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import default_collate
 
+from ..aggregate import shapes_digest
 from ..checkpoint import Checkpointer
 from ..checks import choice, flag, instance, integer, number, optional_integer
 from ..elastic import rpc_init_method
@@ -87,13 +87,6 @@ _FORMAT = "hetlb.ParameterServer/1"
 # cannot be handed to a worker outside an RPC call, so the live server of this process is found
 # here; it is set only inside ParameterServer.serve() and cleared when it returns.
 _LIVE: Dict[str, "ParameterServer"] = {}
-
-
-def _shapes_digest(params: Sequence[torch.Tensor]) -> str:
-    """A short digest of the parameters' shapes and dtypes, in order (the list itself can run to
-    thousands of characters)."""
-    shapes = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
-    return hashlib.sha1(shapes).hexdigest()[:12]
 
 
 def worker_name(rank: int) -> str:
@@ -199,7 +192,7 @@ class ParameterServer:
         if not self._params:
             raise ValueError("ParameterServer: the model has no trainable parameters")
         self._numel = sum(p.numel() for p in self._params)
-        self._shapes = _shapes_digest(self._params)
+        self._shapes = shapes_digest(self._params)
         running = [n or type(model).__name__ for n, m in model.named_modules()
                    if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
         if running:
@@ -691,7 +684,7 @@ class Worker:
     def run(self) -> int:
         """Train until the server says done; the number of iterations this worker ran."""
         hello = {"hello": True, "hardware": hardware_info(),
-                 "numel": sum(p.numel() for p in self._params), "shapes": _shapes_digest(self._params)}
+                 "numel": sum(p.numel() for p in self._params), "shapes": shapes_digest(self._params)}
         reply = self._call(hello)
         deadline = time.monotonic() + self.timeout
         while reply.get("reason") == "no server running" and time.monotonic() < deadline:
