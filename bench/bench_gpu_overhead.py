@@ -16,6 +16,7 @@ may run N steps ahead of the device.
     python bench/bench_gpu_overhead.py                    # on a CUDA machine (NCCL)
     python bench/bench_gpu_overhead.py --device cpu       # the same on CPU (Gloo), a dry run
     python bench/bench_gpu_overhead.py --trace $OUT       # also where each variant's host time goes
+    python bench/bench_gpu_overhead.py --workers 2        # batches collated in loader processes
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_overhead import MODELS, endless, make_model  # noqa: E402  (the same models)
 
 
-def setup(variant: str, model: str, batch: int, device: torch.device, n_batches: int):
+def setup(variant: str, model: str, batch: int, device: torch.device, n_batches: int, workers: int = 0):
     import hetlb
     from torch.nn.parallel import DistributedDataParallel as DDP
     base = variant.partition("#")[0]
@@ -46,9 +47,12 @@ def setup(variant: str, model: str, batch: int, device: torch.device, n_batches:
     ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     pin = device.type == "cuda"
+    # workers > 0: batches are collated in DataLoader processes, so the main thread only runs the
+    # step (as a tuned training script does) and can run ahead of the GPU
+    lkw = dict(num_workers=workers, persistent_workers=True) if workers else {}
     if base == "plain":
         sampler = torch.utils.data.distributed.DistributedSampler(ds, seed=1)
-        loader = torch.utils.data.DataLoader(ds, batch_size=batch, sampler=sampler, pin_memory=pin)
+        loader = torch.utils.data.DataLoader(ds, batch_size=batch, sampler=sampler, pin_memory=pin, **lkw)
         return ddp, opt, endless(loader, sampler), None
     base, _, flag = base.partition("@")
     base, _, every = base.partition("/")  # "default/16": the telemetry of 16 steps per exchange
@@ -64,7 +68,7 @@ def setup(variant: str, model: str, batch: int, device: torch.device, n_batches:
         hetlb.Balancer._device = device_of
     if flag.startswith("lag"):  # (diagnostic) device times read N steps late: the host runs N ahead
         bal.telemetry.set_clock_lag(int(flag[3:]))
-    loader = bal.loader(ds, seed=1, pin_memory=pin)
+    loader = bal.loader(ds, seed=1, pin_memory=pin, **lkw)
     return ddp, opt, endless(loader), bal
 
 
@@ -106,6 +110,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--workers", type=int, default=0,
+                   help="DataLoader worker processes per variant (0: batches collated on the main thread)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="then profile 30 steps of each variant (torch.profiler): top operators, Chrome traces in DIR")
     args = p.parse_args()
@@ -120,7 +126,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}")
     batches = args.batch or [128 if m == "mlp" else 512 for m in args.model]
     for model, batch in zip(args.model, batches):
-        runs = {v: setup(v, model, batch, device, 64) for v in args.variants}
+        runs = {v: setup(v, model, batch, device, 64, args.workers) for v in args.variants}
         for v, (_, _, _, bal) in runs.items():
             if bal is not None:
                 print(f"{model} {v}: transport {bal.transport!r}")
@@ -139,7 +145,8 @@ def main() -> None:
                     per_round[v].append((time.perf_counter() - t) / steps)
         base = per_round["plain"]
         params = sum(q.numel() for q in runs["plain"][0].parameters())
-        print(f"\n{model} ({params / 1e6:.1f} M parameters, batch {batch}), {args.rounds} rounds x {args.steps} steps:")
+        print(f"\n{model} ({params / 1e6:.1f} M parameters, batch {batch}), {args.rounds} rounds x {args.steps} steps, "
+              f"{args.workers} loader workers:")
         print(f"| variant | ms/step (median) | ratio to plain (median, min-max over rounds) |")
         print(f"|---|---|---|")
         for v in args.variants:

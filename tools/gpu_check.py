@@ -8,7 +8,7 @@ failures. Run from the repository root with the extension built in place (``PYTH
   side table on the Gloo side group.
 * ``nccl_balancer``: a one-rank NCCL Balancer on a CUDA model: steps through the loader, the
   compute column from CUDA events (one step late; and two with ``set_clock_lag(2)``), the memory
-  column from ``mem_get_info``.
+  column from ``mem_get_info``; two forward-backward passes a step are timed to the second's end.
 * ``gloo_cuda``: two Gloo ranks with CUDA tensors sharing the GPU, sizes 3:7: the gradient equals
   one process over the union, with the native hook and with the Python reference.
 * ``profile_oom``: ``hetlb.profile`` stops at a real CUDA out-of-memory and frees it.
@@ -55,7 +55,7 @@ def nccl_premul_worker(rank, world):
     return out
 
 
-def nccl_balancer_worker(rank, world, lag=1):
+def nccl_balancer_worker(rank, world, lag=1, passes=1):
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
@@ -65,7 +65,8 @@ def nccl_balancer_worker(rank, world, lag=1):
         bal.telemetry.set_clock_lag(lag)
     ds = torch.utils.data.TensorDataset(torch.randn(320, 64), torch.randn(320, 8))
     for x, y in bal.loader(ds):
-        torch.nn.functional.mse_loss(ddp(x.cuda()), y.cuda()).backward()
+        for _ in range(passes):  # passes > 1: the step's end event moves to the last backward's end
+            torch.nn.functional.mse_loss(ddp(x.cuda()), y.cuda()).backward()
     h = bal.history
     compute = h.column("compute")
     # CUDA events: each record completes `lag` steps later
@@ -166,6 +167,7 @@ def main() -> int:
         "nccl_balancer": lambda: unwrap(run(nccl_balancer_worker, 1, backend="nccl", timeout=300))[0],
         "nccl_balancer (clock lag 2)": lambda: unwrap(run(nccl_balancer_worker, 1, 2, backend="nccl",
                                                           timeout=300))[0],
+        "nccl_balancer (two backward passes a step)": check_two_backward,
         "gloo_cuda (native)": lambda: _gloo(True),
         "gloo_cuda (reference)": lambda: _gloo(False),
         "gloo_cuda (bal.backward)": lambda: _gloo(True, True),
@@ -182,6 +184,15 @@ def main() -> int:
             failures += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
     return failures
+
+
+def check_two_backward():
+    one, two = (unwrap(run(nccl_balancer_worker, 1, 1, passes, backend="nccl", timeout=300))[0]
+                for passes in (1, 2))
+    ratio = two["compute_ms"] / one["compute_ms"]
+    # before the end event moved, a second backward kept the first one's end: ratio about 1
+    assert ratio > 1.3, (one, two)
+    return {"one_ms": one["compute_ms"], "two_ms": two["compute_ms"], "ratio": round(ratio, 2)}
 
 
 def _gloo(native: bool, bal_backward: bool = False):
