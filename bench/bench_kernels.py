@@ -90,6 +90,15 @@ def main() -> None:
             g.add_(lam * g * g * (p - q))
 
     def hetlb_delay(grads, params, prevs, lam):
+        ops.delay_compensate_(grads, params, prevs, lam)
+
+    def foreach_delay(grads, params, prevs, lam):
+        t = torch._foreach_sub(params, prevs)
+        torch._foreach_mul_(t, grads)
+        torch._foreach_mul_(t, grads)
+        torch._foreach_add_(grads, t, alpha=lam)
+
+    def hetlb_delay_each(grads, params, prevs, lam):
         for g, p, q in zip(grads, params, prevs):
             ops.delay_compensate_(g, p, q, lam)
 
@@ -97,7 +106,9 @@ def main() -> None:
         for t in grads:
             t.mul_(w)
 
-    env.update(eager_delay=eager_delay, hetlb_delay=hetlb_delay, scale_loop=scale_loop)
+    env.update(eager_delay=eager_delay, hetlb_delay=hetlb_delay, hetlb_delay_each=hetlb_delay_each,
+               foreach_delay=foreach_delay,
+               scale_loop=scale_loop)
 
     copy_ms = median_ms("dst.copy_(src)", env, "copy", "copy", rt)
     copy_gbs = 2 * n * elem / copy_ms / 1e6
@@ -107,7 +118,9 @@ def main() -> None:
         ("scale", "hetlb scale_", "ops.scale_(grads, w)", 2, False),
         ("scale", "torch._foreach_mul_", "torch._foreach_mul_(grads, w)", 2, False),
         ("scale", "per-tensor t.mul_(w) (eager)", "scale_loop(grads, w)", 2, True),
-        ("delay comp", "hetlb delay_compensate_", "hetlb_delay(grads, params, prevs, lam)", 4, False),
+        ("delay comp", "hetlb delay_compensate_ (lists)", "hetlb_delay(grads, params, prevs, lam)", 4, False),
+        ("delay comp", "hetlb delay_compensate_ per tensor", "hetlb_delay_each(grads, params, prevs, lam)", 4, False),
+        ("delay comp", "torch._foreach_ (sub, mul, mul, add)", "foreach_delay(grads, params, prevs, lam)", 4, False),
         ("delay comp", "eager g.add_(lam*g*g*(p-q))", "eager_delay(grads, params, prevs, lam)", 4, True),
         ("flatten", "hetlb flatten_scaled", "ops.flatten_scaled(grads, w, extra)", 2, False),
         ("flatten", "torch.cat([t.flatten()...]) * w (eager)",

@@ -187,5 +187,5 @@ TORCH_LIBRARY(hetlb, m) {
   m.def("scale_(Tensor(a!)[] tensors, float weight) -> ()");
   m.def("flatten_scaled(Tensor[] tensors, float weight, Tensor? extra=None) -> Tensor");
   m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
-  m.def("delay_compensate_(Tensor(a!) grad, Tensor param, Tensor prev_param, float lam) -> ()");
+  m.def("delay_compensate_(Tensor(a!)[] grads, Tensor[] params, Tensor[] prev_params, float lam) -> ()");
 }

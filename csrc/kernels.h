@@ -93,15 +93,23 @@ inline void check_unflatten(const at::Tensor& flat, at::TensorList tensors) {
               " elements but the tensors need ", need, " (", tensors.size(), " tensors)");
 }
 
-inline void check_delay_compensate(const at::Tensor& grad, const at::Tensor& param,
-                                   const at::Tensor& prev) {
+inline void check_delay_compensate(at::TensorList grads, at::TensorList params,
+                                   at::TensorList prevs) {
   const char* op = "hetlb::delay_compensate_";
-  check_dtype(op, "grad", grad);
-  check_same(op, "param", param, "grad", grad);
-  check_same(op, "prev_param", prev, "grad", grad);
-  TORCH_CHECK(param.sizes() == grad.sizes() && prev.sizes() == grad.sizes(), op,
-              ": grad, param and prev_param must have the same shape, got grad ", describe(grad),
-              ", param ", describe(param), ", prev_param ", describe(prev));
+  TORCH_CHECK(params.size() == grads.size() && prevs.size() == grads.size(), op,
+              ": grads, params and prev_params must have the same length, got ", grads.size(),
+              ", ", params.size(), " and ", prevs.size());
+  check_list(op, "grads", grads);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const std::string at_i = "[" + std::to_string(i) + "]";
+    const std::string g = "grads" + at_i, p = "params" + at_i, q = "prev_params" + at_i;
+    check_same(op, p.c_str(), params[i], g.c_str(), grads[i]);
+    check_same(op, q.c_str(), prevs[i], g.c_str(), grads[i]);
+    TORCH_CHECK(params[i].sizes() == grads[i].sizes() && prevs[i].sizes() == grads[i].sizes(), op,
+                ": ", g, ", ", p, " and ", q, " must have the same shape, got ", g, " ",
+                describe(grads[i]), ", ", p, " ", describe(params[i]), ", ", q, " ",
+                describe(prevs[i]));
+  }
 }
 
 // The output of flatten_scaled for an empty list: the (unscaled) extra alone, or an empty float32
@@ -192,6 +200,42 @@ inline void unflatten_with(const at::Tensor& flat, at::TensorList tensors, doubl
     off += t.numel();
   }
   run(flat.scalar_type(), segs, scale);
+  for (auto& [t, c] : write_back) t.copy_(c);
+}
+
+// One "g += lam * g * g * (p - q)" span of delay_compensate_.
+struct Triple {
+  void* g;
+  const void* p;
+  const void* q;
+  int64_t numel;
+};
+
+// The device-specific part of delay_compensate_: run every triple.
+using RunTriples = void (*)(at::ScalarType, const std::vector<Triple>&, double);
+
+// Checks, empty tensors and non-contiguous staging once for both devices, as scale_with does.
+inline void delay_compensate_with(at::TensorList grads, at::TensorList params,
+                                  at::TensorList prevs, double lam, RunTriples run) {
+  check_delay_compensate(grads, params, prevs);
+  std::vector<Triple> triples;
+  triples.reserve(grads.size());
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
+  std::vector<at::Tensor> keep;  // contiguous copies of the inputs must outlive the run
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].numel() == 0) continue;
+    at::Tensor g = grads[i];
+    if (!g.is_contiguous()) {
+      g = g.contiguous();
+      write_back.emplace_back(grads[i], g);
+    }
+    at::Tensor p = params[i].contiguous(), q = prevs[i].contiguous();
+    triples.push_back({g.data_ptr(), p.const_data_ptr(), q.const_data_ptr(), g.numel()});
+    keep.push_back(std::move(p));
+    keep.push_back(std::move(q));
+  }
+  if (triples.empty()) return;
+  run(grads[0].scalar_type(), triples, lam);
   for (auto& [t, c] : write_back) t.copy_(c);
 }
 

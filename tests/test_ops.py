@@ -184,6 +184,42 @@ def test_delay_compensate_noncontiguous(dtype, device):
     close(gb.t(), ref, dtype)
 
 
+@pytest.mark.parametrize("dtype,device", GRID, ids=IDS)
+def test_delay_compensate_lists(dtype, device):
+    # 80 tensors: more than one CUDA launch (36 a launch), with empty and non-contiguous ones
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(int(torch.randint(0, 300, (1,), generator=gen)),) for _ in range(77)] + [(0,), (5, 0), (70_000,)]
+    grads = [rand(s, dtype, device, gen) for s in shapes]
+    params = [rand(s, dtype, device, gen) for s in shapes]
+    prevs = [rand(s, dtype, device, gen) for s in shapes]
+    base = rand((40, 30), dtype, device, gen)
+    grads.append(base.t())  # non-contiguous, written back
+    params.append(rand((30, 40), dtype, device, gen))
+    prevs.append(rand((60, 40), dtype, device, gen)[::2])
+    refs = [g.clone() for g in grads]
+    ops.delay_compensate_(grads, params, prevs, 0.4)
+    for r, p, q in zip(refs, params, prevs):
+        ref_delay_compensate_(r, p, q, 0.4)
+    for g, r in zip(grads, refs):
+        close(g, r, dtype)
+    close(base.t(), refs[-1], dtype)
+
+
+def test_delay_compensate_lists_same_as_one_by_one():
+    # the list form is the per-tensor op applied position by position, bit for bit
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(3, 4), (0,), (1000,), (17,)]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    prevs = [torch.randn(s, generator=gen) for s in shapes]
+    each = [g.clone() for g in grads]
+    ops.delay_compensate_(grads, params, prevs, 0.25)
+    for g, p, q in zip(each, params, prevs):
+        ops.delay_compensate_(g, p, q, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(grads, each))
+    ops.delay_compensate_([], [], [], 0.25)  # no-op
+
+
 def test_delay_compensate_float32_matches_eager_bitwise():
     # Same evaluation order as the eager formula, no FMA contraction (-ffp-contract=off).
     g, p, q = (torch.randn(100_003) for _ in range(3))
@@ -221,6 +257,22 @@ def test_hypothesis_flatten_unflatten_scale(shapes, w, dtype, n_extra):
 
 
 @settings(max_examples=30, deadline=None)
+@given(shapes=shapes_st, lam=weight_st, dtype=st.sampled_from(DTYPES),
+       transpose=st.lists(st.booleans(), min_size=8, max_size=8))
+def test_hypothesis_delay_compensate_lists(shapes, lam, dtype, transpose):
+    grads, params, prevs = ([rand(s, dtype, "cpu") for s in shapes] for _ in range(3))
+    for i, t in enumerate(transpose[:len(shapes)]):
+        if t and grads[i].dim() >= 2:
+            grads[i], prevs[i] = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (grads[i], prevs[i]))
+    refs = [g.clone() for g in grads]
+    ops.delay_compensate_(grads, params, prevs, lam)
+    for r, p, q in zip(refs, params, prevs):
+        ref_delay_compensate_(r, p, q, lam)
+    for g, r in zip(grads, refs):
+        close(g, r, dtype)
+
+
+@settings(max_examples=30, deadline=None)
 @given(shape=shape_st, lam=weight_st, dtype=st.sampled_from(DTYPES), transpose=st.booleans())
 def test_hypothesis_delay_compensate(shape, lam, dtype, transpose):
     g, p, q = (rand(shape, dtype, "cpu") for _ in range(3))
@@ -243,8 +295,11 @@ def test_error_mixed_dtypes():
         ops.flatten_scaled([torch.zeros(2), torch.zeros(2, dtype=torch.half)], 1.0)
     with pytest.raises(RuntimeError, match=r"flat is Float.*tensors\[0\] is BFloat16"):
         ops.unflatten_(torch.zeros(4), [torch.zeros(2, dtype=torch.bfloat16)], 1.0)
-    with pytest.raises(RuntimeError, match=r"grad is Float.*param is Double"):
+    with pytest.raises(RuntimeError, match=r"grads\[0\] is Float.*params\[0\] is Double"):
         ops.delay_compensate_(torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2), 1.0)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] is Float\[2\].*grads\[1\] is Half"):
+        ops.delay_compensate_([torch.zeros(2), torch.zeros(2, dtype=torch.half)], [torch.zeros(2)] * 2,
+                              [torch.zeros(2)] * 2, 1.0)
 
 
 def test_error_unsupported_dtype():
@@ -253,8 +308,18 @@ def test_error_unsupported_dtype():
 
 
 def test_error_shape_mismatch():
-    with pytest.raises(RuntimeError, match=r"same shape.*grad Float\[2, 3\].*param Float\[3, 2\]"):
+    with pytest.raises(RuntimeError, match=r"same shape.*grads\[0\] Float\[2, 3\].*params\[0\] Float\[3, 2\]"):
         ops.delay_compensate_(torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(2, 3), 0.1)
+    with pytest.raises(RuntimeError, match=r"prev_params\[1\] Float\[4\]"):
+        ops.delay_compensate_([torch.zeros(2), torch.zeros(3)], [torch.zeros(2), torch.zeros(3)],
+                              [torch.zeros(2), torch.zeros(4)], 0.1)
+
+
+def test_error_delay_compensate_lists():
+    with pytest.raises(RuntimeError, match="same length, got 2, 1 and 2"):
+        ops.delay_compensate_([torch.zeros(2)] * 2, [torch.zeros(2)], [torch.zeros(2)] * 2, 0.1)
+    with pytest.raises(TypeError, match="all as tensors or all as lists, got Tensor, list, Tensor"):
+        ops.delay_compensate_(torch.zeros(2), [torch.zeros(2)], torch.zeros(2), 0.1)
 
 
 def test_error_flat_too_short():
@@ -287,13 +352,12 @@ def test_opcheck(dtype):
                           ([mk(3, 4), mk(5)], 0.5, torch.arange(3.0)))
     torch.library.opcheck(torch.ops.hetlb.unflatten_.default, (mk(20), [mk(3, 4), mk(5)], 2.0))
     torch.library.opcheck(torch.ops.hetlb.delay_compensate_.default,
-                          (mk(6, 7), mk(6, 7), mk(6, 7), 0.3))
+                          ([mk(6, 7), mk(5), mk(0)], [mk(6, 7), mk(5), mk(0)], [mk(6, 7), mk(5), mk(0)], 0.3))
 
 
 def test_torch_compile_fullgraph():
     def step(grads, params, prevs, w):
-        for g, p, q in zip(grads, params, prevs):
-            ops.delay_compensate_(g, p, q, 0.1)
+        ops.delay_compensate_(grads, params, prevs, 0.1)
         ops.scale_(grads, w)
         return ops.flatten_scaled(grads, 1.0, torch.ones(1))
 

@@ -190,20 +190,18 @@ void delay_compensate_kernel(scalar_t* g, const scalar_t* p, const scalar_t* q, 
   });
 }
 
-void delay_compensate_cpu(const at::Tensor& grad, const at::Tensor& param,
-                          const at::Tensor& prev_param, double lam) {
-  check_delay_compensate(grad, param, prev_param);
-  if (grad.numel() == 0) return;
-  at::Tensor g = grad.contiguous();
-  const at::Tensor p = param.contiguous();
-  const at::Tensor q = prev_param.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(),
-                                  "hetlb_delay_compensate", [&] {
-                                    delay_compensate_kernel<scalar_t>(
-                                        g.data_ptr<scalar_t>(), p.const_data_ptr<scalar_t>(),
-                                        q.const_data_ptr<scalar_t>(), g.numel(), lam);
-                                  });
-  if (!g.is_same(grad)) grad.copy_(g);
+void run_triples(at::ScalarType st, const std::vector<Triple>& triples, double lam) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "hetlb_delay_compensate", [&] {
+    for (const auto& t : triples)
+      delay_compensate_kernel<scalar_t>(static_cast<scalar_t*>(t.g),
+                                        static_cast<const scalar_t*>(t.p),
+                                        static_cast<const scalar_t*>(t.q), t.numel, lam);
+  });
+}
+
+void delay_compensate_cpu(at::TensorList grads, at::TensorList params, at::TensorList prevs,
+                          double lam) {
+  delay_compensate_with(grads, params, prevs, lam, run_triples);
 }
 
 }  // namespace
