@@ -17,6 +17,7 @@ may run N steps ahead of the device.
     python bench/bench_gpu_overhead.py --device cpu       # the same on CPU (Gloo), a dry run
     python bench/bench_gpu_overhead.py --trace $OUT       # also where each variant's host time goes
     python bench/bench_gpu_overhead.py --workers 2        # batches collated in loader processes
+    python bench/bench_gpu_overhead.py --interleave step  # one step of each in turn, synchronised
 """
 from __future__ import annotations
 
@@ -101,6 +102,41 @@ def trace(runs: dict, model: str, device: torch.device, out: str, steps: int = 3
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
 
 
+def interleaved(runs: dict, model: str, batch: int, device: torch.device, args, sync) -> None:
+    """One step of each variant in turn (the order rotated every step), each between two device
+    synchronisations: neighbouring steps see the same machine, so the per-step ratios are not
+    disturbed by the drifts that move whole rounds. The synchronisations stop the host from
+    running ahead, so what is measured is each step's full cost with nothing hidden: the wall
+    time, and the host time (until the step's calls return, the device still busy)."""
+    order = list(runs)
+    for v in order:
+        run_steps(runs[v], args.warmup, device)
+    wall = {v: [] for v in order}
+    host = {v: [] for v in order}
+    for i in range(args.rounds * args.steps):
+        k = i % len(order)
+        for v in order[k:] + order[:k]:
+            sync()
+            t0 = time.perf_counter()
+            run_steps(runs[v], 1, device)
+            t1 = time.perf_counter()
+            sync()
+            wall[v].append(time.perf_counter() - t0)
+            host[v].append(t1 - t0)
+    params = sum(q.numel() for q in runs["plain"][0].parameters())
+    print(f"\n{model} ({params / 1e6:.1f} M parameters, batch {batch}), {args.rounds * args.steps} steps "
+          f"interleaved, each between synchronisations, {args.workers} loader workers:")
+    print("| variant | wall ms/step (median) | wall ratio to plain: median of per-step ratios (IQR) "
+          "| host ms/step (median) | host ms added (median of per-step differences) |")
+    print("|---|---:|---|---:|---:|")
+    for v in order:
+        r = np.array(wall[v]) / np.array(wall["plain"])
+        d = np.array(host[v]) - np.array(host["plain"])
+        q1, q3 = np.percentile(r, [25, 75])
+        print(f"| {v} | {np.median(wall[v]) * 1e3:.3f} | {np.median(r):.4f} ({q1:.3f}-{q3:.3f}) | "
+              f"{np.median(host[v]) * 1e3:.3f} | {np.median(d) * 1e3:+.3f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -110,6 +146,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--interleave", choices=["round", "step"], default="round",
+                   help="round: --steps steps of a variant at a time, the host free to run ahead; "
+                        "step: one step of each in turn, each between synchronisations (the full cost, nothing hidden)")
     p.add_argument("--workers", type=int, default=0,
                    help="DataLoader worker processes per variant (0: batches collated on the main thread)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -130,6 +169,10 @@ def main() -> None:
         for v, (_, _, _, bal) in runs.items():
             if bal is not None:
                 print(f"{model} {v}: transport {bal.transport!r}")
+        if args.interleave == "step":
+            interleaved(runs, model, batch, device, args, sync)
+            del runs
+            continue
         per_round = {v: [] for v in args.variants}
         order = list(args.variants)
         for r in range(args.rounds + 1):  # round 0 is the warm-up
