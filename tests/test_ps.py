@@ -27,6 +27,12 @@ def _model():
     return torch.nn.Linear(DIM, 1)
 
 
+def _bn_model():
+    # BatchNorm first: its batch statistics depend on the data only, so a test can replay them
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.BatchNorm1d(DIM), torch.nn.Linear(DIM, 1))
+
+
 def _ps(rank, world, init, mode, speeds, kw, die=None):
     """One process of a parameter-server run; returns the server's log and model, or the
     worker's iterations."""
@@ -49,7 +55,8 @@ def _ps(rank, world, init, mode, speeds, kw, die=None):
     policy = kw.pop("policy", None)
     if policy is not None and rank == 0:
         kw["policy"] = policy()
-    out = run_ps(mode, _model(), _data(), loss_fn, global_batch=kw.pop("global_batch", 24),
+    model = _bn_model() if kw.pop("bn", False) else _model()
+    out = run_ps(mode, model, _data(), loss_fn, global_batch=kw.pop("global_batch", 24),
                  rank=rank, world_size=world, init_method=init, emulator=emu, **kw)
     if rank == 0:
         s = out["server"]
@@ -331,21 +338,72 @@ def test_worker_refuses_an_emulated_failure():
            emulator=Emulator(disturbances=[Disturbance(2, extra=30.0)]))  # taken
 
 
-def test_a_server_model_with_running_statistics_is_warned_about(caplog):
-    # The server runs no forward pass, so its BatchNorm statistics keep their initial values (a
-    # user audit, session 25: the saved model normalised with mean 0 / var 1 in eval mode).
-    import logging
+@pytest.mark.parametrize("mode,kw", [("lsp", {"l": 2, "m": 1}), ("asp", {})])
+def test_running_statistics_reach_the_server(mode, kw):
+    """The server runs no forward pass; its BatchNorm statistics are the workers' changes added
+    at each update, batch-weighted (a user audit, session 25: they kept their initial values, and
+    the saved model normalised with mean 0 / var 1 in eval mode). Replayed in one process from
+    the log: each update adds sum_k n_k * momentum * (stat_k - base_k) / sum_k n_k, where base_k
+    is the server's statistics at the version member k computed on."""
+    server = unwrap(run(_ps, 3, mode, (1.0, 0.5),
+                        dict(kw, epochs=1, policy=partial(Fixed, [7, 3]), global_batch=10, bn=True),
+                        backend="rpc"))[0]
+    x = _data().tensors[0].double()
+    bn = _bn_model()[0]
+    mean, var = bn.running_mean.double().clone(), bn.running_var.double().clone()
+    versions = [(mean.clone(), var.clone())]  # the server's statistics after each update
+    syncs = [e for e in server["log"] if e["kind"] == "sync"]
+    for e in syncs:
+        dm, dv, off = 0.0, 0.0, 0
+        for n, stale in zip(e["ns"], e["stale"]):
+            m0, v0 = versions[e["version"] - 1 - stale]  # what that member loaded
+            xb = x[e["indices"][off:off + n]]
+            off += n
+            dm = dm + n * 0.1 * (xb.mean(0) - m0)
+            dv = dv + n * 0.1 * (xb.var(0, unbiased=True) - v0)
+        mean, var = mean + dm / e["batch"], var + dv / e["batch"]
+        versions.append((mean.clone(), var.clone()))
+    got = server["model"]
+    assert got["0.running_mean"].abs().max() > 0.01  # moved off its initial zeros
+    torch.testing.assert_close(got["0.running_mean"].double(), mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["0.running_var"].double(), var, rtol=1e-5, atol=1e-6)
+    assert int(got["0.num_batches_tracked"]) == len(syncs)  # one per update, as one large batch
+    if mode == "lsp":
+        assert any(len(e["members"]) == 2 for e in syncs)
+    else:
+        assert any(s > 0 for e in syncs for s in e["stale"])  # stale members replayed too
+
+
+def test_in_process_buffer_checks():
+    """A worker with other buffers is refused at its hello; a push without its buffer changes is
+    malformed; a bool buffer stays the server's."""
+    from hetlb.aggregate import shapes_digest
     from hetlb.sync.ps import ParameterServer
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1))
-    with caplog.at_level(logging.WARNING, logger="hetlb"):
-        ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
-    assert any("1 keep running statistics" in r.getMessage() and "update_bn" in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hetlb"):
-        plain = _model()
-        ParameterServer(plain, torch.optim.SGD(plain.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
-    assert not [r for r in caplog.records if "running statistics" in r.getMessage()]
+    model = _bn_model()
+    model.register_buffer("mask", torch.ones(DIM, dtype=torch.bool))
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
+    with pytest.raises(RuntimeError, match="other buffers"):
+        ps._call(1, {"hello": True, "hardware": {}, "numel": 2 * DIM + DIM + 1,
+                     "buffer_shapes": shapes_digest([torch.zeros(3)])}).wait()
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
+    r = ps._call(1, {"hello": True, "hardware": {}, "buffer_shapes": shapes_digest(list(model.buffers()))}).wait()
+    names = [n for n, _ in model.named_buffers()]
+    assert sorted(names) == ["0.num_batches_tracked", "0.running_mean", "0.running_var", "mask"]
+    assert [tuple(b.shape) for b in r["buffers"]] == [tuple(b.shape) for b in model.buffers()]
+    push = {"grad": torch.zeros(2 * DIM + DIM + 1), "n": 8, "compute": 0.1, "version": 0,
+            "indices": r["indices"]}
+    with pytest.raises(RuntimeError, match="malformed buffer changes"):
+        ps._call(1, push).wait()
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
+    r = ps._call(1, {"hello": True, "hardware": {}}).wait()
+    change = {"0.running_mean": torch.full((DIM,), 0.5), "0.running_var": torch.full((DIM,), -0.25),
+              "0.num_batches_tracked": torch.tensor(1), "mask": None}
+    deltas = [change[n] for n in names]
+    ps._call(1, dict(push, indices=r["indices"], buffers=deltas)).wait()
+    bn = model[0]
+    torch.testing.assert_close(bn.running_mean, torch.full((DIM,), 0.5))
+    torch.testing.assert_close(bn.running_var, torch.full((DIM,), 0.75))
+    assert int(bn.num_batches_tracked) == 1 and bool(model.mask.all())
 
 
 def test_a_dropped_worker_back_after_training_ended_stops_cleanly():

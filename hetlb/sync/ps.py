@@ -43,9 +43,13 @@ Shutdown: when the last epoch ends every worker is answered ``done``, says goodb
 the server waits for the goodbyes (at most ``timeout``) and everyone shuts RPC down without the
 graceful barrier, so a dead worker cannot hang it.
 
-Model buffers (BatchNorm statistics) stay the server's: workers use the server's parameters with
-their own buffers, and only gradients travel, so the server's running statistics keep their
-initial values (a warning says so): recompute them on the trained model before evaluating it.
+Model buffers (BatchNorm's running statistics) travel with the parameters: a worker loads the
+server's buffers with its parameters, and pushes what its forward pass changed in them. An update
+adds the members' changes to the server's buffers, floating ones weighted by batch
+(``sum_k n_k * delta_k / sum_k n_k``: with the pushes of one version, the running statistics of
+the batch-weighted mean of the members' batch statistics), integer ones (``num_batches_tracked``)
+by the largest change (one large batch is one forward pass). Other buffers (bool) stay the
+server's. So the server's model is ready to evaluate, as after DDP training.
 """
 from __future__ import annotations
 
@@ -141,7 +145,8 @@ class ParameterServer:
         log: the server's events (dicts with ``kind``): ``start`` (first sizes), ``push`` (a
             worker's gradient arrived: rank, samples, the version it was computed on),
             ``sync`` (an update: ``type`` limited / flush / global / async, ``members``,
-            ``stale`` updates per member, ``batch``, ``version``, ``epoch``, ``indices``),
+            ``stale`` updates per member, ``ns`` samples per member, ``batch``, ``version``,
+            ``epoch``, ``indices`` in member order),
             ``handout`` (rank, its ``clock`` and the working workers' ``min_clock``, samples),
             ``sizes`` (the policy changed the batches), ``drop``, ``epoch`` (an epoch ended).
         snapshots: ``(version, seconds since the first batch was handed out, flat parameters)``.
@@ -193,14 +198,9 @@ class ParameterServer:
             raise ValueError("ParameterServer: the model has no trainable parameters")
         self._numel = sum(p.numel() for p in self._params)
         self._shapes = shapes_digest(self._params)
-        running = [n or type(model).__name__ for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
-        if running:
-            log.warning("ParameterServer: %s keep running statistics, which only forward passes "
-                        "in training mode update: the workers' copies do, the server's keeps its "
-                        "initial values (only gradients travel). Recompute them on the trained "
-                        "model before evaluating it, e.g. torch.optim.swa_utils.update_bn(loader, "
-                        "model)", ", ".join(running[:4]) + (", ..." if len(running) > 4 else ""))
+        # (running statistics: the workers' forward passes change them, the updates carry it)
+        self._buffers = list(model.buffers())
+        self._buffer_shapes = shapes_digest(self._buffers)
         self._lock = threading.Lock()
         self._finished = threading.Event()
         #: Events: dicts with ``kind`` ``"handout"``, ``"sync"``, ``"drop"``, ``"epoch"``, ``"wait"``.
@@ -372,6 +372,11 @@ class ParameterServer:
                     raise ValueError(f"worker {w + 1}'s model has trainable parameters of other "
                                      f"shapes or dtypes than the server's (both {self._numel} "
                                      f"elements): every rank must build the same model")
+                buffer_shapes = push.get("buffer_shapes")
+                if buffer_shapes is not None and buffer_shapes != self._buffer_shapes:
+                    raise ValueError(f"worker {w + 1}'s model has other buffers (BatchNorm "
+                                     f"statistics) than the server's ({len(self._buffers)}): every "
+                                     f"rank must build the same model")
                 self._hardware[w] = dict(push.get("hardware") or {})
         else:
             held = self._out.pop(w, None)
@@ -388,6 +393,13 @@ class ParameterServer:
                                  f"compute time expected; got "
                                  f"{grad.numel() if isinstance(grad, torch.Tensor) else grad!r} "
                                  f"elements, n = {push.get('n')!r}, compute = {push.get('compute')!r})")
+            deltas = push.get("buffers")
+            if self._buffers and (not isinstance(deltas, (list, tuple)) or len(deltas) != len(self._buffers)
+                                  or any(d is not None and (not isinstance(d, torch.Tensor) or d.shape != b.shape)
+                                         for d, b in zip(deltas, self._buffers))):
+                raise ValueError(f"worker {w + 1} pushed malformed buffer changes (a list of "
+                                 f"{len(self._buffers)} tensors shaped as the model's buffers "
+                                 f"expected, got {type(deltas).__name__})")
             self._pending[w] = push
             self.log.append({"kind": "push", "rank": w + 1, "n": int(push["n"]),
                              "version": int(push["version"]), "time": time.time()})
@@ -465,6 +477,7 @@ class ParameterServer:
             off += n
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._apply_buffers(pushes, total)
         self.version += 1
         if self.snapshot_every and self.version % self.snapshot_every == 0:
             self.snapshots.append((self.version, time.perf_counter() - (self._t0 or 0.0),
@@ -483,12 +496,27 @@ class ParameterServer:
         self.applied[idx] = True
         self.log.append({"kind": "sync", "type": kind, "members": [w + 1 for w in members],
                          "stale": [self.version - 1 - int(p["version"]) for p in pushes],
+                         "ns": [int(p["n"]) for p in pushes],
                          "batch": total, "version": self.version, "epoch": self.epoch,
                          "indices": indices, "time": time.time()})
         self._maybe_record()
         if self.checkpointer is not None and self.checkpoint_every and \
                 self.version % self.checkpoint_every == 0:
             self.checkpointer.save(self._state(), self.version)
+
+    def _apply_buffers(self, pushes: Sequence[Dict[str, Any]], total: int) -> None:
+        """Add the members' buffer changes: floating buffers by the batch-weighted mean, integer
+        ones by the largest (see the module docstring)."""
+        with torch.no_grad():
+            for i, b in enumerate(self._buffers):
+                deltas = [(int(p["n"]), p["buffers"][i]) for p in pushes if p["buffers"][i] is not None]
+                if not deltas:
+                    continue
+                if b.is_floating_point():
+                    acc = sum(d.to(torch.float64) * (n / total) for n, d in deltas)
+                    b.add_(acc.to(b.dtype))
+                else:
+                    b.add_(torch.stack([d.to(b.dtype) for _, d in deltas]).amax(0))
 
     def _working(self) -> np.ndarray:
         return self.alive & ~self._idle
@@ -549,10 +577,11 @@ class ParameterServer:
             self.log.append({"kind": "handout", "rank": w + 1, "clock": int(self.clock[w]),
                              "min_clock": low, "n": len(take), "epoch": self.epoch,
                              "version": self.version, "time": time.time()})
-            params = None
+            params = buffers = None
             if known != self.version:
                 params = parameters_to_vector([p.detach() for p in self._params]).clone()
-            ready.append((fut, {"done": False, "indices": take, "params": params,
+                buffers = [b.detach().clone() for b in self._buffers]
+            ready.append((fut, {"done": False, "indices": take, "params": params, "buffers": buffers,
                                 "version": self.version, "epoch": self.epoch,
                                 "iteration": int(self.clock[w]), "drop_after": self.timeout}))
             changed = True
@@ -668,6 +697,7 @@ class Worker:
         self.link = number(link, "Worker: link", minimum=0.0)
         self.timeout = number(timeout, "Worker: timeout", above=0.0)
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._buffers = list(model.buffers())
         #: Per iteration: samples, compute seconds, seconds waiting for the server.
         self.iterations: List[Dict[str, float]] = []
         self.dropped = False
@@ -684,7 +714,8 @@ class Worker:
     def run(self) -> int:
         """Train until the server says done; the number of iterations this worker ran."""
         hello = {"hello": True, "hardware": hardware_info(),
-                 "numel": sum(p.numel() for p in self._params), "shapes": shapes_digest(self._params)}
+                 "numel": sum(p.numel() for p in self._params), "shapes": shapes_digest(self._params),
+                 "buffer_shapes": shapes_digest(self._buffers)}
         reply = self._call(hello)
         deadline = time.monotonic() + self.timeout
         while reply.get("reason") == "no server running" and time.monotonic() < deadline:
@@ -695,7 +726,10 @@ class Worker:
             if reply["params"] is not None:
                 with torch.no_grad():
                     vector_to_parameters(reply["params"], self._params)
+                    for b, v in zip(self._buffers, reply.get("buffers") or []):
+                        b.copy_(v)
                 version = int(reply["version"])
+            base = [b.detach().clone() for b in self._buffers]
             idx = reply["indices"]
             handed = time.monotonic()
             x, y = self.collate_fn([self.dataset[i] for i in idx])
@@ -713,7 +747,8 @@ class Worker:
             held = time.monotonic() - handed
             try:
                 reply = self._call({"grad": grad.detach(), "n": len(idx), "compute": compute,
-                                    "version": version, "indices": idx})
+                                    "version": version, "indices": idx,
+                                    "buffers": [_change(b, b0) for b, b0 in zip(self._buffers, base)]})
             except RuntimeError as e:
                 drop_after = reply.get("drop_after")
                 if drop_after is None or held <= drop_after:
@@ -735,6 +770,14 @@ class Worker:
         except RuntimeError:
             pass  # the server is gone already
         return len(self.iterations)
+
+
+def _change(buffer: torch.Tensor, before: torch.Tensor) -> Optional[torch.Tensor]:
+    """What one iteration changed in a buffer (None: a buffer that is neither floating nor
+    integer, e.g. a bool mask, which the server keeps as it is)."""
+    if buffer.is_floating_point() or (not buffer.is_complex() and buffer.dtype != torch.bool):
+        return (buffer.detach() - before).cpu()
+    return None
 
 
 def run_ps(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
