@@ -86,3 +86,42 @@ def test_fl_rounds_are_sized_by_the_largest_client():
     small, large = unwrap(run(_fl_uneven, 2))
     assert small["rounds"] == large["rounds"] == 4 and small["steps"] == large["steps"] == 8
     assert small["passes"] == 4 and large["passes"] == 1
+
+
+class _Dicts(torch.utils.data.Dataset):
+    """Samples as dicts: torch's default collate makes a dict of them, which the loss cannot
+    take, so a mode that drops the user's collate_fn fails."""
+
+    def __init__(self):
+        self.x, self.y = _data().tensors
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def _pairs(samples):
+    return (torch.stack([s["x"] for s in samples]), torch.stack([s["y"] for s in samples]))
+
+
+def _collate(rank, world, mode, init=None):
+    import hetlb
+    kw = {} if init is None else {"rank": rank, "world_size": world, "init_method": init}
+    out = hetlb.sync.train(mode, _model(), _Dicts(), _loss, global_batch=16, epochs=1,
+                           collate_fn=_pairs, **kw)
+    return out["updates"]
+
+
+def _collate_rpc(rank, world, init, mode):
+    return _collate(rank, world, mode, init)
+
+
+@pytest.mark.parametrize("mode", ["bsp", "delayed", "localsgd", "fl", "ssp"])
+def test_collate_fn_reaches_every_mode(mode):
+    if mode == "ssp":
+        updates = unwrap(run(_collate_rpc, 3, mode, backend="rpc"))
+    else:
+        updates = unwrap(run(_collate, 2, mode))
+    assert all(u > 0 for u in updates)

@@ -692,6 +692,8 @@ class Worker:
                                  f"with {list(emulator.failures)}: drop fail=True, or emulate a "
                                  f"dead worker with Disturbance(start, extra=seconds) longer than "
                                  f"the server's timeout (the server drops it and moves its share)")
+        if not callable(collate_fn):
+            raise ValueError(f"Worker: collate_fn must be callable, got {collate_fn!r}")
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.emulator, self.collate_fn, self.server = emulator, collate_fn, server
         self.link = number(link, "Worker: link", minimum=0.0)
@@ -785,13 +787,15 @@ def run_ps(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *
            global_batch: int, epochs: int = 1, rank: Optional[int] = None,
            world_size: Optional[int] = None, init_method: str = "env://",
            emulator: Optional[Emulator] = None, link: float = 0.0,
-           worker_timeout: float = 600.0, **server_kw: Any) -> Dict[str, Any]:
+           worker_timeout: float = 600.0, collate_fn: Callable = default_collate,
+           **server_kw: Any) -> Dict[str, Any]:
     """Run parameter-server training on this process: rank 0 serves, the others work.
 
     Initialises RPC (``init_method``, ``rank`` and ``world_size`` default to torchrun's
     environment), runs, and shuts RPC down without the graceful barrier (a dead worker cannot
     hang it). ``optimizer`` builds the server's optimizer from the model's parameters (default
-    SGD, lr 0.1). Returns on rank 0 ``{"server": ParameterServer}`` (its ``log``, ``model``), on
+    SGD, lr 0.1); ``collate_fn`` builds a worker's batch from ``[dataset[i] for i in indices]``
+    and must return ``(input, target)``. Returns on rank 0 ``{"server": ParameterServer}`` (its ``log``, ``model``), on
     workers ``{"worker": Worker}``.
     """
     rank = int(os.environ["RANK"]) if rank is None else integer(rank, "run_ps: rank", 0)
@@ -816,7 +820,7 @@ def run_ps(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *
             server.serve()
             return {"server": server}
         worker = Worker(model, dataset, loss_fn, rank, emulator=emulator, link=link,
-                        timeout=worker_timeout)
+                        timeout=worker_timeout, collate_fn=collate_fn)
         worker.run()
         return {"worker": worker}
     finally:

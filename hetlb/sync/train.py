@@ -53,7 +53,8 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *, global_batch: int,
           epochs: int = 1, optimizer: Optional[Optim] = None, policy: Any = None,
-          emulator: Optional[Emulator] = None, seed: int = 0, **options: Any) -> Dict[str, Any]:
+          emulator: Optional[Emulator] = None, seed: int = 0, collate_fn: Optional[Callable] = None,
+          **options: Any) -> Dict[str, Any]:
     """Train ``model`` on ``dataset`` in ``mode`` (call on every rank, e.g. under torchrun).
 
     Args:
@@ -71,6 +72,8 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
             parameter-server modes: default WLBS for ``lsp``, equal split otherwise).
         emulator: emulated heterogeneity of this rank.
         seed: seed of the sample order.
+        collate_fn: builds a batch ``(input, target)`` from a list of samples, in every mode
+            (default: torch's ``default_collate``).
         options: passed on: ``bsp`` to :class:`hetlb.Balancer`, ``delayed`` to
             :class:`hetlb.DelayedSync`, the parameter-server modes to
             :func:`hetlb.sync.ps.run_ps` (``l``, ``m``, ``staleness``, ``timeout``, ...),
@@ -102,13 +105,16 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
     if not callable(make):
         raise ValueError(f"train: optimizer must be a callable params -> torch.optim.Optimizer, "
                          f"got {optimizer!r}")
+    if collate_fn is not None and not callable(collate_fn):
+        raise ValueError(f"train: collate_fn must be callable, got {collate_fn!r}")
+    loader_kw = {} if collate_fn is None else {"collate_fn": collate_fn}
     t0 = time.perf_counter()
     if mode in ("lsp", "ssp", "asp"):
         from .ps import run_ps
         if policy is not None:
             options["policy"] = policy
         out = run_ps(mode, model, dataset, loss_fn, optimizer=make, global_batch=global_batch,
-                     epochs=epochs, emulator=emulator, seed=seed, **options)
+                     epochs=epochs, emulator=emulator, seed=seed, **loader_kw, **options)
         updates = out["server"].version if "server" in out else len(out["worker"].iterations)
         return {"mode": mode, "model": model, "seconds": time.perf_counter() - t0,
                 "updates": updates, **out}
@@ -121,7 +127,7 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         bal = Balancer(ddp, global_batch, policy=policy if policy is not None else LBB(),
                        emulator=emulator, **options)
-        loader = bal.loader(dataset, seed=seed)
+        loader = bal.loader(dataset, seed=seed, **loader_kw)
         opt = make(ddp.parameters())
         updates = 0
         for epoch in range(epochs):
@@ -142,7 +148,7 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
         opt = local_sgd(ddp, make(ddp.parameters()), period, **options)
         sampler = torch.utils.data.DistributedSampler(dataset, world, rank, seed=seed)
         loader = torch.utils.data.DataLoader(dataset, batch_size=max(global_batch // world, 1),
-                                             sampler=sampler)
+                                             sampler=sampler, **loader_kw)
         updates = 0
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
@@ -173,7 +179,7 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
         batch = max(global_batch // world, 1)
         fed = Federated(model, make(model.parameters()), local_steps, batch, emulator=emulator,
                         **options)
-        loader = fed.loader(dataset, indices, seed=seed)
+        loader = fed.loader(dataset, indices, seed=seed, **loader_kw)
         # Every client runs the same number of rounds (the all-reduce needs all of them): the
         # largest client's data, `epochs` times over, at the mean batch.
         mine = torch.tensor([len(indices)], dtype=torch.int64)
@@ -191,7 +197,7 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
     ref = max(global_batch // world, 1)
     opt = make(model.parameters())
     ds = DelayedSync(model, opt, ref, emulator=emulator, **options)
-    loader = ds.loader(dataset, seed=seed)
+    loader = ds.loader(dataset, seed=seed, **loader_kw)
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         for x, y in loader:
