@@ -155,10 +155,13 @@ def _check_model(model: torch.nn.Module, is_ddp: bool, accumulate: int) -> None:
             f"assertion): build the DDP model with static_graph=False")
 
 
-def _take_over(model: torch.nn.Module) -> None:
+def _take_over(model: torch.nn.Module, keep: int) -> None:
     """Remove an earlier Balancer's forward check from a plain module (one process, no
-    communication hook): the new Balancer's board is the one its batches follow from now on."""
-    for key in [k for k, h in model._forward_pre_hooks.items() if isinstance(h, _StepGate)]:
+    communication hook): the new Balancer's board (its gate's handle id ``keep``) is the one its
+    batches follow from now on. Called once the new Balancer is accepted: a refused one leaves
+    the earlier one working."""
+    for key in [k for k, h in model._forward_pre_hooks.items()
+                if isinstance(h, _StepGate) and k != keep]:
         ends = model._forward_pre_hooks[key].ends
         if ends is not None:  # (else the old telemetry stays held by the parameters' hooks)
             ends.remove()
@@ -574,8 +577,6 @@ class Balancer:
             else:
                 self.board = PlanBoard(self.world, self.rank, global_batch, self.accumulate)
             self.board.lower = np.asarray(self.context.lower, dtype=np.int64).copy()
-            if not is_ddp:
-                _take_over(model)
             self._gate = model.register_forward_pre_hook(
                 _StepGate(self.board, self.telemetry, batch_dim, ends), with_kwargs=True)
 
@@ -623,6 +624,8 @@ class Balancer:
                 self._bind(loader)
             if watchdog is not None and self.distributed:
                 watchdog.attach_to(group)
+            if not is_ddp:
+                _take_over(model, keep=self._gate.id)
         except (ValueError, TypeError) as e:
             if not self.__dict__.get("_exchanged", False):
                 refuse_everywhere(e, group, self.__dict__.get("_refusal_side"))

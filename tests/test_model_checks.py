@@ -56,6 +56,26 @@ def test_a_new_balancer_takes_over_a_plain_module():
     assert new.steps == 2 and len(train_one[0]) == 8
 
 
+def test_a_refused_balancer_leaves_the_earlier_one_its_check():
+    # Before: the refused Balancer had already taken the module over, so the earlier one lost
+    # its forward check and end-of-backward hooks (a session-25 note).
+    model = torch.nn.Linear(3, 1)
+    old = hetlb.Balancer(model, 4, policy=hetlb.Uniform())
+    loader = hetlb.DataLoader(dataset(8), batch_size=4)
+    with pytest.raises(ValueError, match="sample_sizes|per-sample sizes"):
+        hetlb.Balancer(model, 4, policy=hetlb.Uniform(), weighting="sizes", loader=loader)
+    gates = list(model._forward_pre_hooks.values())
+    assert len(gates) == 1 and gates[0].board is old.board
+    mine = old.loader(dataset(8))
+    for x, y in mine:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert old.steps == 2 and (old.history.column("compute") > 0).all()
+    mine.set_epoch(1)
+    with pytest.raises(hetlb.BatchSizeError):  # its check still runs
+        for x, y in mine:
+            model(x[:1])
+
+
 def test_balancers_made_again_on_a_plain_module_do_not_pile_up_hooks():
     # Before: each new Balancer left the old one's end-of-backward hooks (and its telemetry) on
     # the parameters, one more per Balancer made.
