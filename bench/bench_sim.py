@@ -20,7 +20,13 @@ up to K while they hold still. Reported: total virtual time and its ratio to the
 mean step over the last half, the exchanges (all, and in the last half), and the policy's wall
 time.
 
-    python bench/bench_sim.py [--part scale agree exchange] [--exchange-every 1 16 16a] [--out F]
+Part ``quadratic``: attention-bound work (a sample's work ``s + c*s^2``, the scenario's
+``"quadratic"``) scheduled by the paper's linear Chronica against ``Chronica(quadratic=c)`` and
+``quadratic="fit"`` (opt-in), side by side in virtual time: 4 workers 1:2:3:4, ``2 ms + 2 us *
+work / speed``, lengths lognormal(4.5, 1) clipped to 16-1024 (``bench_chronica.py --part
+quadratic``'s emulated setting), per global batch and seed, the mean step after the first 100.
+
+    python bench/bench_sim.py [--part scale agree exchange quadratic] [--exchange-every 1 16 16a] [--out F]
 """
 from __future__ import annotations
 
@@ -177,9 +183,31 @@ def part_exchange(everies: List[str], policies: List[str], first_policy: bool = 
     return lines
 
 
+def part_quadratic(batches: List[int], seeds: int, steps: int) -> List[str]:
+    import hetlb
+    from hetlb.sim import simulate
+    from hetlb.sim.scenario import Scenario
+    lines = ["### Chronica on attention-bound work in the simulator (c = 0.01)", "",
+             "| global batch | seed | linear Chronica (paper), mean step ms | quadratic=0.01 (x linear) "
+             "| quadratic='fit' (x linear) | lbb (x linear) |", "|---:|---:|---:|---:|---:|---:|"]
+    for gb in batches:
+        for seed in range(seeds):
+            sc = Scenario.from_dict({
+                "name": "attention", "global_batch": gb, "steps": steps, "steps_per_epoch": 100,
+                "work": "data", "quadratic": 0.01, "seed": seed,
+                "samples": {"kind": "lognormal", "mean": 4.5, "sigma": 1.0, "min": 16, "max": 1024},
+                "workers": [{"model": [0.002, 2e-6], "speed": v} for v in (1, 2, 3, 4)]})
+            t = [float(simulate(sc, p).step_time[100:].mean()) for p in
+                 (hetlb.Chronica(), hetlb.Chronica(quadratic=0.01), hetlb.Chronica(quadratic="fit"), "lbb")]
+            lines.append(f"| {gb} | {seed} | {1e3 * t[0]:.2f} | {t[1] / t[0]:.3f} | {t[2] / t[0]:.3f} | "
+                         f"{t[3] / t[0]:.3f} |")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", nargs="+", choices=["scale", "agree", "exchange"], default=["scale", "agree"])
+    p.add_argument("--part", nargs="+", choices=["scale", "agree", "exchange", "quadratic"],
+                   default=["scale", "agree"])
     p.add_argument("--exchange-every", nargs="+", default=["1", "4", "16", "16a"],
                    help="the k values of part exchange (the first is the baseline); Ka: adaptive")
     p.add_argument("--policies", nargs="+", default=["lbb", "lbbsp", "wlbs", "dbs"],
@@ -200,7 +228,9 @@ def main() -> None:
     if "agree" in args.part:
         lines += part_agree("lbb-disturbance", 80, 30) + [""]
     if "exchange" in args.part:
-        lines += part_exchange(args.exchange_every, args.policies, args.against_first_policy)
+        lines += part_exchange(args.exchange_every, args.policies, args.against_first_policy) + [""]
+    if "quadratic" in args.part:
+        lines += part_quadratic([32, 256], 3, 400)
     emit(lines, args.out)
 
 

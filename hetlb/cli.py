@@ -245,10 +245,24 @@ def _simulate(args: argparse.Namespace) -> int:
             raise CLIError(f"--chronica-hold must be in [0, 1), got {hold}")
         if not any(_policy_key(p) == "chronica" for p in policies):
             raise CLIError("--chronica-hold sets Chronica(hold=H): add chronica to --policy")
+    quad = args.chronica_quadratic
+    if quad is not None:
+        if quad != "fit":
+            try:
+                quad = float(quad)
+            except ValueError:
+                raise CLIError(f"--chronica-quadratic must be a number >= 0 or 'fit', got {quad!r}") from None
+            if not (quad >= 0.0 and math.isfinite(quad)):
+                raise CLIError(f"--chronica-quadratic must be a number >= 0 or 'fit', got {quad}")
+        if not any(_policy_key(p) == "chronica" for p in policies):
+            raise CLIError("--chronica-quadratic sets Chronica(quadratic=C): add chronica to --policy")
     results = []
     for p in policies:
-        if hold is not None and _policy_key(p) == "chronica":
-            p = make_policy(p, hold=hold)
+        if _policy_key(p) == "chronica" and (hold is not None or quad is not None):
+            kw = {"hold": hold} if hold is not None else {}
+            if quad is not None:
+                kw["quadratic"] = quad
+            p = make_policy(p, **kw)
         results.append(simulate(sc, p, steps, profile=args.profile, seed=args.seed,
                                 progress=not args.json, exchange_every=args.exchange_every,
                                 adaptive_exchange=args.adaptive_exchange))
@@ -567,6 +581,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Chronica(hold=H) for --policy chronica (opt-in, not in the paper): keep its "
                          "rule while refits move every rank's predicted time by at most H of the "
                          "step, so --adaptive-exchange blocks can grow")
+    sm.add_argument("--chronica-quadratic", metavar="C",
+                    help="Chronica(quadratic=C) for --policy chronica (opt-in): a sample's work is "
+                         "s + C*s^2, or 'fit' to fit C per rank (a scenario's own \"quadratic\" "
+                         "makes the simulated work so)")
     sm.add_argument("--plot", help="write a PNG of step times and batch sizes")
     sm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sm.set_defaults(func=_simulate)

@@ -191,7 +191,7 @@ def _profiles(sc: Scenario, idx: np.ndarray) -> List[Dict[str, Any]]:
     distribution)."""
     per_sample = 1.0
     if sc.work == "data" and sc.samples is not None:
-        per_sample = float(sc.samples.draw(np.random.default_rng(0), 100_000).mean())
+        per_sample = float(sc.work_of(sc.samples.draw(np.random.default_rng(0), 100_000)).mean())
     tried = [2 ** k for k in range(1, max(1, (sc.global_batch - 1).bit_length()) + 1)]
     out = []
     for w in idx.tolist():
@@ -361,22 +361,26 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         amounts = sc.samples.draw(size_rng, sc.global_batch) if sc.samples is not None else None
         if isinstance(dec, ScheduleRule):  # size-aware: the step's samples by estimated time
             t0 = time.perf_counter()
-            owner = schedule(np.ones(sc.global_batch) if amounts is None else amounts,
+            owner = schedule(np.ones(sc.global_batch) if amounts is None else dec.work(amounts),
                              dec.slope, dec.intercept, cap=dec.cap,
                              first=dec.first(sc.seed if seed is None else seed, k // sc.steps_per_epoch,
                                              k, sc.global_batch))
             assign += time.perf_counter() - t0
             b = np.bincount(owner, minlength=n).astype(np.int64)
             data = b.astype(np.float64) if amounts is None else np.bincount(owner, amounts, minlength=n)
+            sq = None if amounts is None else np.bincount(owner, amounts * amounts, minlength=n)
         else:  # contiguous slices of the step's samples, as the loader cuts them
             b = np.asarray(dec, np.int64)
             if amounts is None:
-                data = b.astype(np.float64)
+                data, sq = b.astype(np.float64), None
             else:
                 ends = np.cumsum(b)
                 csum = np.concatenate([[0.0], np.cumsum(amounts)])
                 data = csum[ends] - csum[ends - b]
-        x = data if sc.work == "data" else b
+                csq = np.concatenate([[0.0], np.cumsum(amounts * amounts)])
+                sq = csq[ends] - csq[ends - b]
+        # a rank's work: its data, plus the quadratic term of its samples (sc.work_of, summed)
+        x = (data + sc.quadratic * sq if sc.quadratic else data) if sc.work == "data" else b
         over = np.flatnonzero(b > cl.limit[idx])
         if over.size:
             w = int(idx[over[0]])
@@ -419,7 +423,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         rec = StepRecord(step=k, epoch=k // sc.steps_per_epoch,
                          epoch_end=(k + 1) % sc.steps_per_epoch == 0, batch=b.copy(),
                          compute=reported, data=data, memory=rec_mem, cpu=cpu,
-                         predicted=pred)
+                         predicted=pred, sq=sq)
         t0 = time.perf_counter()
         block.append(rec)
         nxt = pending[-1]  # inside a block the sizes are kept

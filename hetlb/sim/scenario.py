@@ -51,7 +51,9 @@ Schema (JSON object; unknown keys are errors, which name the field)::
 (``mean``, ``std``), ``lognormal`` (``mean`` and ``sigma`` of the log) or ``constant``
 (``mean``), clipped to ``[min, max]`` (default ``[0, inf)``) and rounded when ``round`` is true
 (default). With ``"work": "data"`` a worker's time model is a function of the data amount it
-gets (CHRONICA's ``T = a * size + b``), else of its sample count. A size-aware policy
+gets (CHRONICA's ``T = a * size + b``), else of its sample count. ``"quadratic": c`` (with
+``"work": "data"``, default 0) makes a sample's work ``s + c * s^2`` (attention-bound models: what
+``Chronica(quadratic=...)`` models), and each step's records carry the summed squared sizes. A size-aware policy
 (:class:`hetlb.Chronica`) then assigns each step's samples with :func:`hetlb.schedule`; other
 policies take contiguous slices of the step's samples, as the loader does.
 
@@ -382,7 +384,7 @@ def _network(d: Any, where: str) -> Network:
 
 
 _SCENARIO_KEYS = ("name", "description", "global_batch", "steps", "steps_per_epoch", "lower",
-                  "seed", "lag", "workers", "network", "events", "samples", "work")
+                  "seed", "lag", "workers", "network", "events", "samples", "work", "quadratic")
 
 SAMPLE_KINDS = ("normal", "lognormal", "constant")
 
@@ -463,6 +465,12 @@ class Scenario:
     description: str = ""
     samples: Optional[Samples] = None
     work: str = "batch"
+    quadratic: float = 0.0
+
+    def work_of(self, sizes: np.ndarray) -> np.ndarray:
+        """Each sample's work: its size, plus ``quadratic`` times its square."""
+        sizes = np.asarray(sizes, np.float64)
+        return sizes + self.quadratic * sizes * sizes if self.quadratic else sizes
 
     @property
     def world(self) -> int:
@@ -496,11 +504,15 @@ class Scenario:
                 lower=_int(d, "lower", where, 1, minimum=0), seed=_int(d, "seed", where, 0),
                 lag=_int(d, "lag", where, 0), name=d.get("name", ""),
                 description=d.get("description", ""),
-                samples=_samples(d.get("samples"), f"{where}.samples"), work=d.get("work", "batch"))
+                samples=_samples(d.get("samples"), f"{where}.samples"), work=d.get("work", "batch"),
+                quadratic=_num(d, "quadratic", where, 0.0, minimum=0.0))
         if s.work not in ("batch", "data"):
             raise ScenarioError(f"{where}.work: expected 'batch' or 'data', got {s.work!r}")
         if s.work == "data" and s.samples is None:
             raise ScenarioError(f"{where}.work: 'data' needs a samples distribution ({where}.samples)")
+        if s.quadratic and s.work != "data":
+            raise ScenarioError(f"{where}.quadratic: a sample's quadratic work needs \"work\": \"data\" "
+                                f"(the time models then take each rank's summed work), got work={s.work!r}")
         s.check(where)
         return s
 
@@ -535,7 +547,7 @@ class Scenario:
             first = max(1, self.lower)  # a worker never gets a non-empty batch below lower
             top = min(w.limit or self.global_batch, self.global_batch)
             if self.work == "data" and self.samples is not None:
-                top = top * float(self.samples.draw(np.random.default_rng(0), 4096).max())
+                top = top * float(self.work_of(self.samples.draw(np.random.default_rng(0), 4096)).max())
                 first = 1  # (a data amount: any sample may be small)
             x = np.unique(np.concatenate([np.arange(first, min(top, first + 4095.0) + 1),
                                           np.round(np.linspace(first, max(top, first), 4096))]))
@@ -554,7 +566,8 @@ class Scenario:
                 "steps": self.steps, "steps_per_epoch": self.steps_per_epoch, "lower": self.lower,
                 "seed": self.seed, "lag": self.lag, "workers": [w.to_dict() for w in self.workers],
                 "network": self.network.to_dict(), "events": [e.to_dict() for e in self.events],
-                "samples": None if self.samples is None else self.samples.to_dict(), "work": self.work}
+                "samples": None if self.samples is None else self.samples.to_dict(), "work": self.work,
+                "quadratic": self.quadratic}
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         with open(path, "w", encoding="utf-8") as f:
