@@ -588,6 +588,7 @@ class Balancer:
             self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
             self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
             self._window_param: Optional[torch.Tensor] = None  # see _check_window_kept
+            self._synced_grad: Optional[tuple] = None  # see _check_window_taken
             self._last_sizes: Optional[np.ndarray] = None  # the sizes of the last step done
             self._micro = 0  # micro-steps without a loader (window position)
             self._window_data = 0.0
@@ -892,6 +893,8 @@ class Balancer:
                                "and weights the whole window exactly")
         if plan.window_pos > 0:
             self._check_window_kept(plan)
+        elif self._synced_grad is not None:
+            self._check_window_taken(plan)
         self._begin(plan, explicit=True)
         self._in_with = True
         local = not plan.window_end and isinstance(self.model, DistributedDataParallel)
@@ -908,6 +911,9 @@ class Balancer:
             self._ended = plan.sizes
         if plan.window_end:
             self._finish()
+            if self.accumulate > 1:  # the next window must start from cleared gradients
+                p = next((p for p in self.model.parameters() if p.grad is not None), None)
+                self._synced_grad = None if p is None else (p, p.grad, p.grad._version, plan)
         else:
             t = time.perf_counter()
             self.telemetry.stamp(end_window=False)
@@ -934,6 +940,23 @@ class Balancer:
                 f"ran under ddp.no_sync(), so an optimizer step there updates each rank's copy "
                 f"with its own gradient and the copies drift apart: step the optimizer and zero "
                 f"the gradients only when bal.synced is True")
+
+    def _check_window_taken(self, plan: StepPlan) -> None:
+        """The first micro-step of a window: the previous window's synchronised gradient must
+        have been taken (``optimizer.step()`` then ``zero_grad()``), or it would be added to this
+        window's and applied again. A loop that steps on its own count of micro-steps instead of
+        ``bal.synced`` does this at an epoch's end, whose last windows may be shorter."""
+        p, g, version, done = self._synced_grad
+        self._synced_grad = None
+        if p.grad is g and g._version == version:
+            raise RuntimeError(
+                f"hetlb: the gradient of the accumulation window that ended at step {done.step} of "
+                f"epoch {done.epoch} (it was synchronised there: bal.synced was True) is still in "
+                f"the parameters as step {plan.step} starts a new window, so it would be added to "
+                f"this window's and applied twice. Step the optimizer and zero the gradients "
+                f"whenever bal.synced is True after bal.step(), not on a count of micro-steps: an "
+                f"epoch's last windows can be shorter than accumulate={self.accumulate} (its short "
+                f"last step is a window of its own)")
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor] = None,
                  **kwargs: Any) -> None:
@@ -1375,6 +1398,7 @@ class Balancer:
             self._discard()
         self._consumed = None
         self._ended = None
+        self._synced_grad = None
         self._partials.clear()
         self._block = []
         self._ship_next = True

@@ -226,6 +226,8 @@ def _sizes_after_the_step(rank, world, accumulate):
         with bal.step():
             torch.nn.functional.mse_loss(ddp(x), y).backward()
         seen.append((len(x), int(bal.batch_sizes[rank])))
+        if bal.synced:  # (where an optimizer would step: gradients are not kept across windows)
+            ddp.zero_grad()
     return seen
 
 
