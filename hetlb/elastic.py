@@ -23,6 +23,7 @@ import datetime
 import importlib
 import logging
 import os
+import socket
 import time
 import uuid
 from typing import Any, Optional
@@ -130,6 +131,13 @@ def _fresh_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dis
 
 def _connect(addr: str, port: int, world_size: int, token: str) -> Optional[dist.TCPStore]:
     """A client of the store at ``addr:port`` if it is live and holds ``token``, else None."""
+    try:
+        # A plain connection first: where nothing listens (a dead attempt's store) it fails at
+        # once and quietly, where a TCPStore client retries until its timeout and logs each try
+        # with a C++ stack trace.
+        socket.create_connection((addr, port), timeout=_PROBE_S).close()
+    except OSError:
+        return None
     try:
         client = dist.TCPStore(addr, port, world_size, is_master=False,
                                timeout=datetime.timedelta(seconds=_PROBE_S))

@@ -246,3 +246,24 @@ def test_a_stuck_worker_is_named_and_the_job_restarts(tmp_path, reference):
     for e, seen in enumerate(epochs):
         assert seen == list(range(96)), f"epoch {e}"
     same_model(tmp_path, reference)
+
+
+def test_probing_a_dead_attempt_s_store_is_quick_and_quiet(capfd):
+    # A restarted group probes the store address the failed attempt left; a TCPStore client
+    # retried there until its timeout and logged each try with a C++ stack trace (a user audit,
+    # session 26: about 40 lines and 4 s per restart).
+    from hetlb.elastic import _connect
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    t = time.perf_counter()
+    assert _connect("127.0.0.1", port, 2, "token") is None
+    assert time.perf_counter() - t < 1.0
+    err = capfd.readouterr().err
+    assert "socket.cpp" not in err and "frame #" not in err, err[:500]
+    # a live store holding the token is still found
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    store.set("hetlb/token", "token")
+    client = _connect("127.0.0.1", store.port, 2, "token")
+    assert client is not None and client.get("hetlb/token") == b"token"
+    assert _connect("127.0.0.1", store.port, 2, "other") is None
