@@ -1355,9 +1355,15 @@ class Balancer:
                              f"Balancer.state_dict() or loader.state_dict()")
         gb = checks.integer(state["global_batch"], "checkpoint global_batch", 1)
         if gb != self.global_batch:
+            saved_world = state.get("world")
+            hint = ""
+            if saved_world is not None and int(saved_world) != self.world:
+                hint = (f" (saved on {int(saved_world)} ranks, now {self.world}: a per-rank "
+                        f"batch_size= times the world makes another global batch)")
             raise ValueError(f"checkpoint global_batch={state['global_batch']!r} differs from this "
-                             f"Balancer's global_batch={self.global_batch}: a run resumes with the "
-                             f"global batch it was saved with (another world size is fine)")
+                             f"Balancer's global_batch={self.global_batch}{hint}: a run resumes with "
+                             f"the global batch it was saved with (another world size is fine): make "
+                             f"the Balancer with global_batch={gb}")
         acc = checks.integer(state.get("accumulate", 1), "checkpoint accumulate", 1)
         if acc != self.accumulate:
             raise ValueError(f"checkpoint accumulate={state.get('accumulate')!r} differs from this "

@@ -37,13 +37,14 @@ class CLIError(Exception):
 # ------------------------------------------------------------------------------------- helpers
 
 
-def _ints(text: str, what: str) -> List[int]:
+def _ints(text: str, what: str, minimum: int = 0) -> List[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise CLIError(f"{what}: expected an integer or comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 0 for v in vals):
-        raise CLIError(f"{what}: expected non-negative integers, got {text!r}")
+    if not vals or any(v < minimum for v in vals):
+        kind = "non-negative" if minimum == 0 else "positive" if minimum == 1 else f">= {minimum}"
+        raise CLIError(f"{what}: expected {kind} integers, got {text!r}")
     return vals
 
 
@@ -166,6 +167,10 @@ def _plan(args: argparse.Namespace) -> int:
         upper = up * len(models) if len(up) == 1 else up
     if upper is not None:
         upper = [min(u, global_batch) for u in upper]
+        if sum(upper) < global_batch:
+            where = "--upper" if args.upper is not None else "the workers' memory limits"
+            raise CLIError(f"{where}: the bounds sum to {sum(upper)}, below --global-batch "
+                           f"{global_batch}: raise them or lower --global-batch")
     try:
         splits = compare_splits(models, global_batch, upper=upper)
     except ValueError as e:
@@ -332,6 +337,9 @@ def _plot_sim(results: List[Any], path: str, sc: Any) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import plot_demo, run_demo
     policies = [p for p in args.policy.split(",") if p.strip()]
+    for flag, value, low in (("--epochs", args.epochs, 1), ("--min-steps", args.min_steps, 0)):
+        if value is not None and value < low:
+            raise CLIError(f"{flag} must be >= {low}, got {value}")
     try:
         res = run_demo(args.cluster, policies, epochs=args.epochs, progress=not args.json,
                        min_steps=args.min_steps)
@@ -407,7 +415,15 @@ def _profile(args: argparse.Namespace) -> int:
         raise CLIError(f"{args.workload} must return (model, loss_fn, make_batch); got {type(made).__name__}")
     model, loss_fn, make_batch = made
 
-    sizes = None if args.batch_sizes is None else _ints(args.batch_sizes, "--batch-sizes")
+    if args.repeats < 1:
+        raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
+    if not 0 <= args.trim < args.repeats:
+        raise CLIError(f"--trim (the slowest timings dropped per size, default 1) must be in "
+                       f"[0, --repeats), got --trim {args.trim} with --repeats {args.repeats}: pass "
+                       f"--trim 0, or --repeats {args.trim + 1} or more")
+    if args.max_batch < 1:
+        raise CLIError(f"--max-batch must be >= 1, got {args.max_batch}")
+    sizes = None if args.batch_sizes is None else _ints(args.batch_sizes, "--batch-sizes", minimum=1)
     planned = sizes or [2 ** k for k in range(1, 31) if 2 ** k <= args.max_batch]
     bar = None
     if not args.json:

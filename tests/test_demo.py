@@ -36,7 +36,7 @@ def test_shortened_demo_matches_uniform_and_balances(capsys, caplog, tmp_path):
     (["demo", "--cluster", "lbbsp-cluster-a"], "hetlb simulate lbbsp-cluster-a"),
     (["demo", "--policy", "uniform,best"], "unknown policies"),
     (["demo", "--epochs", "0"], "epochs must be >= 1"),
-    (["demo", "--min-steps", "-1"], "min_steps must be >= 0"),
+    (["demo", "--min-steps", "-1"], "--min-steps must be >= 0, got -1"),
 ])
 def test_demo_errors_before_spawning(capsys, argv, message):
     assert main(argv) == 2
