@@ -713,6 +713,12 @@ class Balancer:
                 f"when its indices are, so every rank must draw them equally far ahead. Pass the "
                 f"same num_workers and prefetch_factor (or products equal) to bal.loader on every rank")
         d = self._decision
+        if isinstance(d, ScheduleRule) and d.cap is not None and loader.board.partition is not None:
+            # (a sharded step takes each rank's samples from its own shard: no schedule, no cap)
+            raise ValueError("a size-aware policy's cap= (Chronica(cap=...)) cannot bound a sharded "
+                             "loader's steps (partition=): each rank's samples come from its own "
+                             "shard, not from the scheduler that keeps to the caps. Drop cap= or "
+                             "partition=")
         if isinstance(d, ScheduleRule) and d.cap is not None and loader.sample_sizes is not None:
             # Checked here, not when the sample's step comes (possibly hours in); every rank has
             # the same sizes (agreed above), so every rank raises.
@@ -721,6 +727,13 @@ class Balancer:
                 raise ValueError(f"sample {big} (size {loader.sample_sizes[big]:g}) fits in no "
                                  f"rank's cap (largest {d.cap.max():g}): its step would fail. "
                                  f"Raise the policy's cap= or drop the sample from the dataset")
+            step = min(self.global_batch, loader.sample_sizes.size)
+            worst = float(np.sum(np.partition(loader.sample_sizes, -step)[-step:])) if step else 0.0
+            if worst > float(d.cap.sum()):
+                log.warning("a step of the %d largest samples would total %g, more than the ranks' "
+                            "caps hold together (%g): a step that draws enough of them fails with "
+                            "an error when it comes. Raise the policy's cap= or lower the global "
+                            "batch to rule it out", step, worst, float(d.cap.sum()))
         if self._pending_check is not None:  # a checkpoint loaded before this loader existed
             check_loader_config(self._pending_check, loader.sampler.config())
             self._pending_check = None

@@ -507,6 +507,50 @@ def test_a_sample_larger_than_every_cap_is_refused_at_the_loader():
     assert unwrap(run(cap_worker, 2, 30.0)) == [5, 5]
 
 
+def cap_total_worker(rank, world, cap, partition):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sizes = np.full(40, 5.0)
+    sizes[:8] = 30.0  # the first step (shuffle=False) totals 240
+    ds = torch.utils.data.TensorDataset(torch.arange(40).double()[:, None])
+    ddp = DDP(torch.nn.Linear(1, 1).double())
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Chronica(cap=[cap, cap]), weighting="sizes")
+    try:
+        loader = bal.loader(ds, sample_sizes=sizes, shuffle=False, partition=partition)
+        steps = 0
+        for (x,) in loader:
+            ddp(x).sum().backward()
+            steps += 1
+    except ValueError as e:
+        return str(e)
+    return steps
+
+
+def test_a_step_over_the_caps_together_says_which_and_why(caplog):
+    # A user audit, session 26: it failed as "schedule: sample 8 (size 5) fits in no rank's
+    # cap", naming a position in the step, no epoch, step or total, and nothing warned before.
+    from distributed import run, unwrap
+    for msg in unwrap(run(cap_total_worker, 2, 100.0, None)):
+        assert isinstance(msg, str) and "step 0 of epoch 0 cannot keep to the caps: its 8 samples " \
+            "total 240 (largest 30) and the ranks' caps [100.0, 100.0] hold 200 together" in msg, msg
+    assert unwrap(run(cap_total_worker, 2, 130.0, None)) == [5, 5]
+    import logging
+    policy = hetlb.Chronica(cap=[100.0])
+    bal = hetlb.Balancer(torch.nn.Linear(1, 1), 8, policy=policy)
+    with caplog.at_level(logging.WARNING, logger="hetlb"):
+        bal.loader(torch.utils.data.TensorDataset(torch.arange(40.0)[:, None]),
+                   sample_sizes=np.r_[np.full(8, 30.0), np.full(32, 5.0)])
+    assert any("a step of the 8 largest samples would total 240, more than the ranks' caps hold "
+               "together (100)" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_cap_with_a_sharded_loader_is_refused():
+    # A user audit, session 26: a sharded step takes each rank's samples from its own shard, and
+    # the cap was silently ignored (103 per rank against a cap of 60).
+    from distributed import run, unwrap
+    for msg in unwrap(run(cap_total_worker, 2, 130.0, "even")):
+        assert isinstance(msg, str) and "cannot bound a sharded loader's steps" in msg, msg
+
+
 # ------------------------------------------------------------------ the quadratic work term
 
 
