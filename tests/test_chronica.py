@@ -663,9 +663,12 @@ def test_quadratic_work_balances_attention_bound_ranks():
     # The splits compared by their emulated targets: the measured gaps of a loaded machine hide
     # the linear model's imbalance in their noise (medians 1.063 fit, 1.060 linear in one CI
     # run), the targets do not (quiet: mean 1.002-1.006 fit, 1.122-1.124 linear; two CPU hogs:
-    # 1.006-1.050 against 1.113-1.130)
+    # 1.006-1.050 against 1.113-1.130; with two helpers' jobs on the machine, load 6 on its 2
+    # cores, 1.044 against 1.122). The means, not the medians: about half the linear model's
+    # steps are balanced too (its median was 1.040 against the fit's 1.041 under that load); its
+    # imbalance is in the steps with the longest sequences.
     tf, tl = fit[0]["target_gap"], lin[0]["target_gap"]
-    assert np.mean(tf) < np.mean(tl) and np.median(tf) < np.median(tl), (tf, tl)
+    assert np.mean(tf) < np.mean(tl) - 0.03, (np.mean(tf), np.mean(tl), tf, tl)
     assert np.median(fit[0]["gap"]) < 1.25  # and the measured step is balanced too
 
 
