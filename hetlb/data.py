@@ -229,9 +229,21 @@ def dataset_sample_sizes(dataset: Any) -> Optional[np.ndarray]:
     return out
 
 
+#: Largest sample size: a step sums sizes and their squares (the quadratic work term), which
+#: stay finite and exact enough in float64 below this.
+MAX_SAMPLE_SIZE = 1e15
+
+
 def check_sample_sizes(sizes: np.ndarray, source: str) -> None:
     """A ValueError naming ``source``, the first bad samples and their values unless every size
-    is finite and non-negative."""
+    is finite, non-negative and at most :data:`MAX_SAMPLE_SIZE`."""
+    big = np.flatnonzero(np.isfinite(sizes) & (sizes > MAX_SAMPLE_SIZE))
+    if big.size:
+        raise ValueError(
+            f"{source}: sample {int(big[0])} has size {float(sizes[big[0]]):g}, above "
+            f"{MAX_SAMPLE_SIZE:g} ({big.size} such of {sizes.size}): a step's sums of sizes and "
+            f"their squares would lose precision or overflow. Express the sizes in a larger unit "
+            f"(thousands of tokens, megabytes)")
     bad = np.flatnonzero(~np.isfinite(sizes) | (sizes < 0))
     if bad.size:
         first = ", ".join(f"sample {int(i)} has {float(sizes[i])!r}" for i in bad[:3])

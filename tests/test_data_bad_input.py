@@ -74,6 +74,18 @@ def test_sizes_that_are_not_data_amounts_are_refused(bad, partition):
     assert "Fix those sizes, or leave the samples out" in msg
 
 
+@pytest.mark.parametrize("partition", [None, "even"])
+def test_sizes_too_large_to_sum_are_refused(partition):
+    # A user audit, session 26: 1e300 was taken, with only NumPy's overflow warning (its square
+    # is inf in the step's sums of squared sizes).
+    with pytest.raises(ValueError, match=r"sample_sizes: sample 2 has size 1e\+300, above 1e\+15 "
+                                         r"\(1 such of 4\).*larger unit"):
+        BalancedLoader(Indices(4), board=PlanBoard(2, 0, 2), sample_sizes=[1.0, 2.0, 1e300, 3.0],
+                       partition=partition)
+    BalancedLoader(Indices(4), board=PlanBoard(2, 0, 2), sample_sizes=[1.0, 2.0, 1e15, 3.0],
+                   partition=partition)
+
+
 @pytest.mark.parametrize("kind,source", [(WithMethod, "WithMethod.sample_size(index)"),
                                          (ChronicaStyle, "ChronicaStyle.__sizeof__(index)")])
 def test_sizes_a_dataset_declares_are_checked_and_named(kind, source):
