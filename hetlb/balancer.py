@@ -925,8 +925,10 @@ class Balancer:
         if plan.window_end:
             self._finish()
             if self.accumulate > 1:  # the next window must start from cleared gradients
-                p = next((p for p in self.model.parameters() if p.grad is not None), None)
-                self._synced_grad = None if p is None else (p, p.grad, p.grad._version, plan)
+                # (ids and versions, not the gradients: holding them would keep their memory)
+                held = [(p, id(p.grad), p.grad._version) for p in self.model.parameters()
+                        if p.grad is not None]
+                self._synced_grad = (held, plan) if held else None
         else:
             t = time.perf_counter()
             self.telemetry.stamp(end_window=False)
@@ -959,9 +961,12 @@ class Balancer:
         have been taken (``optimizer.step()`` then ``zero_grad()``), or it would be added to this
         window's and applied again. A loop that steps on its own count of micro-steps instead of
         ``bal.synced`` does this at an epoch's end, whose last windows may be shorter."""
-        p, g, version, done = self._synced_grad
+        held, done = self._synced_grad
         self._synced_grad = None
-        if p.grad is g and g._version == version:
+        # Every gradient untouched (none set to None, zeroed or replaced): parameters that an
+        # optimizer does not hold may keep theirs, so one untouched gradient proves nothing.
+        if all(p.grad is not None and id(p.grad) == gid and p.grad._version == version
+               for p, gid, version in held):
             raise RuntimeError(
                 f"hetlb: the gradient of the accumulation window that ended at step {done.step} of "
                 f"epoch {done.epoch} (it was synchronised there: bal.synced was True) is still in "

@@ -306,14 +306,15 @@ def misuse_worker(rank, world, case):
             bal = hetlb.Balancer(ddp, 8, policy=Fixed([4, 4]), accumulate=2)
             for (xb,) in bal.loader(torch.utils.data.TensorDataset(x)):
                 ddp(xb).sum().backward()
-        elif case in ("own_count", "synced"):
+        elif case in ("own_count", "synced", "partial"):
             # 90 samples, global batch 16, accumulate=2: windows [0,1] [2,3] [4] [5] (the short
             # last step is a window of its own); a DDP script's own condition steps at 1, 3, 5
             # and would add window [4]'s synchronised gradient to window [5]'s (a user audit,
             # session 26: 1.33 off, no error)
             y = torch.randn(90, 3, dtype=torch.float64)
             bal = hetlb.Balancer(ddp, 16, policy=hetlb.Uniform(), accumulate=2)
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            # "partial": an optimizer of the weight alone; the bias keeps its gradient (no error)
+            opt = torch.optim.SGD([ddp.module.weight] if case == "partial" else ddp.parameters(), lr=0.1)
             loader = bal.loader(torch.utils.data.TensorDataset(y))
             steps = 0
             for epoch in range(2):
@@ -321,7 +322,7 @@ def misuse_worker(rank, world, case):
                 for i, (xb,) in enumerate(loader):
                     with bal.step():
                         (ddp(xb).sum() / 2).backward()
-                    take = bal.synced if case == "synced" else (i + 1) % 2 == 0 or i + 1 == len(loader)
+                    take = bal.synced if case != "own_count" else (i + 1) % 2 == 0 or i + 1 == len(loader)
                     if take:
                         opt.step()
                         opt.zero_grad(set_to_none=epoch == 0)
@@ -347,6 +348,7 @@ def misuse_worker(rank, world, case):
     ("own_count", r"window that ended at step 4 of epoch 0 .*still in the parameters as step 5 "
                   r"starts a new window.*whenever bal\.synced is True"),
     ("synced", r"^steps 8$"),  # 4 windows an epoch; zero_grad(set_to_none=False) in epoch 1 passes
+    ("partial", r"^steps 8$"),
 ])
 def test_misuse_gets_an_error_on_every_rank_without_hanging(case, match):
     import re
