@@ -313,8 +313,9 @@ def misuse_worker(rank, world, case):
             # session 26: 1.33 off, no error)
             y = torch.randn(90, 3, dtype=torch.float64)
             bal = hetlb.Balancer(ddp, 16, policy=hetlb.Uniform(), accumulate=2)
-            # "partial": an optimizer of the weight alone; the bias keeps its gradient (no error)
-            opt = torch.optim.SGD([ddp.module.weight] if case == "partial" else ddp.parameters(), lr=0.1)
+            # "partial": an optimizer of the bias alone; the weight (the first parameter) keeps its
+            # gradient, which is no error
+            opt = torch.optim.SGD([ddp.module.bias] if case == "partial" else ddp.parameters(), lr=0.1)
             loader = bal.loader(torch.utils.data.TensorDataset(y))
             steps = 0
             for epoch in range(2):
