@@ -493,8 +493,10 @@ def _report(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print(f"{args.log}: {summary['steps']} steps on {summary['ranks']} ranks, policy "
-              f"{summary['policy'] or '?'}; mean step {summary['mean_step'] * 1e3:.2f} ms (median "
-              f"{summary['median_step'] * 1e3:.2f}), mean SE {summary['mean_se']:.3f}")
+              f"{summary['policy'] or '?'}; slowest rank's compute a step: mean "
+              f"{summary['mean_step'] * 1e3:.2f} ms (median {summary['median_step'] * 1e3:.2f}; the "
+              f"wall step adds the last all-reduce and the step boundary), mean SE "
+              f"{summary['mean_se']:.3f}")
         print(f"sizes: first {summary['first_sizes']}, last {summary['last_sizes']}"
               + (f"; actions {actions}" if actions else ""))
         print(_table([[e["epoch"], e["steps"], f"{e['compute_time']:.3f}", f"{e['mean_se']:.3f}"]

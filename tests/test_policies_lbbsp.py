@@ -522,3 +522,48 @@ def test_a_fresh_cpu_mode_policy_loads_a_state_and_its_narx_copies():
     c = copy.deepcopy(n)
     assert c.config() == n.config() and c._lock is not n._lock and c._thread is None
     assert pickle.loads(pickle.dumps(n)).config() == n.config()
+
+
+def _steady_then_slow(p, seed=0, steps=560, change=520):
+    """Rank 0 at 400 samples/s (3 % noise) until ``change``, then 3x slower, constant CPU and
+    memory; returns the predictions made at each step from 490 on."""
+    rng = np.random.default_rng(seed)
+    preds = []
+    for k in range(steps):
+        if k >= 490:
+            preds.append(p.predict(0.3))
+        v = 400 * (1 if k < change else 1 / 3) * (1 + 0.03 * rng.uniform(-1, 1))
+        p.observe(StepRecord(step=k, epoch=0, batch=np.array([100]), compute=np.array([100 / v]),
+                             data=np.array([100.0]), memory=np.array([0.3]), cpu=np.array([0.5])), 0)
+    return np.array(preds)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_narx_fitted_on_steady_speeds_hands_over_to_the_ema_after_a_change(seed):
+    # A user audit, session 26: a network fitted on 500 steady steps ignores its inputs and kept
+    # predicting the old speed until the next fit (100 steps; LB-BSP left a rank slowed 3x with
+    # 2.5x its batch). The fit-time rule (no better than the EMA: NaN, LB-BSP uses its EMA) now
+    # holds between fits too.
+    guarded = _steady_then_slow(NARX(background=False, retrain_every=1000).for_rank(0), seed)
+    before, after = guarded[:30], guarded[30 + 12:]  # (predictions made at steps 490-519, 532-559)
+    assert np.isnan(before[:10]).all()  # no network before the first fit, at step 500
+    assert np.isfinite(before[11:]).all()  # steady: the network's own predictions, no flapping
+    assert np.isnan(after).all()  # within 12 steps of the change, the EMA's
+    stale = _steady_then_slow(NARX(background=False, retrain_every=1000, guard=0).for_rank(0), seed)
+    assert (stale[30 + 12:] > 300).all()  # without the guard: the old speed, 400 against 133
+
+
+def test_bench_narx_guard_runs():
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_narx_guard.py")],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in out.stdout.splitlines() if r.startswith("| `")}
+    stale = rows["`NARX(guard=0)`"]
+    assert stale[3] == stale[6] != stale[7]  # unmoved from step 610 to 699, moved at the refit
+    assert rows["`NARX() (guard 5)`"][-1] == rows["`EMA()`"][-1]  # follows as the EMA does

@@ -15,7 +15,12 @@ it informs sizes step ``t + 1``. At that moment the rank has observed its record
 start of step ``t``, as its record carries it). Until a fit succeeds, or where the network does
 worse than an EMA on held-out steps (mean squared error without the largest tenth of each one's
 errors: a speed change among them must not excuse a biased fit), the prediction is NaN and LB-BSP
-uses its own EMA of the shared speeds (the paper's warm-up fallback).
+uses its own EMA of the shared speeds (the paper's warm-up fallback). The same rule holds between
+fits (``guard``, default 5): while the network's predictions of the latest ``guard`` steps erred
+more than twice as much, in sum, as the EMA's did, the prediction is NaN too (twice: on steady
+speeds the two err alike, and the network should not flap to the EMA on noise). A network fitted on steady speeds
+learns to ignore its inputs and would otherwise keep a rank's old speed until the next fit (up to
+``retrain_every`` steps: a rank slowed 3x kept 2.5x its batch for about 100 steps).
 
 The fitted weights are not checkpointed: they are rebuilt from the telemetry history the
 Balancer saves (:meth:`NARX.rebuild`), which holds every rank's series.
@@ -65,6 +70,8 @@ class NARX:
         alpha: weight of the latest observation in the EMA baseline the network must beat.
         seed: seed of the private generator that initialises the weights.
         background: fit in a background thread (default) rather than inside :meth:`observe`.
+        guard: steps over which the network's recent errors are compared with the EMA
+            baseline's between fits (the fit-time rule, kept up as steps come); 0: only at fits.
 
     Attributes:
         fits: completed fits; ``use``: whether the latest fit beat the EMA baseline.
@@ -75,7 +82,7 @@ class NARX:
     def __init__(self, lookback: int = 2, hidden: int = 16, warmup: int = 500,
                  retrain_every: int = 100, max_samples: int = 500, epochs: int = 300,
                  patience: int = 20, lr: float = 0.01, val_fraction: float = 0.2,
-                 alpha: float = 0.2, seed: int = 0, background: bool = True) -> None:
+                 alpha: float = 0.2, seed: int = 0, background: bool = True, guard: int = 5) -> None:
         self.lookback = integer(lookback, "NARX: lookback", 1)
         self.hidden = integer(hidden, "NARX: hidden", 1)
         self.warmup = integer(warmup, "NARX: warmup", 0)
@@ -88,13 +95,14 @@ class NARX:
         self.val_fraction = number(val_fraction, "NARX: val_fraction", above=0.0, below=1.0)
         self.alpha = number(alpha, "NARX: alpha", above=0.0, maximum=1.0)
         self.background = flag(background, "NARX: background")
+        self.guard = integer(guard, "NARX: guard", 0)
         self._clear()
 
     def config(self) -> Dict[str, Any]:
         """The constructor arguments (plain values)."""
         return {k: getattr(self, k) for k in ("lookback", "hidden", "warmup", "retrain_every",
                                               "max_samples", "epochs", "patience", "lr",
-                                              "val_fraction", "alpha", "seed", "background")}
+                                              "val_fraction", "alpha", "seed", "background", "guard")}
 
     def for_rank(self, rank: int) -> "NARX":
         """A fresh predictor with this configuration, for one rank."""
@@ -117,6 +125,12 @@ class NARX:
         self._params: Optional[list] = None  # torch weights, reused by the next fit
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        # The guard: predictions awaiting their step ({observation index: (network, EMA)}), the
+        # EMA of the speeds observed, and the latest steps' (network, EMA) relative errors.
+        self._pending: Dict[int, Tuple[float, float]] = {}
+        self._ema = math.nan
+        self._recent: list = []
+        self._fits_seen = 0
 
     def __getstate__(self) -> Dict[str, Any]:
         # A copy (copy.deepcopy, pickle) takes the data, not the lock or a running fit's thread.
@@ -134,7 +148,14 @@ class NARX:
     def observe(self, record: StepRecord, rank: int) -> None:
         """This rank's column of a completed step (called by the Balancer after each record)."""
         b, t = int(record.batch[rank]), float(record.compute[rank])
-        self._v.append(b / t if b > 0 and math.isfinite(t) and t > 0 else math.nan)
+        v = b / t if b > 0 and math.isfinite(t) and t > 0 else math.nan
+        guess = self._pending.pop(self.count, None)
+        if guess is not None and math.isfinite(v) and v > 0 and self.guard:
+            self._recent.append((abs(guess[0] - v) / v, abs(guess[1] - v) / v))
+            del self._recent[:-self.guard]
+        if math.isfinite(v):
+            self._ema = v if math.isnan(self._ema) else self.alpha * v + (1 - self.alpha) * self._ema
+        self._v.append(v)
         self._c.append(float(record.cpu[rank]))
         self._m.append(float(record.memory[rank]))
         if len(self._v) > self._keep:
@@ -164,7 +185,9 @@ class NARX:
         its memory usage now; NaN until a fit beat the EMA baseline (or without enough
         history)."""
         with self._lock:
-            net, norm, use = self._net, self._norm, self.use
+            net, norm, use, fits = self._net, self._norm, self.use, self.fits
+        if fits != self._fits_seen:  # a new network: its record starts afresh
+            self._fits_seen, self._recent = fits, []
         d = self.lookback
         if net is None or not use or len(self._v) < d + 1:
             return math.nan
@@ -174,8 +197,16 @@ class NARX:
             return math.nan
         W1, b1, W2, b2 = net
         y = float(np.tanh(x @ W1 + b1) @ W2 + b2)
-        v = (1.0 + y) * norm["v"]
-        return float(min(max(v, 0.5 * norm["vmin"]), 2.0 * norm["vmax"]))
+        v = float(min(max((1.0 + y) * norm["v"], 0.5 * norm["vmin"]), 2.0 * norm["vmax"]))
+        if self.guard:
+            # (for the step after the one starting now: observation count + 1; the EMA as of the
+            # records seen, as the fit's baseline is)
+            self._pending = {k: g for k, g in self._pending.items() if k > self.count - 2}
+            self._pending[self.count + 1] = (v, self._ema)
+            recent = self._recent
+            if len(recent) == self.guard and sum(e[0] for e in recent) > 2.0 * sum(e[1] for e in recent):
+                return math.nan
+        return v
 
     def wait(self) -> None:
         """Wait for a background fit to finish."""

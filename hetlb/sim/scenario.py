@@ -60,7 +60,8 @@ policies take contiguous slices of the step's samples, as the loader does.
 Worker indices count the expanded list (after ``count``). ``model`` is a
 :meth:`hetlb.TimeModel.to_dict` (``linear``: ``a0``, ``a1``; ``poly``: ``coeffs``, highest degree
 first; ``piecewise``: ``batch_sizes``, ``times``) or the shorthands ``[a0, a1]`` (linear) and
-``{"linear": [a0, a1]}`` / ``{"cubic": [c3, c2, c1, c0]}``. A ``load`` event is a co-located job
+``{"linear": [a0, a1]}`` / ``{"cubic": [c3, c2, c1, c0]}``. A ``speed`` event multiplies the
+worker's own ``speed`` by its value while it runs (``0.5``: half as fast as declared). A ``load`` event is a co-located job
 taking a fraction of the worker: its time is divided by ``1 - load`` and its CPU reading rises by
 ``load`` (LB-BSP's CPU clusters). An event runs for steps ``start <= k < stop`` (``stop``
 null: to the end); where ``speed``, ``load`` or ``bandwidth`` events of a worker overlap, the one
