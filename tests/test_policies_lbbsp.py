@@ -567,3 +567,16 @@ def test_bench_narx_guard_runs():
     stale = rows["`NARX(guard=0)`"]
     assert stale[3] == stale[6] != stale[7]  # unmoved from step 610 to 699, moved at the refit
     assert rows["`NARX() (guard 5)`"][-1] == rows["`EMA()`"][-1]  # follows as the EMA does
+
+
+def test_a_checkpoint_from_before_the_narx_guard_still_resumes():
+    import copy
+    from hetlb.policies.base import check_same_policy, policy_settings
+    p = LBBSP("cpu")
+    saved = copy.deepcopy(policy_settings(p))
+    assert "guard" not in saved["predictor"]  # as checkpoints before it was written
+    check_same_policy(p, {"policy_type": "LBBSP", "policy_settings": saved}, "this Balancer")
+    with pytest.raises(ValueError, match="guard"):
+        check_same_policy(LBBSP("cpu", NARX(guard=0)),
+                          {"policy_type": "LBBSP", "policy_settings": saved}, "this Balancer")
+    assert NARX(guard=0).for_rank(1).guard == 0 and NARX().for_rank(1).guard == 5

@@ -43,6 +43,9 @@ __all__ = ["NARX"]
 
 log = logging.getLogger("hetlb.policies")
 
+#: Steps of the between-fits comparison with the EMA (``NARX(guard=...)``).
+_GUARD = 5
+
 #: float32 halves a fit's cost; 1e-7 relative error is far below the noise of a measured speed.
 _DTYPE = torch.float32
 
@@ -82,7 +85,7 @@ class NARX:
     def __init__(self, lookback: int = 2, hidden: int = 16, warmup: int = 500,
                  retrain_every: int = 100, max_samples: int = 500, epochs: int = 300,
                  patience: int = 20, lr: float = 0.01, val_fraction: float = 0.2,
-                 alpha: float = 0.2, seed: int = 0, background: bool = True, guard: int = 5) -> None:
+                 alpha: float = 0.2, seed: int = 0, background: bool = True, guard: int = _GUARD) -> None:
         self.lookback = integer(lookback, "NARX: lookback", 1)
         self.hidden = integer(hidden, "NARX: hidden", 1)
         self.warmup = integer(warmup, "NARX: warmup", 0)
@@ -100,9 +103,12 @@ class NARX:
 
     def config(self) -> Dict[str, Any]:
         """The constructor arguments (plain values)."""
-        return {k: getattr(self, k) for k in ("lookback", "hidden", "warmup", "retrain_every",
-                                              "max_samples", "epochs", "patience", "lr",
-                                              "val_fraction", "alpha", "seed", "background", "guard")}
+        cfg = {k: getattr(self, k) for k in ("lookback", "hidden", "warmup", "retrain_every",
+                                             "max_samples", "epochs", "patience", "lr",
+                                             "val_fraction", "alpha", "seed", "background")}
+        if self.guard != _GUARD:  # (newer than the first checkpoints: there only when not the
+            cfg["guard"] = self.guard  # default, so theirs still match a default predictor)
+        return cfg
 
     def for_rank(self, rank: int) -> "NARX":
         """A fresh predictor with this configuration, for one rank."""
