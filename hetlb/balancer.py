@@ -964,14 +964,17 @@ class Balancer:
         held, done = self._synced_grad
         self._synced_grad = None
         # Every gradient untouched (none set to None, zeroed or replaced): parameters that an
-        # optimizer does not hold may keep theirs, so one untouched gradient proves nothing.
+        # optimizer does not hold may keep theirs, so one untouched gradient proves nothing. A
+        # zeroing through .data leaves the version as it was: the first gradient, all zero, is
+        # taken as zeroed.
         if all(p.grad is not None and id(p.grad) == gid and p.grad._version == version
-               for p, gid, version in held):
+               for p, gid, version in held) and bool(held[0][0].grad.any()):
             raise RuntimeError(
                 f"hetlb: the gradient of the accumulation window that ended at step {done.step} of "
                 f"epoch {done.epoch} (it was synchronised there: bal.synced was True) is still in "
                 f"the parameters as step {plan.step} starts a new window, so it would be added to "
-                f"this window's and applied twice. Step the optimizer and zero the gradients "
+                f"this window's (its samples counted twice in the mean; gradients are not "
+                f"accumulated across windows). Step the optimizer and zero the gradients "
                 f"whenever bal.synced is True after bal.step(), not on a count of micro-steps: an "
                 f"epoch's last windows can be shorter than accumulate={self.accumulate} (its short "
                 f"last step is a window of its own)")

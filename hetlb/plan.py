@@ -361,19 +361,22 @@ class PlanBoard:
             if isinstance(self.decision, ScheduleRule):
                 amounts = np.ones(count) if sample_sizes is None else np.asarray(sample_sizes, np.float64)
                 rule = self.decision
+                work, first = rule.work(amounts), rule.first(seed, epoch, step, count)
                 try:
-                    assignment = np.asarray(schedule(rule.work(amounts), rule.slope, rule.intercept,
-                                                     first=rule.first(seed, epoch, step, count), cap=rule.cap),
-                                            dtype=np.int64)
+                    assignment = np.asarray(schedule(work, rule.slope, rule.intercept, first=first,
+                                                     cap=rule.cap), dtype=np.int64)
                 except ValueError as e:
                     if rule.cap is None:
                         raise
+                    why = ("more than" if amounts.sum() > rule.cap.sum() else
+                           "within, but the scheduler (by estimated time, largest first) could not "
+                           "pack them under")
                     raise ValueError(
                         f"step {step} of epoch {epoch} cannot keep to the caps: its {count} samples "
-                        f"total {amounts.sum():g} (largest {amounts.max():g}) and the ranks' caps "
-                        f"{rule.cap.tolist()} hold {rule.cap.sum():g} together ({e}; a sample's "
-                        f"number there is its position in the step). Raise the policy's cap= or "
-                        f"lower the global batch") from None
+                        f"total {amounts.sum():g} (largest {amounts.max():g}), {why} the ranks' caps "
+                        f"{rule.cap.tolist()} ({rule.cap.sum():g} together; {e}, a sample's number "
+                        f"there being its position in the step). Raise the policy's cap= (leave "
+                        f"headroom) or lower the global batch") from None
                 sizes = np.bincount(assignment, minlength=self.world).astype(np.int64)
             elif pos > 0 and self._window is not None and self._window[:2] == (epoch, key):
                 sizes = self._window[2]

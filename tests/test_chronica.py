@@ -531,7 +531,7 @@ def test_a_step_over_the_caps_together_says_which_and_why(caplog):
     from distributed import run, unwrap
     for msg in unwrap(run(cap_total_worker, 2, 100.0, None)):
         assert isinstance(msg, str) and "step 0 of epoch 0 cannot keep to the caps: its 8 samples " \
-            "total 240 (largest 30) and the ranks' caps [100.0, 100.0] hold 200 together" in msg, msg
+            "total 240 (largest 30), more than the ranks' caps [100.0, 100.0] (200 together" in msg, msg
     assert unwrap(run(cap_total_worker, 2, 130.0, None)) == [5, 5]
     import logging
     policy = hetlb.Chronica(cap=[100.0])

@@ -76,6 +76,24 @@ def test_a_refused_balancer_leaves_the_earlier_one_its_check():
             model(x[:1])
 
 
+def test_accumulation_with_gradients_zeroed_through_data_is_no_error():
+    # A review, session 26: p.grad.data.zero_() leaves the gradient's version as it was, and the
+    # check that the last window's gradient was taken raised on a correct loop.
+    model = torch.nn.Linear(3, 1)
+    bal = hetlb.Balancer(model, 4, policy=hetlb.Uniform(), accumulate=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    windows = 0
+    for x, y in bal.loader(dataset(16)):
+        with bal.step():
+            (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+        if bal.synced:
+            opt.step()
+            for p in model.parameters():
+                p.grad.data.zero_()
+            windows += 1
+    assert windows == 2
+
+
 def test_balancers_made_again_on_a_plain_module_do_not_pile_up_hooks():
     # Before: each new Balancer left the old one's end-of-backward hooks (and its telemetry) on
     # the parameters, one more per Balancer made.

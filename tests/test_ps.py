@@ -340,11 +340,11 @@ def test_worker_refuses_an_emulated_failure():
 
 @pytest.mark.parametrize("mode,kw", [("lsp", {"l": 2, "m": 1}), ("asp", {})])
 def test_running_statistics_reach_the_server(mode, kw):
-    """The server runs no forward pass; its BatchNorm statistics are the workers' changes added
-    at each update, batch-weighted (a user audit, session 25: they kept their initial values, and
+    """The server runs no forward pass; its BatchNorm statistics are the members' pushed ones,
+    batch-weighted, at each update (a user audit, session 25: they kept their initial values, and
     the saved model normalised with mean 0 / var 1 in eval mode). Replayed in one process from
-    the log: each update adds sum_k n_k * momentum * (stat_k - base_k) / sum_k n_k, where base_k
-    is the server's statistics at the version member k computed on."""
+    the log: an update sets sum_k n_k * ((1 - momentum) * base_k + momentum * stat_k) / sum_k n_k,
+    where base_k is the server's statistics at the version member k computed on."""
     server = unwrap(run(_ps, 3, mode, (1.0, 0.5),
                         dict(kw, epochs=1, policy=partial(Fixed, [7, 3]), global_batch=10, bn=True),
                         backend="rpc"))[0]
@@ -354,29 +354,30 @@ def test_running_statistics_reach_the_server(mode, kw):
     versions = [(mean.clone(), var.clone())]  # the server's statistics after each update
     syncs = [e for e in server["log"] if e["kind"] == "sync"]
     for e in syncs:
-        dm, dv, off = 0.0, 0.0, 0
+        sm, sv, off = 0.0, 0.0, 0
         for n, stale in zip(e["ns"], e["stale"]):
             m0, v0 = versions[e["version"] - 1 - stale]  # what that member loaded
             xb = x[e["indices"][off:off + n]]
             off += n
-            dm = dm + n * 0.1 * (xb.mean(0) - m0)
-            dv = dv + n * 0.1 * (xb.var(0, unbiased=True) - v0)
-        mean, var = mean + dm / e["batch"], var + dv / e["batch"]
+            sm = sm + n * (0.9 * m0 + 0.1 * xb.mean(0))
+            sv = sv + n * (0.9 * v0 + 0.1 * xb.var(0, unbiased=True))
+        mean, var = sm / e["batch"], sv / e["batch"]
         versions.append((mean.clone(), var.clone()))
     got = server["model"]
     assert got["0.running_mean"].abs().max() > 0.01  # moved off its initial zeros
     torch.testing.assert_close(got["0.running_mean"].double(), mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["0.running_var"].double(), var, rtol=1e-5, atol=1e-6)
-    assert int(got["0.num_batches_tracked"]) == len(syncs)  # one per update, as one large batch
-    if mode == "lsp":
+    if mode == "lsp":  # one forward pass per update, as one large batch
+        assert int(got["0.num_batches_tracked"]) == len(syncs)
         assert any(len(e["members"]) == 2 for e in syncs)
-    else:
+    else:  # the freshest count pushed: a stale worker's adds nothing
+        assert 0 < int(got["0.num_batches_tracked"]) <= len(syncs)
         assert any(s > 0 for e in syncs for s in e["stale"])  # stale members replayed too
 
 
 def test_in_process_buffer_checks():
-    """A worker with other buffers is refused at its hello; a push without its buffer changes is
-    malformed; a bool buffer stays the server's."""
+    """A worker with other buffers is refused at its hello; a push without its buffers is
+    malformed; a bool buffer stays the server's; a counter never goes back."""
     from hetlb.aggregate import shapes_digest
     from hetlb.sync.ps import ParameterServer
     model = _bn_model()
@@ -392,18 +393,47 @@ def test_in_process_buffer_checks():
     assert [tuple(b.shape) for b in r["buffers"]] == [tuple(b.shape) for b in model.buffers()]
     push = {"grad": torch.zeros(2 * DIM + DIM + 1), "n": 8, "compute": 0.1, "version": 0,
             "indices": r["indices"]}
-    with pytest.raises(RuntimeError, match="malformed buffer changes"):
+    with pytest.raises(RuntimeError, match="malformed buffers"):
         ps._call(1, push).wait()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
     r = ps._call(1, {"hello": True, "hardware": {}}).wait()
-    change = {"0.running_mean": torch.full((DIM,), 0.5), "0.running_var": torch.full((DIM,), -0.25),
-              "0.num_batches_tracked": torch.tensor(1), "mask": None}
-    deltas = [change[n] for n in names]
-    ps._call(1, dict(push, indices=r["indices"], buffers=deltas)).wait()
+    pushed = {"0.running_mean": torch.full((DIM,), 0.5), "0.running_var": torch.full((DIM,), 0.75),
+              "0.num_batches_tracked": torch.tensor(3), "mask": None}
+    r = ps._call(1, dict(push, indices=r["indices"], buffers=[pushed[n] for n in names])).wait()
     bn = model[0]
     torch.testing.assert_close(bn.running_mean, torch.full((DIM,), 0.5))
     torch.testing.assert_close(bn.running_var, torch.full((DIM,), 0.75))
-    assert int(bn.num_batches_tracked) == 1 and bool(model.mask.all())
+    assert int(bn.num_batches_tracked) == 3 and bool(model.mask.all())
+    stale = dict(pushed, **{"0.num_batches_tracked": torch.tensor(1)})  # a stale worker's count
+    ps._call(1, dict(push, indices=r["indices"], buffers=[stale[n] for n in names])).wait()
+    assert int(bn.num_batches_tracked) == 3
+
+
+def test_running_statistics_stay_bounded_with_many_stale_workers():
+    """A review of session 26: adding each worker's change to newer statistics is a delayed
+    feedback, x <- x + m * (stat - x_{t-s}), which diverges once m > 2 sin(pi / (2 (2s + 1))):
+    17 ASP workers at BatchNorm's momentum 0.1, 4 at 0.5 (running_var went negative). The
+    server's exact logic, in process: 20 workers round robin, each on the version it was handed."""
+    from hetlb.sync.ps import ParameterServer, _pushed
+    torch.manual_seed(0)
+    model = torch.nn.BatchNorm1d(1, momentum=0.5)
+    ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.0), 10_000, 160, 20, "asp",
+                         timeout=30.0)
+    futs = {w: ps._call(w, {"hello": True, "hardware": {}}) for w in range(1, 21)}  # all, then wait
+    held = {w: f.wait() for w, f in futs.items()}
+    for it in range(400):
+        w = it % 20 + 1
+        reply = held[w]
+        worker = torch.nn.BatchNorm1d(1, momentum=0.5)
+        with torch.no_grad():
+            for b, v in zip(worker.buffers(), reply["buffers"]):
+                b.copy_(v)
+        worker(5.0 + torch.randn(len(reply["indices"]), 1))
+        held[w] = ps._call(w, {"grad": torch.zeros(2), "n": len(reply["indices"]), "compute": 0.1,
+                               "version": reply["version"], "indices": reply["indices"],
+                               "buffers": [_pushed(b) for b in worker.buffers()]}).wait()
+    assert 4.0 < float(model.running_mean) < 6.0 and 0.3 < float(model.running_var) < 3.0, \
+        (model.running_mean, model.running_var)
 
 
 def test_a_dropped_worker_back_after_training_ended_stops_cleanly():

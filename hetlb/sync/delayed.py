@@ -394,10 +394,15 @@ class DelayedSync:
         # scale_lr: the sum over the nominal batch, i.e. the mean with the rate scaled by total/nominal
         ops.unflatten_(buf, self._gbar, 1.0 / (self.world * self.reference_batch if self.scale_lr else total))
         with torch.no_grad():
-            curs = [p.detach() if p.dtype == self.dtype else p.detach().to(self.dtype) for p in self.params]
-            if self.lam:
-                ops.delay_compensate_(self._gbar, curs, self._prev, self.lam)
-            for p, g, prev, cur in zip(self.params, self._gbar, self._prev, curs):
+            # One call over the model where the parameters are in the accumulation dtype; else one
+            # tensor at a time, so a cast copy of the whole model is never alive at once.
+            whole = bool(self.lam) and all(p.dtype == self.dtype for p in self.params)
+            if whole:
+                ops.delay_compensate_(self._gbar, [p.detach() for p in self.params], self._prev, self.lam)
+            for p, g, prev in zip(self.params, self._gbar, self._prev):
+                cur = p.detach() if p.dtype == self.dtype else p.detach().to(self.dtype)
+                if self.lam and not whole:
+                    ops.delay_compensate_(g, cur, prev, self.lam)
                 prev.copy_(cur)  # the next in-flight gradient is computed at these parameters
                 p.grad = g.to(p.dtype) if p.dtype != self.dtype else g.clone()
         self.optimizer.step()

@@ -44,12 +44,15 @@ the server waits for the goodbyes (at most ``timeout``) and everyone shuts RPC d
 graceful barrier, so a dead worker cannot hang it.
 
 Model buffers (BatchNorm's running statistics) travel with the parameters: a worker loads the
-server's buffers with its parameters, and pushes what its forward pass changed in them. An update
-adds the members' changes to the server's buffers, floating ones weighted by batch
-(``sum_k n_k * delta_k / sum_k n_k``: with the pushes of one version, the running statistics of
-the batch-weighted mean of the members' batch statistics), integer ones (``num_batches_tracked``)
-by the largest change (one large batch is one forward pass). Other buffers (bool) stay the
-server's. So the server's model is ready to evaluate, as after DDP training.
+server's buffers with its parameters and pushes its buffers after its forward pass. An update sets
+the server's floating buffers to the members' batch-weighted mean (``sum_k n_k * b_k / sum_k
+n_k``: with the pushes of one version, the running statistics of the batch-weighted mean of the
+members' batch statistics) and its integer ones (``num_batches_tracked``) to the largest seen (one
+large batch is one forward pass). Other buffers (bool) stay the server's. So the server's model is
+ready to evaluate, as after DDP training. A stale push (ASP, SSP) sets the statistics its worker
+computed from the version it was handed, as DDP's ``broadcast_buffers`` lets one rank's win: adding
+its change to newer statistics instead would be a delayed feedback that diverges with many workers
+(BatchNorm's momentum 0.1 and 17 ASP workers).
 """
 from __future__ import annotations
 
@@ -393,13 +396,13 @@ class ParameterServer:
                                  f"compute time expected; got "
                                  f"{grad.numel() if isinstance(grad, torch.Tensor) else grad!r} "
                                  f"elements, n = {push.get('n')!r}, compute = {push.get('compute')!r})")
-            deltas = push.get("buffers")
-            if self._buffers and (not isinstance(deltas, (list, tuple)) or len(deltas) != len(self._buffers)
+            pushed = push.get("buffers")
+            if self._buffers and (not isinstance(pushed, (list, tuple)) or len(pushed) != len(self._buffers)
                                   or any(d is not None and (not isinstance(d, torch.Tensor) or d.shape != b.shape)
-                                         for d, b in zip(deltas, self._buffers))):
-                raise ValueError(f"worker {w + 1} pushed malformed buffer changes (a list of "
+                                         for d, b in zip(pushed, self._buffers))):
+                raise ValueError(f"worker {w + 1} pushed malformed buffers (a list of "
                                  f"{len(self._buffers)} tensors shaped as the model's buffers "
-                                 f"expected, got {type(deltas).__name__})")
+                                 f"expected, got {type(pushed).__name__})")
             self._pending[w] = push
             self.log.append({"kind": "push", "rank": w + 1, "n": int(push["n"]),
                              "version": int(push["version"]), "time": time.time()})
@@ -505,18 +508,17 @@ class ParameterServer:
             self.checkpointer.save(self._state(), self.version)
 
     def _apply_buffers(self, pushes: Sequence[Dict[str, Any]], total: int) -> None:
-        """Add the members' buffer changes: floating buffers by the batch-weighted mean, integer
-        ones by the largest (see the module docstring)."""
+        """The members' buffers: floating ones by their batch-weighted mean, integer ones by the
+        largest (never below the server's; see the module docstring)."""
         with torch.no_grad():
             for i, b in enumerate(self._buffers):
-                deltas = [(int(p["n"]), p["buffers"][i]) for p in pushes if p["buffers"][i] is not None]
-                if not deltas:
+                got = [(int(p["n"]), p["buffers"][i]) for p in pushes if p["buffers"][i] is not None]
+                if not got:
                     continue
                 if b.is_floating_point():
-                    acc = sum(d.to(torch.float64) * (n / total) for n, d in deltas)
-                    b.add_(acc.to(b.dtype))
+                    b.copy_(sum(d.to(torch.float64) * (n / total) for n, d in got).to(b.dtype))
                 else:
-                    b.add_(torch.stack([d.to(b.dtype) for _, d in deltas]).amax(0))
+                    b.copy_(torch.stack([b] + [d.to(b.dtype) for _, d in got]).amax(0))
 
     def _working(self) -> np.ndarray:
         return self.alive & ~self._idle
@@ -731,7 +733,6 @@ class Worker:
                     for b, v in zip(self._buffers, reply.get("buffers") or []):
                         b.copy_(v)
                 version = int(reply["version"])
-            base = [b.detach().clone() for b in self._buffers]
             idx = reply["indices"]
             handed = time.monotonic()
             x, y = self.collate_fn([self.dataset[i] for i in idx])
@@ -750,7 +751,7 @@ class Worker:
             try:
                 reply = self._call({"grad": grad.detach(), "n": len(idx), "compute": compute,
                                     "version": version, "indices": idx,
-                                    "buffers": [_change(b, b0) for b, b0 in zip(self._buffers, base)]})
+                                    "buffers": [_pushed(b) for b in self._buffers]})
             except RuntimeError as e:
                 drop_after = reply.get("drop_after")
                 if drop_after is None or held <= drop_after:
@@ -774,11 +775,11 @@ class Worker:
         return len(self.iterations)
 
 
-def _change(buffer: torch.Tensor, before: torch.Tensor) -> Optional[torch.Tensor]:
-    """What one iteration changed in a buffer (None: a buffer that is neither floating nor
-    integer, e.g. a bool mask, which the server keeps as it is)."""
+def _pushed(buffer: torch.Tensor) -> Optional[torch.Tensor]:
+    """A buffer as a worker pushes it (None: one that is neither floating nor integer, e.g. a
+    bool mask, which the server keeps as it is)."""
     if buffer.is_floating_point() or (not buffer.is_complex() and buffer.dtype != torch.bool):
-        return (buffer.detach() - before).cpu()
+        return buffer.detach().cpu().clone()
     return None
 
 
