@@ -36,7 +36,10 @@ session 21 (now: ``/proc/meminfo`` read directly on Linux).
 
 ``default`` (and ``default+backward``, ``default/K``...) passes no ``transport=``: the Balancer's
 own choice ("side" with the hook deferred, as here: Uniform's equal batches need none; else
-"carry", or "side" under ``--bucket-view``, where DDP would copy carry's bucket back).
+"carry", or "side" under ``--bucket-view``, where DDP would copy carry's bucket back). Nor does
+it pass ``exchange_every``: since session 27 a Balancer running Uniform (a policy that reads no
+telemetry) exchanges in adaptive blocks of up to 16 steps by default, where before it exchanged
+every step; ``default/1`` is that per-step exchange (the papers' policies' default).
 ``NAME@hooked`` passes ``defer_hook=False``: the weighted hook registered at once, as every
 hetlb variant ran before session 22 (``default@hooked`` is that session's default: "carry").
 ``NAME@lbb`` runs the Balancer's default policy, ``LBB()``, instead of ``Uniform()``: on a
@@ -49,8 +52,8 @@ written directly in torch (see :func:`floor_variant`): the floor under hetlb's d
 exchanges a table every step (the papers decide every step), whatever its bookkeeping costs.
 
 A variant ``NAME/K`` (e.g. ``carry/16``, ``side+backward/16``) is hetlb's ``NAME`` with
-``Balancer(exchange_every=K)``: the telemetry of K steps in one exchange (opt-in; the papers
-decide every step, ``/1``). ``NAME/Ka`` adds ``adaptive_exchange=True`` (blocks grow from 1 to K
+``Balancer(exchange_every=K)``: the telemetry of K steps in one exchange (the papers decide every
+step, ``/1``). ``NAME/Ka`` adds ``adaptive_exchange=True`` (blocks grow from 1 to K
 while the sizes hold still; with the Uniform policy here they reach K after a few exchanges).
 
 A variant named ``NAME#2`` (any suffix after ``#``) is a second copy of ``NAME``: ``plain#2``
@@ -63,6 +66,15 @@ of hetlb's step boundary inside the harness: the loader's whole ``next`` (``_Ite
 the previous step's end (``Balancer._before_next``), the next step's start (``Balancer._handed``)
 and the parts ``bench_cold.py --parts`` times, by wrappers around those methods (a few hundred
 nanoseconds each), so the *next batch* phase's excess over plain DDP can be split where it occurs.
+
+The CPU table's last column counts the main thread's minor page faults a step. The variants of
+a step-interleaved run share one process heap, and with glibc's dynamic thresholds a gradient
+freshly allocated each step (``zero_grad`` sets it to None) is sometimes served by memory the heap
+just returned to the system, so its pages fault in again: 6144 faults for ``wide``'s 25 MB weight,
+about 5-10 ms of main-thread CPU. Which variant the heap's layout hits is luck (session 27: a
+hetlb variant got 1600-2500 faults a step on average where plain DDP got 100-460, by the order
+the variants ran; one model per process saw none for either). ``--steady-heap`` fixes glibc's
+thresholds in the ranks so no variant is re-faulted.
 
 ``--latency`` times one small all-reduce (the telemetry row: 9 float64) between the ranks, back
 to back and right after a burst of compute, on the default group and on a second Gloo group: what
@@ -83,6 +95,7 @@ import contextlib
 import datetime
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -254,6 +267,7 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
         k = step % len(order)
         for v in order[k:] + order[:k]:
             ddp, opt, it, backward = runs[v]
+            f = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             c = time.thread_time()
             t = time.perf_counter()
             x, y = next(it)
@@ -269,8 +283,9 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
             opt.zero_grad()
             t4 = time.perf_counter()
             c4 = time.thread_time()
+            f4 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             times[v].append((t4 - t, t1 - t, t2 - t1, t3 - t2, t4 - t3,
-                             c4 - c, c1 - c, c2 - c1, c3 - c2, c4 - c3))
+                             c4 - c, c1 - c, c2 - c1, c3 - c2, c4 - c3, f4 - f))
     return {v: t[args.warmup:] for v, t in times.items()}
 
 
@@ -433,8 +448,8 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
              "|---|---|---:|---:|---:|---:|---:|"]
     phases = ["| model | variant | next batch | forward | backward | optimizer | step |",
               "|---|---|---:|---:|---:|---:|---:|"]
-    cpu = ["| model | variant | next batch | forward | backward | optimizer | step | step added / plain's wall step |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    cpu = ["| model | variant | next batch | forward | backward | optimizer | step | step added / plain's wall step | page faults a step (mean) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     part_lines: List[str] = []
     for m, times, parts in res:
         if parts:
@@ -454,7 +469,8 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
             cells = [f"{1e3 * cm[i]:.2f}" if v == "plain" else f"{1e3 * cm[i]:.2f} ({1e3 * (cm[i] - cb[i]):+.2f})"
                      for i in (1, 2, 3, 4, 0)]
             share = "" if v == "plain" else f"{100 * (cm[0] - cb[0]) / base[0]:+.2f} %"
-            cpu.append(f"| {m} | {variant_name(v)} | " + " | ".join(cells) + f" | {share} |")
+            faults = statistics.mean(s[10] for s in times[v])
+            cpu.append(f"| {m} | {variant_name(v)} | " + " | ".join(cells) + f" | {share} | {faults:.0f} |")
             if v == "plain":
                 continue
             t = [s[0] for s in times[v]]
@@ -501,6 +517,11 @@ def main() -> None:
     p.add_argument("--pin", action="store_true", help="pin rank r to core r")
     p.add_argument("--parts", action="store_true",
                    help="with --interleave step: time each part of hetlb's step boundary (rank 0)")
+    p.add_argument("--steady-heap", action="store_true",
+                   help="fix glibc's mmap and trim thresholds in the ranks (MALLOC_MMAP_THRESHOLD_, "
+                        "MALLOC_TRIM_THRESHOLD_), so a variant's fresh gradients reuse the heap "
+                        "instead of being faulted in again on the steps the shared heap's layout "
+                        "happens to return them to the system (see the page-fault column)")
     p.add_argument("--hetlb-path", default=None, help="import hetlb from this checkout instead")
     p.add_argument("--label", default="", help="a name for this code version in the table")
     p.add_argument("--out", default=None)
@@ -525,6 +546,9 @@ def main() -> None:
             k = rnd % len(variants)
             for v in variants[k:] + variants[:k]:  # rotated order per round
                 jobs.append((m, rnd, v))
+    if args.steady_heap:  # read by glibc when each spawned rank starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)  # glibc's largest
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(1 << 40)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.pt")
         mp.spawn(worker, args=(args.world, os.path.join(tmp, "store"), args, jobs, out), nprocs=args.world, join=True)

@@ -46,7 +46,8 @@ from .policies.base import (Context, Policy, SizedPolicy, check_decision, check_
                             from_state, policy_settings, to_state)
 from .watchdog import Watchdog
 from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
-                        UnusableTelemetry, block_history, hardware_info, next_block_length)
+                        UnusableTelemetry, exchange_settings, hardware_info,
+                        next_block_length)
 
 log = logging.getLogger("hetlb.balancer")
 
@@ -312,8 +313,12 @@ class Balancer:
             an error.
         native_hook: False registers the pure-Python reference hook instead of the native one
             (debugging; same collectives, so ranks may mix).
-        exchange_every: steps per telemetry exchange (default 1: every step, as the papers
-            decide). With ``k > 1`` (opt-in) each step's row is kept and sent with the rows of
+        exchange_every: steps per telemetry exchange. Default (None): 1, every step, as the
+            papers decide, for a policy that reads the telemetry; for one that does not
+            (:attr:`Policy.reads_telemetry` False: :class:`~hetlb.Uniform`, whose split never
+            changes) adaptive blocks of up to 16 steps (at most ``history``), which change none
+            of its decisions and save the per-step exchange (``bench/RESULTS.md``, session 27);
+            pass 1 for a record every step. With ``k > 1`` each step's row is kept and sent with the rows of
             its block by the block's last step, so the other steps add no table copy or
             collective and no record or decision: the records of a block, their checks (every
             rank's step, decision and batch sizes) and one decision happen at its exchange.
@@ -328,7 +333,8 @@ class Balancer:
             not in a checkpoint's history (unless flushed before it): a run resumed inside a
             block starts a new block, and its decisions may differ from an uninterrupted run's
             (its samples do not: exactly once either way). The same on every rank.
-        adaptive_exchange: with ``exchange_every=k > 1`` (opt-in, not in the papers), grow the
+        adaptive_exchange: with ``exchange_every=k > 1`` (opt-in, not in the papers; None:
+            True where ``exchange_every`` was left to its default and it gave blocks), grow the
             block while the sizes hold still: a block is 1 step after an exchange whose decision
             changed the sizes (or whose newest step was refused), and twice the previous one,
             up to ``k``, after one that kept them. While the policy is still moving the blocks
@@ -392,7 +398,7 @@ class Balancer:
                  batch_dim: BatchDim = 0, transport: Optional[str] = None,
                  native_hook: bool = True, log_dir: Optional[str] = None,
                  tensorboard: Optional[bool] = None, watchdog: Optional[Watchdog] = None,
-                 exchange_every: int = 1, adaptive_exchange: bool = False,
+                 exchange_every: Optional[int] = None, adaptive_exchange: Optional[bool] = None,
                  defer_hook: bool = True) -> None:
         # A rank refusing its arguments tells the others at the start-up exchange, so every rank
         # raises rather than waiting in the collective until its timeout.
@@ -435,13 +441,7 @@ class Balancer:
                                  'data amounts of a window\'s micro-steps differ, and the accumulated '
                                  'gradient no longer tells them apart')
             self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
-            self.exchange_every = checks.integer(exchange_every, "exchange_every", 1)
-            self.adaptive_exchange = checks.flag(adaptive_exchange, "adaptive_exchange")
-            history = block_history(history, self.exchange_every)
-            if self.adaptive_exchange and self.exchange_every == 1:
-                raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; "
-                                 "with exchange_every=1 every step is exchanged anyway: pass "
-                                 "exchange_every=k > 1 (e.g. 16)")
+            # (checked with the policy below: their defaults depend on it)
             lower_given = lower  # (a size-aware rule cannot honour bounds: see below)
             lower = 1 if lower is None else checks.integer(lower, "lower", 0)
             if batch_dim is not None and not callable(batch_dim):
@@ -487,6 +487,8 @@ class Balancer:
             if policy is None:
                 from .policies.lbb import LBB
                 policy = LBB()
+            self.exchange_every, self.adaptive_exchange, history = exchange_settings(
+                getattr(policy, "reads_telemetry", True), exchange_every, adaptive_exchange, history)
             self.model, self.global_batch, self.policy = model, global_batch, policy
             self.weighting, self.emulator = weighting, emulator
             self.device = self._device(model)
@@ -1258,7 +1260,18 @@ class Balancer:
 
     def close(self) -> None:
         """Flush and close the run log (see ``log_dir``) and stop the watchdog's heartbeat;
-        training may not continue logging after it. Without either there is nothing to do."""
+        training may not continue logging after it. With one process the steps since the last
+        telemetry exchange (``exchange_every > 1``) are recorded first (:meth:`flush`, which
+        needs no other rank then); with more, call :meth:`flush` on every rank before it to have
+        them in the log (a warning names how many are left out otherwise)."""
+        if self._block and not self._in_with:
+            if self.world == 1:
+                self.flush()
+            elif self.runlog is not None:
+                log.warning("bal.close(): the %d step(s) since the last telemetry exchange "
+                            "(exchange_every=%d) are not in the run log; call bal.flush() on "
+                            "every rank before close() to record them", len(self._block),
+                            self.exchange_every)
         if self.watchdog is not None:
             self.watchdog.close()
         if self.runlog is not None:

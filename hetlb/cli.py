@@ -240,9 +240,9 @@ def _simulate(args: argparse.Namespace) -> int:
         raise CLIError(f"--policy: unknown {bad or policies}; expected a comma-separated subset of "
                        f"{','.join(POLICY_NAMES)}")
     steps = sc.steps if args.steps is None else args.steps
-    if args.exchange_every < 1:
+    if args.exchange_every is not None and args.exchange_every < 1:
         raise CLIError(f"--exchange-every must be >= 1, got {args.exchange_every}")
-    if args.adaptive_exchange and args.exchange_every == 1:
+    if args.adaptive_exchange and (args.exchange_every or 1) == 1:
         raise CLIError("--adaptive-exchange grows blocks up to --exchange-every K steps: pass K > 1")
     hold = args.chronica_hold
     if hold is not None:
@@ -282,7 +282,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"scenario {sc.name or '(file)'}: {sc.world} workers, global batch {sc.global_batch}, "
               f"{steps} steps" + (f"\n  {sc.description}" if sc.description else ""))
         header = ["policy", "mean step ms", "last half ms", "speed-up", "mean SE", "sim s"]
-        blocks = args.exchange_every > 1
+        blocks = any(s["exchanges"] < r.steps for s, r in zip(summ, results))
         if blocks:  # how many of the steps exchanged the telemetry
             header.append("exchanges")
         small = sc.world <= 8
@@ -589,10 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--profile", action="store_true",
                     help="give policies profiled models of the workers (LBB starts from them)")
     sm.add_argument("--seed", type=int, help="override the scenario's seed")
-    sm.add_argument("--exchange-every", type=int, default=1, metavar="K",
+    sm.add_argument("--exchange-every", type=int, metavar="K",
                     help="Balancer(exchange_every=K): the policy sees K steps' records at once and "
-                         "decides once per K steps (default 1, every step as the papers)")
-    sm.add_argument("--adaptive-exchange", action="store_true",
+                         "decides once per K steps (default: 1, every step as the papers; uniform, "
+                         "which reads no telemetry, adaptive blocks of up to 16)")
+    sm.add_argument("--adaptive-exchange", action="store_true", default=None,
                     help="Balancer(adaptive_exchange=True): blocks of 1 step while the sizes move, "
                          "doubling up to K while they hold still")
     sm.add_argument("--chronica-hold", type=float, metavar="H",

@@ -44,7 +44,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .checks import integer, number
+from .checks import flag, integer, number
 
 log = logging.getLogger("hetlb.telemetry")
 
@@ -428,6 +428,32 @@ def next_block_length(length: int, steady: bool, largest: int) -> int:
     ``length``, capped at ``largest`` (``exchange_every``). Shared by the Balancer and the
     simulator, so both ship at the same steps."""
     return min(2 * length, largest) if steady else 1
+
+
+#: The largest telemetry block by default for a policy that does not read the telemetry
+#: (``Policy.reads_telemetry`` False: Uniform), with adaptive blocks.
+STATIC_BLOCK = 16
+
+
+def exchange_settings(reads_telemetry: bool, every: Any, adaptive: Any,
+                      history: Any) -> Tuple[int, bool, int]:
+    """``(exchange_every, adaptive_exchange, history)`` from the Balancer's (or the simulator's)
+    arguments, None meaning the default, each checked: every step for a policy that reads the
+    telemetry (the papers decide every step); adaptive blocks of up to :data:`STATIC_BLOCK`
+    steps (at most ``history``) for one that does not, whose decisions blocks cannot change.
+    ``adaptive`` left None is True exactly where the blocks are that default."""
+    defaulted = every is None
+    if defaulted:
+        every = 1 if reads_telemetry else min(STATIC_BLOCK, integer(history, "history", 1, sys.maxsize))
+    else:
+        every = integer(every, "exchange_every", 1)
+    adaptive = (defaulted and every > 1) if adaptive is None else flag(adaptive, "adaptive_exchange")
+    history = block_history(history, every)
+    if adaptive and every == 1:
+        raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; with "
+                         "exchange_every=1 every step is exchanged anyway: pass exchange_every=k "
+                         "> 1 (e.g. 16)")
+    return every, adaptive, history
 
 
 def block_history(history: Any, exchange_every: int) -> int:

@@ -734,7 +734,9 @@ def _settings_mismatch_worker(rank, world, case):
 @pytest.mark.parametrize("case, named", [
     ("global_batch", "global_batch=8; rank 1 has global_batch=9"),
     ("weighting", "weighting='samples'; rank 1 has weighting='none'"),
-    ("policy", "policy='LBB'; rank 1 has policy='Uniform'"),
+    # (Uniform's telemetry blocks by default follow from the policy, and the message shows them)
+    ("policy", "policy='LBB', exchange_every=1, adaptive_exchange=False; rank 1 has "
+               "policy='Uniform', exchange_every=16, adaptive_exchange=True"),
     ("lbb", "LBB policy settings: rank 0 has fine=0.05; rank 1 has fine=0.1"),
     ("chronica", "Chronica policy settings: rank 0 has forget=1.0; rank 1 has forget=0.9"),
     ("narx", "LBBSP policy settings: rank 0 has predictor={'type': 'NARX', 'lookback': 2, 'hidden': 16"),

@@ -217,10 +217,10 @@ def test_choose_transport_picks_side_for_a_deferred_hook():
     assert choose_transport([None, None], [None, None], deferred=False) == "carry"
 
 
-def stamp_worker(rank, world):
+def stamp_worker(rank, world, every):
     import time
     ddp = DDP(_net())
-    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform())
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform(), exchange_every=every)
     x, y, _ = _data(32)
     sent = []
     for step, (xb, yb) in enumerate(bal.loader(torch.utils.data.TensorDataset(x, y))):
@@ -236,9 +236,15 @@ def stamp_worker(rank, world):
             "compute": [float(r.compute.max()) for r in bal.history]}
 
 
-def test_the_table_is_sent_and_the_time_stamped_by_the_end_of_backward():
-    for r in unwrap(run(stamp_worker, 2)):
-        assert not r["hooked"] and r["sent"] == [True] * 4, r
+@pytest.mark.parametrize("every, sent", [
+    (1, [True] * 4),
+    # Uniform's default: adaptive blocks (1 step after the start's own exchange, then 2, ...;
+    # the epoch's last step ends a block)
+    (None, [True, False, True, True])])
+def test_the_table_is_sent_and_the_time_stamped_by_the_end_of_backward(every, sent):
+    for r in unwrap(run(stamp_worker, 2, every)):
+        assert not r["hooked"] and r["sent"] == sent, r
+        assert len(r["compute"]) == 4, r["compute"]  # every step recorded by the epoch's end
         assert max(r["compute"]) < 0.1, r["compute"]  # step 1's nap after backward not counted
 
 

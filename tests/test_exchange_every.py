@@ -211,18 +211,52 @@ def test_one_process_records_in_blocks():
     assert len(bal.history) == 10
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True, None])
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True])
 def test_bad_exchange_every_is_refused(bad):
     with pytest.raises(ValueError, match="exchange_every"):
         hetlb.Balancer(torch.nn.Linear(3, 1), 4, exchange_every=bad)
 
 
-@pytest.mark.parametrize("bad", [1, "yes", None])
+@pytest.mark.parametrize("bad", [1, "yes"])
 def test_bad_adaptive_exchange_is_refused(bad):
     with pytest.raises((TypeError, ValueError), match="adaptive_exchange"):
         hetlb.Balancer(torch.nn.Linear(3, 1), 4, exchange_every=4, adaptive_exchange=bad)
     with pytest.raises(ValueError, match="with exchange_every=1 every step is exchanged anyway"):
         hetlb.Balancer(torch.nn.Linear(3, 1), 4, adaptive_exchange=True)
+
+
+@pytest.mark.parametrize("policy, kwargs, settings", [
+    (hetlb.LBB, {}, (1, False)),  # the papers decide every step
+    (hetlb.Uniform, {}, (16, True)),  # reads no telemetry: blocks change none of its decisions
+    (hetlb.Uniform, {"history": 4}, (4, True)),
+    (hetlb.Uniform, {"exchange_every": 1}, (1, False)),
+    (hetlb.Uniform, {"adaptive_exchange": False}, (16, False)),
+    (hetlb.Uniform, {"exchange_every": 8}, (8, False)),
+    (hetlb.LBB, {"exchange_every": 8, "adaptive_exchange": True}, (8, True))])
+def test_the_default_blocks_follow_whether_the_policy_reads_telemetry(policy, kwargs, settings):
+    bal = hetlb.Balancer(torch.nn.Linear(3, 1), 4, policy=policy(), **kwargs)
+    assert (bal.exchange_every, bal.adaptive_exchange) == settings
+
+
+def test_uniform_s_default_blocks_record_what_every_step_exchanges_records():
+    # Uniform by default: records arrive a block at a time (1, 2, 4 ... steps; an epoch's last
+    # step ends a block), and by the epoch's end they are the per-step run's, sizes and steps.
+    ds = torch.utils.data.TensorDataset(torch.randn(44, 3))  # 11 steps of 4
+    runs = {}
+    for every in (None, 1):
+        net = torch.nn.Linear(3, 1)
+        bal = hetlb.Balancer(net, 4, policy=hetlb.Uniform(), exchange_every=every)
+        lens = []
+        for (xb,) in bal.loader(ds, seed=1):
+            net(xb).sum().backward()
+            net.zero_grad()
+            lens.append(len(bal.history))
+        lens.append(len(bal.history))  # after the loop: the epoch's last step is recorded
+        runs[every] = (lens, [(r.step, r.batch.tolist()) for r in bal.history])
+    # A step is recorded when the next batch is asked for (its end): blocks [0] [1-2] [3-6] [7-10]
+    assert runs[None][0] == [0, 1, 1, 3, 3, 3, 3, 7, 7, 7, 7, 11], runs[None][0]
+    assert runs[1][0] == list(range(12))
+    assert runs[None][1] == runs[1][1] == [(s, [4]) for s in range(11)]
 
 
 def test_history_shorter_than_a_block_is_refused():

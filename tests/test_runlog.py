@@ -46,6 +46,9 @@ def test_log_dir_from_the_environment_and_appending_on_resume(tmp_path, monkeypa
     model = torch.nn.Linear(2, 1)
     bal = hetlb.Balancer(model, 4, policy=hetlb.Uniform(), tensorboard=False)
     train_steps(bal, model, 3)
+    # Uniform exchanges in blocks by default: a checkpoint's history (and so the resumed log)
+    # holds the steps of the last exchange; a flush first records the rest.
+    bal.flush()
     state = bal.state_dict()
     bal.close()
     model2 = torch.nn.Linear(2, 1)  # a restarted process: a new model and Balancer
@@ -143,3 +146,35 @@ def test_profile_command_writes_a_profile_plan_reads(tmp_path, capsys):
 def test_profile_errors(capsys, spec, message):
     assert main(["profile", spec]) == 2
     assert message in capsys.readouterr().err
+
+
+def blocked_log_worker(rank, world, log_dir, flush):
+    import logging
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append(r.getMessage())
+    logging.getLogger("hetlb").addHandler(handler)
+    ddp = DDP(torch.nn.Linear(2, 1))
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform(), log_dir=log_dir, tensorboard=False)
+    for _ in range(5):  # blocks [0] [1-2] [3-6]: steps 3 and 4 wait for their exchange
+        with bal.step():
+            ddp(torch.randn(4, 2)).sum().backward()
+    if flush:
+        bal.flush()
+    bal.close()
+    return [m for m in seen if "bal.close()" in m], len(bal.history)
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_close_names_the_steps_a_block_left_out_of_the_log(tmp_path, flush):
+    from distributed import run, unwrap
+    res = unwrap(run(blocked_log_worker, 2, str(tmp_path), flush))
+    logged = [s["step"] for s in read_run(tmp_path)]
+    if flush:
+        assert logged == list(range(5)) and res == [([], 5), ([], 5)], res
+    else:
+        assert logged == [0, 1, 2], logged
+        warned, n = res[0]  # rank 0 writes the log
+        assert n == 3 and len(warned) == 1 and "2 step(s)" in warned[0] and "bal.flush()" in warned[0]
+        assert res[1] == ([], 3)  # no log on rank 1: nothing to warn about

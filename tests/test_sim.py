@@ -516,7 +516,7 @@ def test_adaptive_exchange_balances_at_the_per_step_pace_with_fewer_exchanges(po
         length = 1 if a in moved else min(2 * length, 16)
         epoch_end = (b + 1) % sc.steps_per_epoch == 0
         assert b - a == length or (epoch_end and b - a < length), (a, b, length)
-    with pytest.raises(ValueError, match="adaptive_exchange=True needs exchange_every > 1"):
+    with pytest.raises(ValueError, match="with exchange_every=1 every step is exchanged anyway"):
         simulate(sc, policy, steps=3, adaptive_exchange=True)
     with pytest.raises(ValueError, match="history=8 keeps fewer records than a block"):
         simulate(sc, policy, steps=3, exchange_every=16, history=8)
@@ -589,3 +589,19 @@ def test_bench_sim_quadratic_part_runs_shortened():
     assert len(rows) == 1
     cells = [float(c) for c in rows[0].strip("| ").split(" | ")]
     assert cells[3] < 1.0 < cells[5], rows  # the given term beats the paper's linear rule; lbb trails
+
+
+def test_uniform_exchanges_in_adaptive_blocks_by_default_as_the_balancer():
+    # Uniform reads no telemetry: the simulator takes the Balancer's default, adaptive blocks of
+    # up to 16 (an epoch's end ends one), and the sizes are the per-step run's.
+    lin = {"kind": "linear", "a0": 0.01, "a1": 0.001}
+    sc = Scenario.from_dict({"workers": [{"model": lin}, {"model": lin, "speed": 2.0}], "global_batch": 8,
+                             "steps_per_epoch": 40, "steps": 80})
+    blocks = simulate(sc, "uniform")
+    every = simulate(sc, "uniform", exchange_every=1)
+    assert every.exchanges == list(range(80))
+    # step 0 alone, then 1-2, 3-6, 7-14, 15-30, 31-39 (the epoch's end), 40 (blocks keep growing), ...
+    assert blocks.exchanges[:7] == [0, 2, 6, 14, 30, 39, 55], blocks.exchanges
+    np.testing.assert_array_equal(blocks.sizes, every.sizes)
+    lbb = simulate(sc, "lbb", steps=10)
+    assert lbb.exchanges == list(range(10))  # a policy that reads telemetry: every step

@@ -286,6 +286,12 @@ class Policy:
     #: such a record (the Balancer then keeps the previous sizes and counts the step as bad).
     accepts_no_progress = False
 
+    #: Whether :meth:`decide` depends on the telemetry it is given. A policy whose decision never
+    #: does (:class:`~hetlb.Uniform`, the SSGD split) sets False: the Balancer then exchanges the
+    #: telemetry in adaptive blocks by default (``Balancer(exchange_every=None)``), which changes
+    #: none of its decisions and saves the per-step exchange.
+    reads_telemetry = True
+
     def usable(self, rec: StepRecord) -> bool:
         """Whether the policy acts on ``rec`` (it refuses the others as the newest record): of
         its world size, with progress on every rank unless :attr:`accepts_no_progress`, and then

@@ -14,11 +14,14 @@ class Uniform(SizedPolicy):
 
     Where bounds make the equal split infeasible, ranks are water-filled to equal shares within
     their bounds (:func:`hetlb.allocate_proportional` with equal speeds). The decision never
-    changes during training.
+    changes during training, so a :class:`hetlb.Balancer` running it exchanges the telemetry in
+    adaptive blocks of up to 16 steps by default (see its ``exchange_every``; the records are
+    the same, they arrive a block at a time).
     """
 
     name = "uniform"
     accepts_no_progress = True  # the split does not depend on anyone's speed
+    reads_telemetry = False  # so the Balancer exchanges telemetry in blocks by default
 
     def start(self, ctx: Context) -> np.ndarray:
         """Remember ``ctx`` and return the equal split."""

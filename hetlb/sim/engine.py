@@ -24,13 +24,12 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from .. import checks
 from ..models import LinearModel, PiecewiseModel, PolyModel
 from ..plan import ScheduleRule, decision_checksum
 from ..policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
 from ..solve import schedule
 from ..policies.base import Context, Policy, check_decision
-from ..telemetry import (History, StepRecord, UnusableTelemetry, block_history,
+from ..telemetry import (History, StepRecord, UnusableTelemetry, exchange_settings,
                          next_block_length, straggler_effect)
 from .scenario import Scenario, load_scenario
 
@@ -209,8 +208,9 @@ def _profiles(sc: Scenario, idx: np.ndarray) -> List[Dict[str, Any]]:
 
 def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Policy, str],
              steps: Optional[int] = None, *, profile: bool = False, seed: Optional[int] = None,
-             progress: bool = False, history: Optional[int] = None, exchange_every: int = 1,
-             adaptive_exchange: bool = False) -> SimResult:
+             progress: bool = False, history: Optional[int] = None,
+             exchange_every: Optional[int] = None,
+             adaptive_exchange: Optional[bool] = None) -> SimResult:
     """Run ``policy`` on ``scenario`` for ``steps`` steps (default ``scenario.steps``).
 
     Args:
@@ -226,7 +226,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         progress: a progress bar over the steps (tqdm's, where it is installed).
         history: records the policy can look back on (the Balancer's ``history`` argument; at
             least ``exchange_every``); None: 64, or ``exchange_every`` if larger.
-        exchange_every: the Balancer's ``exchange_every``: the policy sees the records of ``k``
+        exchange_every: the Balancer's ``exchange_every``, with its default (None: 1, or
+            adaptive blocks of up to 16 for a policy that reads no telemetry, Uniform): the
+            policy sees the records of ``k``
             steps at once (a block also ends at an epoch's end, and at a restart's, and the
             first step after a (re)start is an exchange of its own, as in the Balancer) and
             decides once per block; the sizes are kept in between.
@@ -248,11 +250,9 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     steps = sc.steps if steps is None else int(steps)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    every = checks.integer(exchange_every, "exchange_every", 1)
-    adaptive = checks.flag(adaptive_exchange, "adaptive_exchange")
-    history = block_history(max(64, every) if history is None else history, every)
-    if adaptive and every == 1:
-        raise ValueError("adaptive_exchange=True needs exchange_every > 1 (the largest block)")
+    every, adaptive, hist = exchange_settings(getattr(pol, "reads_telemetry", True), exchange_every,
+                                              adaptive_exchange, 1 << 30 if history is None else history)
+    history = max(64, every) if history is None else hist
     rng = np.random.default_rng(sc.seed if seed is None else seed)
     # The samples' sizes come from a stream of their own: the same steps whatever the policy.
     size_rng = np.random.default_rng([sc.seed if seed is None else seed, 1])
