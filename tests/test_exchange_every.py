@@ -238,6 +238,22 @@ def test_the_default_blocks_follow_whether_the_policy_reads_telemetry(policy, kw
     assert (bal.exchange_every, bal.adaptive_exchange) == settings
 
 
+def test_a_subclass_of_uniform_that_decides_anew_is_exchanged_every_step():
+    class Reacting(hetlb.Uniform):  # may read the telemetry: per-step, as the papers' policies
+        def decide(self, history):
+            return super().decide(history)
+
+    class Quiet(Reacting):  # says it reads none
+        reads_telemetry = False
+
+    class Named(hetlb.Uniform):  # decides as Uniform: still blocks
+        name = "named"
+
+    got = {cls.__name__: (hetlb.Balancer(torch.nn.Linear(3, 1), 4, policy=cls()).exchange_every)
+           for cls in (Reacting, Quiet, Named)}
+    assert got == {"Reacting": 1, "Quiet": 16, "Named": 16}
+
+
 def test_uniform_s_default_blocks_record_what_every_step_exchanges_records():
     # Uniform by default: records arrive a block at a time (1, 2, 4 ... steps; an epoch's last
     # step ends a block), and by the epoch's end they are the per-step run's, sizes and steps.

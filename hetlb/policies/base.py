@@ -289,7 +289,8 @@ class Policy:
     #: Whether :meth:`decide` depends on the telemetry it is given. A policy whose decision never
     #: does (:class:`~hetlb.Uniform`, the SSGD split) sets False: the Balancer then exchanges the
     #: telemetry in adaptive blocks by default (``Balancer(exchange_every=None)``), which changes
-    #: none of its decisions and saves the per-step exchange.
+    #: none of its decisions and saves the per-step exchange. (A subclass of ``Uniform`` with a
+    #: ``decide`` of its own reads it again unless it sets this False itself.)
     reads_telemetry = True
 
     def usable(self, rec: StepRecord) -> bool:

@@ -23,6 +23,13 @@ class Uniform(SizedPolicy):
     accepts_no_progress = True  # the split does not depend on anyone's speed
     reads_telemetry = False  # so the Balancer exchanges telemetry in blocks by default
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        # A subclass with a decide() of its own may read the telemetry: it decides every step
+        # (the Balancer's per-step default) unless it says otherwise itself.
+        super().__init_subclass__(**kwargs)
+        if "decide" in vars(cls) and "reads_telemetry" not in vars(cls):
+            cls.reads_telemetry = True
+
     def start(self, ctx: Context) -> np.ndarray:
         """Remember ``ctx`` and return the equal split."""
         self._setup(ctx)
