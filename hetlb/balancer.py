@@ -376,7 +376,8 @@ class Balancer:
         rank, world: this rank and the number of ranks of ``group``.
         history: :class:`hetlb.telemetry.History` of the world's telemetry, one record per step
             (on CUDA a step's record completes one step later: compute times come from events
-            read without a host synchronisation).
+            read without a host synchronisation; with ``exchange_every > 1``, Uniform's default,
+            the records of a block arrive at its exchange).
         context: the :class:`hetlb.policies.Context` the policy was started with.
         transport: the telemetry transport every rank uses.
         last_overhead: seconds the Balancer itself spent in the latest step (row, table check,

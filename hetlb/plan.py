@@ -105,6 +105,13 @@ def split_last(shares: np.ndarray, count: int, lower: Optional[np.ndarray] = Non
     return sizes
 
 
+def sample_work(sizes: Any, quadratic: float) -> np.ndarray:
+    """Each sample's work, float64 ``[n]``: its size ``s``, plus ``quadratic * s**2`` (the
+    attention-bound term), as the loader's schedule and the simulator count it."""
+    s = np.asarray(sizes, np.float64)
+    return s + quadratic * s * s if quadratic else s
+
+
 @dataclass(frozen=True)
 class ScheduleRule:
     """A size-aware decision: assign each step's samples to ranks with :func:`hetlb.schedule`
@@ -149,8 +156,7 @@ class ScheduleRule:
 
     def work(self, sizes: np.ndarray) -> np.ndarray:
         """Work of samples of ``sizes``: ``s + quadratic * s**2``."""
-        s = np.asarray(sizes, np.float64)
-        return s + self.quadratic * s * s if self.quadratic else s
+        return sample_work(sizes, self.quadratic)
 
     def predict(self, data: np.ndarray, sq: np.ndarray) -> np.ndarray:
         """Predicted seconds of every rank for samples whose sizes sum to ``data`` and whose

@@ -84,6 +84,7 @@ import numpy as np
 
 from ..emulate import Disturbance, Emulator
 from ..models import LinearModel, PiecewiseModel, PolyModel, TimeModel, model_from_dict
+from ..plan import sample_work
 
 __all__ = ["ScenarioError", "WorkerSpec", "Event", "Network", "Samples", "Scenario", "load_scenario",
            "builtin_scenarios", "generate_cluster", "WorkerModel", "EVENT_KINDS"]
@@ -470,8 +471,7 @@ class Scenario:
 
     def work_of(self, sizes: np.ndarray) -> np.ndarray:
         """Each sample's work: its size, plus ``quadratic`` times its square."""
-        sizes = np.asarray(sizes, np.float64)
-        return sizes + self.quadratic * sizes * sizes if self.quadratic else sizes
+        return sample_work(sizes, self.quadratic)
 
     @property
     def world(self) -> int:
