@@ -1398,7 +1398,11 @@ class Balancer:
             raise ValueError(f"checkpoint global_batch={state['global_batch']!r} differs from this "
                              f"Balancer's global_batch={self.global_batch}{hint}: a run resumes with "
                              f"the global batch it was saved with (another world size is fine): make "
-                             f"the Balancer with global_batch={gb}")
+                             f"the Balancer with global_batch={gb}"
+                             + (f" (with a loader made first: batch_size={gb // self.world}, "
+                                f"hetlb.DataLoader's per-rank average)" if gb % self.world == 0 else
+                                f" (a loader made first needs batch_size * {self.world} == {gb}: "
+                                f"make the loader through bal.loader(...) instead)"))
         acc = checks.integer(state.get("accumulate", 1), "checkpoint accumulate", 1)
         if acc != self.accumulate:
             raise ValueError(f"checkpoint accumulate={state.get('accumulate')!r} differs from this "

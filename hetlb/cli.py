@@ -484,7 +484,18 @@ def _report(args: argparse.Namespace) -> int:
     for s in steps:
         if s.get("action"):
             actions[s["action"]] = actions.get(s["action"], 0) + 1
+    # Steps a log lacks (a run resumed from a checkpoint taken inside a telemetry block, or one
+    # that stopped between exchanges) or holds twice (a run resumed from an older checkpoint):
+    # the summary would otherwise look whole.
+    nums = [int(s["step"]) for s in steps]
+    present = sorted(set(nums))
+    missing = [[a + 1, b - 1] for a, b in zip(present, present[1:]) if b > a + 1]
+    counts: Dict[int, int] = {}
+    for n in nums:
+        counts[n] = counts.get(n, 0) + 1
+    repeated = sorted(n for n, c in counts.items() if c > 1)
     summary = {"steps": len(steps), "ranks": len(steps[0]["batch"]), "policy": steps[0].get("policy", ""),
+               "missing": missing, "repeated": repeated,
                "mean_step": float(t.mean()), "median_step": float(np.median(t)), "mean_se": float(se.mean()),
                "first_sizes": steps[0]["batch"], "last_sizes": steps[-1]["batch"], "actions": actions,
                "epochs": [{"epoch": e, "steps": len(ix), "compute_time": float(t[ix].sum()),
@@ -501,6 +512,17 @@ def _report(args: argparse.Namespace) -> int:
               + (f"; actions {actions}" if actions else ""))
         print(_table([[e["epoch"], e["steps"], f"{e['compute_time']:.3f}", f"{e['mean_se']:.3f}"]
                       for e in summary["epochs"]], ["epoch", "steps", "slowest-compute s", "mean SE"]))
+        if missing:
+            n = sum(b - a + 1 for a, b in missing)
+            print(f"warning: {n} step(s) missing from the log: "
+                  + ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in missing[:10])
+                  + (" ..." if len(missing) > 10 else "")
+                  + " (trained but not logged: the steps since the last telemetry exchange of a "
+                    "run that stopped, or that a checkpoint taken inside a block did not hold; "
+                    "call bal.flush() on every rank before such a checkpoint and at the end)")
+        if repeated:
+            print(f"warning: {len(repeated)} step(s) logged more than once (first: {repeated[0]}): "
+                  f"a run resumed from a checkpoint older than its last logged step")
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

@@ -280,7 +280,8 @@ def test_a_checkpoint_of_another_global_batch_is_refused(into):
     if into == "balancer":
         model, bal, loader = balancer(8, Indices(20))
         # (hetlb.Balancer's own check; a user audit, session 26: it named no fix)
-        match = "checkpoint global_batch=4 differs from .*8.*make the Balancer with global_batch=4"
+        match = ("checkpoint global_batch=4 differs from .*8.*make the Balancer with global_batch=4 "
+                 r"\(with a loader made first: batch_size=4")
     elif into == "loader":
         loader = hetlb.DataLoader(Indices(20), batch_size=8)
         match = (r"checkpoint global_batch=4 differs from this job's global batch 8 \(batch_size \* "

@@ -178,3 +178,28 @@ def test_close_names_the_steps_a_block_left_out_of_the_log(tmp_path, flush):
         warned, n = res[0]  # rank 0 writes the log
         assert n == 3 and len(warned) == 1 and "2 step(s)" in warned[0] and "bal.flush()" in warned[0]
         assert res[1] == ([], 3)  # no log on rank 1: nothing to warn about
+
+
+def test_report_names_steps_missing_from_or_repeated_in_the_log(tmp_path, capsys):
+    # A run resumed from a checkpoint taken inside a telemetry block lacks that block's steps; one
+    # resumed from an older checkpoint logs steps twice: the report must not look whole.
+    model = torch.nn.Linear(2, 1)
+    bal = hetlb.Balancer(model, 4, policy=hetlb.Uniform(), exchange_every=1, log_dir=str(tmp_path),
+                         tensorboard=False)
+    train_steps(bal, model, 8)
+    bal.close()
+    log = tmp_path / "run.jsonl"
+    lines = log.read_text().splitlines()
+    assert main(["report", str(log), "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["missing"] == [] and whole["repeated"] == []
+    assert main(["report", str(log)]) == 0
+    assert "warning" not in capsys.readouterr().out
+    log.write_text("\n".join(lines[:2] + lines[5:] + lines[6:7]) + "\n")  # 2-4 lost, 6 twice
+    assert main(["report", str(log), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["missing"] == [[2, 4]] and got["repeated"] == [6] and got["steps"] == 6
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "3 step(s) missing from the log: 2-4" in out and "bal.flush()" in out
+    assert "1 step(s) logged more than once (first: 6)" in out
