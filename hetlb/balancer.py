@@ -325,8 +325,9 @@ class Balancer:
             The sizes then change only at exchanges (policies that move a bounded
             amount per decision, as the papers' do, take up to ``k`` times as many steps to
             balance), and a rank disagreement is found up to ``k - 1`` steps late (still an
-            error). A block also ends at an epoch's last step, and the first step after the
-            Balancer is made or a checkpoint is loaded is an exchange of its own (ranks resumed
+            error). A block also ends at an epoch's last step; an epoch's first step (ranks that
+            set different epochs meet there, after one step) and the first step after the
+            Balancer is made or a checkpoint is loaded are exchanges of their own (ranks resumed
             from different checkpoints get ``DecisionMismatchError`` there). The steps after a
             run's last exchange (a ``break`` at a step limit, training without the loader) are
             checked and recorded only by :meth:`flush`. The steps since the last exchange are
@@ -843,7 +844,10 @@ class Balancer:
             data = (self._window_data + data) / plan.window_len
         offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
         pos = len(self._block)
-        ship = pos + 1 >= self._block_len or self._ship_next or self._epoch_last(plan)
+        # An epoch's first step ships too: ranks that set different epochs (and so draw from
+        # different orders) meet in a table at once, not up to a block later.
+        ship = pos + 1 >= self._block_len or self._ship_next or self._epoch_last(plan) or \
+            (plan.step == 0 and self._loader_config is not None)
         self.telemetry.start(self._step, w, self._row(plan, batch, data), int(batch),
                              offset=offset, new_window=first,
                              sq=0.0 if plan.sq is None else float(plan.sq[self.rank]),

@@ -149,7 +149,7 @@ def epoch_worker(rank, world, n, gb, k, epochs):
 
 def test_a_block_ends_at_the_epochs_end():
     # 53 samples of 8: 7 steps an epoch; blocks of 5 are [0] (the first step alone) [1-5] [6] |
-    # [7-11] [12-13].
+    # [7] (an epoch's first step ships: ranks on different epochs meet at once) [8-12] [13].
     n, gb, k = 53, 8, 5
     res = unwrap(run(epoch_worker, 2, n, gb, k, 2))
     for r in res:
@@ -159,8 +159,8 @@ def test_a_block_ends_at_the_epochs_end():
         assert r["steps"] == list(range(14))  # every step recorded: the epoch end exchanged
         assert r["ends"] == [6, 13]
         # History length seen in the body of each step (before that step's end).
-        assert r["lens"] == [0] + [1] * 5 + [6] + [7] * 5 + [12] * 2, r["lens"]
-        # Carry's buffer holds a whole block from the first exchange on: blocks of 1, 5 and 2
+        assert r["lens"] == [0] + [1] * 5 + [6] + [7] + [8] * 5 + [13], r["lens"]
+        # Carry's buffer holds a whole block from the first exchange on: blocks of 1 and 5
         # steps reuse it (one bucket of 2 parameters, then k * world rows of the table).
         assert r["transport"] == "carry"
         assert r["caps"] == [2 + k * 2 * hetlb.telemetry.NUM_FIELDS] * 14, r["caps"]
@@ -571,3 +571,28 @@ def test_flush_between_steps_only():
         net(torch.randn(4, 3)).sum().backward()
     bal.flush()  # step 0 exchanged alone: nothing left
     assert [r.step for r in bal.history] == [0]
+
+
+def skipped_epoch_worker(rank, world):
+    ddp = DDP(torch.nn.Linear(1, 1).double())
+    bal = hetlb.Balancer(ddp, 4, policy=hetlb.Uniform())  # adaptive blocks of up to 16
+    ds = torch.utils.data.TensorDataset(torch.arange(100, dtype=torch.float64)[:, None])
+    loader = bal.loader(ds, seed=2)  # 25 steps an epoch
+    trained = 0
+    try:
+        for epoch in (0, 1 + rank):  # rank 1 skips an epoch: another order from step 25 on
+            loader.set_epoch(epoch)
+            for (xb,) in loader:
+                ddp(xb).sum().backward()
+                trained += 1
+    except hetlb.DecisionMismatchError as e:
+        return trained, str(e)
+    return trained, None
+
+
+def test_ranks_on_different_epochs_meet_at_the_epoch_s_first_step():
+    # Blocks reach 16 steps in the first epoch; the second epoch's first step ships alone, so a
+    # rank that set another epoch is found after one step of it, not up to a block later.
+    for trained, msg in unwrap(run(skipped_epoch_worker, 2)):
+        assert msg is not None and "step 25: ranks are training different epochs" in msg, msg
+        assert trained == 26, trained  # step 25's end exchanged it

@@ -302,8 +302,9 @@ def test_lbbsp_cpu_mode_with_narx_runs_per_rank_predictors():
 @pytest.mark.parametrize("policy", ["lbb", "lbbsp", "wlbs", "dbs"])
 def test_exchange_every_decides_once_per_block(policy):
     # exchange_every=1 is the per-step run exactly; with k = 7 the sizes change only after a
-    # block's end (the first step alone, as in the Balancer; then k steps, or an epoch's end:
-    # 50 steps an epoch here), and the policy still balances the static cluster.
+    # block's end (the first step alone, as in the Balancer; then k steps, or an epoch's end, or
+    # an epoch's first step: 50 steps an epoch here), and the policy still balances the static
+    # cluster.
     sc = load_scenario("abs-sgd-1234")
     per_step = simulate(sc, policy, steps=120)
     same = simulate(sc, policy, steps=120, exchange_every=1)
@@ -314,7 +315,7 @@ def test_exchange_every_decides_once_per_block(policy):
     ends, n = set(), 0
     for step in range(120):
         n += 1
-        if n == k or step == 0 or (step + 1) % sc.steps_per_epoch == 0:
+        if n == k or step % sc.steps_per_epoch == 0 or (step + 1) % sc.steps_per_epoch == 0:
             ends.add(step)
             n = 0
     changed = [s for s in range(1, 120) if not np.array_equal(res.sizes[s], res.sizes[s - 1])]
@@ -515,7 +516,8 @@ def test_adaptive_exchange_balances_at_the_per_step_pace_with_fewer_exchanges(po
     for a, b in zip(ex, ex[1:]):
         length = 1 if a in moved else min(2 * length, 16)
         epoch_end = (b + 1) % sc.steps_per_epoch == 0
-        assert b - a == length or (epoch_end and b - a < length), (a, b, length)
+        epoch_first = b % sc.steps_per_epoch == 0  # (ships alone, after the epoch's end)
+        assert b - a == length or ((epoch_end or epoch_first) and b - a < length), (a, b, length)
     with pytest.raises(ValueError, match="with exchange_every=1 every step is exchanged anyway"):
         simulate(sc, policy, steps=3, adaptive_exchange=True)
     with pytest.raises(ValueError, match="history=8 keeps fewer records than a block"):
@@ -600,8 +602,9 @@ def test_uniform_exchanges_in_adaptive_blocks_by_default_as_the_balancer():
     blocks = simulate(sc, "uniform")
     every = simulate(sc, "uniform", exchange_every=1)
     assert every.exchanges == list(range(80))
-    # step 0 alone, then 1-2, 3-6, 7-14, 15-30, 31-39 (the epoch's end), 40 (blocks keep growing), ...
-    assert blocks.exchanges[:7] == [0, 2, 6, 14, 30, 39, 55], blocks.exchanges
+    # step 0 alone, then 1-2, 3-6, 7-14, 15-30, 31-39 (the epoch's end), 40 (an epoch's first
+    # step ships alone), 41-56, ...
+    assert blocks.exchanges[:8] == [0, 2, 6, 14, 30, 39, 40, 56], blocks.exchanges
     np.testing.assert_array_equal(blocks.sizes, every.sizes)
     lbb = simulate(sc, "lbb", steps=10)
     assert lbb.exchanges == list(range(10))  # a policy that reads telemetry: every step

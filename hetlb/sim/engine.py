@@ -229,7 +229,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         exchange_every: the Balancer's ``exchange_every``, with its default (None: 1, or
             adaptive blocks of up to 16 for a policy that reads no telemetry, Uniform): the
             policy sees the records of ``k``
-            steps at once (a block also ends at an epoch's end, and at a restart's, and the
+            steps at once (a block also ends at an epoch's end, an epoch's first step is one of its
+            own, a block ends at a restart's, and the
             first step after a (re)start is an exchange of its own, as in the Balancer) and
             decides once per block; the sizes are kept in between.
         adaptive_exchange: the Balancer's ``adaptive_exchange``: a block is 1 step after an
@@ -427,7 +428,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         t0 = time.perf_counter()
         block.append(rec)
         nxt = pending[-1]  # inside a block the sizes are kept
-        if len(block) >= length or rec.epoch_end or k == started:
+        if len(block) >= length or rec.epoch_end or k == started or k % sc.steps_per_epoch == 0:
             exchanges.append(k)
             steady = newest = False
             for rec in block:
