@@ -77,9 +77,11 @@ def test_scale_empty_list_is_noop():
     ops.scale_([], 3.0)
 
 
-def test_scale_many_small_tensors():
-    # Many tiny tensors whose segments straddle parallel chunks.
-    ts = [torch.randn(n) for n in range(1, 400)] + [torch.randn(100_000)]
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_many_small_tensors(device):
+    # Many tiny tensors whose segments straddle parallel chunks (CPU) and span 9 launches (CUDA: 48
+    # segments a launch).
+    ts = [torch.randn(n, device=device) for n in range(1, 400)] + [torch.randn(100_000, device=device)]
     ref = [t.clone() for t in ts]
     ops.scale_(ts, 1.5)
     ref_scale_(ref, 1.5)

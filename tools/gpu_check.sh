@@ -38,14 +38,17 @@ else:
 step cuda_tests "$PY" -m pytest tests/test_ops.py tests/test_profile.py -q -p no:cacheprovider -x
 step gpu_checks "$PY" tools/gpu_check.py
 step bench_kernels "$PY" bench/bench_kernels.py --device cuda
-# hetlb's per-step cost on one GPU, with the diagnostics that separate its suspects: the table
-# exchanged every 16 steps, host timing without CUDA events, device times read two steps late.
+# hetlb's per-step cost on one GPU, step-interleaved (one step of each variant in turn, each between
+# synchronisations: the full cost, nothing hidden), with the main-thread loader and with 2 loader
+# workers: the default (Uniform exchanges its table in adaptive blocks) against a table every step.
 # ${GPU_CHECK_TRACE:+...}: a directory for torch.profiler traces of each variant.
-step gpu_overhead "$PY" bench/bench_gpu_overhead.py --variants plain plain#2 default default/16 \
-  default@hostclock default@lag2 --rounds 9 --steps 100 ${GPU_CHECK_TRACE:+--trace "$GPU_CHECK_TRACE"}
+step gpu_overhead "$PY" bench/bench_gpu_overhead.py --interleave step --variants plain plain#2 default default/1 \
+  --rounds 3 --steps 100 ${GPU_CHECK_TRACE:+--trace "$GPU_CHECK_TRACE"}
+step gpu_overhead_workers "$PY" bench/bench_gpu_overhead.py --interleave step --workers 2 \
+  --variants plain plain#2 default default/1 --rounds 3 --steps 100
 echo "=== gpu_check summary"
 failed=0
-for name in build extension error_message cuda_tests gpu_checks bench_kernels gpu_overhead; do
+for name in build extension error_message cuda_tests gpu_checks bench_kernels gpu_overhead gpu_overhead_workers; do
   printf '%-14s %s\n' "$name" "${result[$name]:-not run}"
   [ "${result[$name]:-}" = PASS ] || failed=1
 done

@@ -1,8 +1,9 @@
 // CUDA kernels of the torch.ops.hetlb tensor ops (schemas in csrc/hetlb.cpp).
 //
-// scale_, flatten_scaled and unflatten_ are "dst = src * w" over a list of segments. They use the
-// multi-tensor-apply pattern: up to kMaxSegments (dst, src, numel) triples travel by value in the
-// kernel argument (no host->device copy of a pointer table, no sync), and the segments are cut into
+// scale_, flatten_scaled and unflatten_ are "dst = src * w" over a list of segments, and
+// delay_compensate_ an element-wise update over (grad, param, prev) triples. Both use the
+// multi-tensor-apply pattern in one kernel template: a batch of items' pointers travels by value in
+// the kernel argument (no host->device copy of a pointer table, no sync), and the items are cut into
 // fixed tiles so that one launch covers a whole group of tensors with every block busy, however
 // uneven the sizes (a 4096x4096 weight next to a 10-element bias). Blocks grid-stride over tiles.
 //
@@ -23,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <vector>
 
 #include "kernels.h"
@@ -30,33 +32,34 @@
 namespace hetlb::kernels {
 namespace {
 
-// 48 segments keep the by-value argument (~1.6 KB) well under the classic 4 KB parameter limit.
-constexpr int kMaxSegments = 48;
+// Items travel by value in the kernel argument, kept near 1.5 KB, well under the classic 4 KB
+// parameter limit: 48 (dst, src) segments or 36 (grad, param, prev) triples a launch.
 constexpr int64_t kTile = 8192;  // elements per block per step: 32 per thread at 256 threads
 constexpr int kThreads = 256;
 
-struct SegmentBatch {
-  void* dst[kMaxSegments];
-  const void* src[kMaxSegments];
-  int64_t numel[kMaxSegments];
-  int64_t tile_start[kMaxSegments + 1];  // prefix sum of tiles per segment
+// Up to kMax items of kPtrs pointers each (the first is written, the rest read), cut into tiles.
+template <int kPtrs, int kMax>
+struct ItemBatch {
+  static constexpr int kCapacity = kMax;
+  void* ptr[kPtrs][kMax];
+  int64_t numel[kMax];
+  int64_t tile_start[kMax + 1];  // prefix sum of tiles per item
   int count;
 };
 
-template <typename scalar_t>
-__global__ void scale_segments_kernel(SegmentBatch batch, at::opmath_type<scalar_t> w) {
-  using opmath_t = at::opmath_type<scalar_t>;
+// One kernel for every op: blocks grid-stride over the tiles of all items; `op(batch, k, begin,
+// end)` updates elements [begin, end) of item k, the block's threads striding over them (the op
+// holds the loop so that it loads the item's pointers once, as restrict locals).
+template <typename Batch, typename Op>
+__global__ void tiled_kernel(Batch batch, Op op) {
   const int64_t ntiles = batch.tile_start[batch.count];
   for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    // At most kMaxSegments steps, uniform across the block: cheaper than a per-element search.
+    // At most kCapacity steps, uniform across the block: cheaper than a per-element search.
     int k = 0;
     while (batch.tile_start[k + 1] <= tile) ++k;
     const int64_t begin = (tile - batch.tile_start[k]) * kTile;
     const int64_t end = ::min(begin + kTile, batch.numel[k]);
-    auto* dst = static_cast<scalar_t*>(batch.dst[k]);
-    const auto* src = static_cast<const scalar_t*>(batch.src[k]);
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x)
-      dst[i] = static_cast<scalar_t>(static_cast<opmath_t>(src[i]) * w);
+    op(batch, k, begin, end);
   }
 }
 
@@ -69,36 +72,59 @@ int max_blocks() {
   return std::max(sms, 1) * 8;
 }
 
-template <typename scalar_t>
-void launch_batch(SegmentBatch& batch, double weight, cudaStream_t stream) {
+template <typename Batch, typename Op>
+void launch(const Batch& batch, const Op& op, cudaStream_t stream) {
   const int64_t ntiles = batch.tile_start[batch.count];
   if (ntiles == 0) return;
   const int blocks = static_cast<int>(std::min<int64_t>(ntiles, max_blocks()));
-  scale_segments_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-      batch, static_cast<at::opmath_type<scalar_t>>(weight));
+  tiled_kernel<<<blocks, kThreads, 0, stream>>>(batch, op);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// One launch per kMaxSegments non-empty segments.
-void run_segments(at::ScalarType st, const std::vector<Segment>& segs, double weight) {
-  if (segs.empty()) return;
+// Packs the items into batches of Batch::kCapacity and launches each full batch and the last:
+// a model's 400 gradients take a dozen launches, not 400. `pointers(item)` lists an item's
+// pointers in the batch's order.
+template <typename Batch, typename Item, typename Pointers, typename Op>
+void run_batched(const std::vector<Item>& items, Pointers pointers, const Op& op) {
+  if (items.empty()) return;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "hetlb_scale_segments_cuda", [&] {
-    SegmentBatch batch{};
-    batch.count = 0;
-    batch.tile_start[0] = 0;
-    for (const auto& s : segs) {
-      const int k = batch.count;
-      batch.dst[k] = s.dst;
-      batch.src[k] = s.src;
-      batch.numel[k] = s.numel;
-      batch.tile_start[k + 1] = batch.tile_start[k] + (s.numel + kTile - 1) / kTile;
-      if (++batch.count == kMaxSegments) {
-        launch_batch<scalar_t>(batch, weight, stream);
-        batch.count = 0;
-      }
+  Batch batch{};
+  batch.count = 0;
+  batch.tile_start[0] = 0;
+  for (const auto& item : items) {
+    const int k = batch.count;
+    const auto ptrs = pointers(item);
+    for (size_t j = 0; j < ptrs.size(); ++j) batch.ptr[j][k] = const_cast<void*>(ptrs[j]);
+    batch.numel[k] = item.numel;
+    batch.tile_start[k + 1] = batch.tile_start[k] + (item.numel + kTile - 1) / kTile;
+    if (++batch.count == Batch::kCapacity) {
+      launch(batch, op, stream);
+      batch.count = 0;
     }
-    if (batch.count > 0) launch_batch<scalar_t>(batch, weight, stream);
+  }
+  if (batch.count > 0) launch(batch, op, stream);
+}
+
+using SegmentBatch = ItemBatch<2, 48>;
+
+// dst = src * w
+template <typename scalar_t>
+struct ScaleOp {
+  at::opmath_type<scalar_t> w;
+  __device__ void operator()(const SegmentBatch& b, int k, int64_t begin, int64_t end) const {
+    using opmath_t = at::opmath_type<scalar_t>;
+    auto* dst = static_cast<scalar_t*>(b.ptr[0][k]);
+    const auto* src = static_cast<const scalar_t*>(b.ptr[1][k]);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x)
+      dst[i] = static_cast<scalar_t>(static_cast<opmath_t>(src[i]) * w);
+  }
+};
+
+void run_segments(at::ScalarType st, const std::vector<Segment>& segs, double weight) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "hetlb_scale_segments_cuda", [&] {
+    run_batched<SegmentBatch>(
+        segs, [](const Segment& s) { return std::array<const void*, 2>{s.dst, s.src}; },
+        ScaleOp<scalar_t>{static_cast<at::opmath_type<scalar_t>>(weight)});
   });
 }
 
@@ -120,70 +146,31 @@ void unflatten_cuda(const at::Tensor& flat, at::TensorList tensors, double scale
   unflatten_with(flat, tensors, scale, run_segments);
 }
 
+using TripleBatch = ItemBatch<3, 36>;
+
 // grad += lam * grad * grad * (param - prev): 3 reads + 1 write per element, no temporaries.
-// The evaluation order matches eager `grad + lam * grad * grad * (param - prev)`. Multi-tensor as
-// above: one launch covers up to kMaxTriples tensors (a model's 400 gradients take 12 launches,
-// not 400), the triples passed by value.
-constexpr int kMaxTriples = 36;  // 4 words per triple + tile prefix: ~1.5 KB of kernel argument
-
-struct TripleBatch {
-  void* g[kMaxTriples];
-  const void* p[kMaxTriples];
-  const void* q[kMaxTriples];
-  int64_t numel[kMaxTriples];
-  int64_t tile_start[kMaxTriples + 1];
-  int count;
-};
-
+// The evaluation order matches eager `grad + lam * grad * grad * (param - prev)`.
 template <typename scalar_t>
-__global__ void delay_compensate_kernel(TripleBatch batch, at::opmath_type<scalar_t> lam) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const int64_t ntiles = batch.tile_start[batch.count];
-  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    int k = 0;
-    while (batch.tile_start[k + 1] <= tile) ++k;
-    const int64_t begin = (tile - batch.tile_start[k]) * kTile;
-    const int64_t end = ::min(begin + kTile, batch.numel[k]);
-    auto* __restrict__ g = static_cast<scalar_t*>(batch.g[k]);
-    const auto* __restrict__ p = static_cast<const scalar_t*>(batch.p[k]);
-    const auto* __restrict__ q = static_cast<const scalar_t*>(batch.q[k]);
+struct DelayCompensateOp {
+  at::opmath_type<scalar_t> lam;
+  __device__ void operator()(const TripleBatch& b, int k, int64_t begin, int64_t end) const {
+    using opmath_t = at::opmath_type<scalar_t>;
+    auto* __restrict__ g = static_cast<scalar_t*>(b.ptr[0][k]);
+    const auto* __restrict__ p = static_cast<const scalar_t*>(b.ptr[1][k]);
+    const auto* __restrict__ q = static_cast<const scalar_t*>(b.ptr[2][k]);
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
       const opmath_t gv = static_cast<opmath_t>(g[i]);
       const opmath_t d = static_cast<opmath_t>(p[i]) - static_cast<opmath_t>(q[i]);
       g[i] = static_cast<scalar_t>(gv + lam * gv * gv * d);
     }
   }
-}
-
-template <typename scalar_t>
-void launch_triples(TripleBatch& batch, double lam, cudaStream_t stream) {
-  const int64_t ntiles = batch.tile_start[batch.count];
-  if (ntiles == 0) return;
-  const int blocks = static_cast<int>(std::min<int64_t>(ntiles, max_blocks()));
-  delay_compensate_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-      batch, static_cast<at::opmath_type<scalar_t>>(lam));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
+};
 
 void run_triples(at::ScalarType st, const std::vector<Triple>& triples, double lam) {
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "hetlb_delay_compensate_cuda", [&] {
-    TripleBatch batch{};
-    batch.count = 0;
-    batch.tile_start[0] = 0;
-    for (const auto& t : triples) {
-      const int k = batch.count;
-      batch.g[k] = t.g;
-      batch.p[k] = t.p;
-      batch.q[k] = t.q;
-      batch.numel[k] = t.numel;
-      batch.tile_start[k + 1] = batch.tile_start[k] + (t.numel + kTile - 1) / kTile;
-      if (++batch.count == kMaxTriples) {
-        launch_triples<scalar_t>(batch, lam, stream);
-        batch.count = 0;
-      }
-    }
-    if (batch.count > 0) launch_triples<scalar_t>(batch, lam, stream);
+    run_batched<TripleBatch>(
+        triples, [](const Triple& t) { return std::array<const void*, 3>{t.g, t.p, t.q}; },
+        DelayCompensateOp<scalar_t>{static_cast<at::opmath_type<scalar_t>>(lam)});
   });
 }
 
