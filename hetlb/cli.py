@@ -242,8 +242,15 @@ def _simulate(args: argparse.Namespace) -> int:
     steps = sc.steps if args.steps is None else args.steps
     if args.exchange_every is not None and args.exchange_every < 1:
         raise CLIError(f"--exchange-every must be >= 1, got {args.exchange_every}")
-    if args.adaptive_exchange and (args.exchange_every or 1) == 1:
+    if args.adaptive_exchange and args.exchange_every == 1:
         raise CLIError("--adaptive-exchange grows blocks up to --exchange-every K steps: pass K > 1")
+    if args.adaptive_exchange and args.exchange_every is None:
+        # (uniform, which reads no telemetry, has adaptive blocks by default; the others exchange
+        # every step unless given K)
+        per_step = [p for p in policies if getattr(make_policy(p), "reads_telemetry", True)]
+        if per_step:
+            raise CLIError(f"--adaptive-exchange grows blocks up to --exchange-every K steps, and "
+                           f"{','.join(per_step)} exchange every step by default: pass K > 1")
     hold = args.chronica_hold
     if hold is not None:
         if not (0.0 <= hold < 1.0):

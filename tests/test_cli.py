@@ -105,6 +105,7 @@ def test_plan_from_the_builtin_scenario_and_from_profiles(capsys, tmp_path):
     (["simulate", "abs-sgd-1234", "--workers", "4"], "not both"),
     (["simulate", "--exchange-every", "0"], "--exchange-every must be >= 1, got 0"),
     (["simulate", "--adaptive-exchange"], "--adaptive-exchange grows blocks up to --exchange-every K"),
+    (["simulate", "--policy", "uniform,lbb", "--adaptive-exchange"], "lbb exchange every step by default"),
     # zero used to mean "the scenario's steps", silently
     (["simulate", "--steps", "0"], "--steps must be >= 1, got 0"),
     (["simulate", "--steps", "-3"], "--steps must be >= 1, got -3"),
@@ -183,6 +184,15 @@ def test_simulate_compares_policies_and_plots(capsys, tmp_path):
     # the epochs' first steps, 50 and 100, alone.
     assert runs["1"]["exchanges"] == 120 and runs["8"]["exchanges"] == 19
     assert runs["8"]["exchanges"] < auto["exchanges"] < 120, auto
+    # uniform has adaptive blocks by default: --adaptive-exchange alone is its default (it was
+    # refused without --exchange-every, a user audit of session 27)
+    blocks = []
+    for extra in ([], ["--adaptive-exchange"]):
+        code, out, err = run_cli(capsys, "simulate", "lbb-disturbance", "--policy", "uniform",
+                                 "--steps", "120", "--json", *extra)
+        assert code == 0, err
+        blocks.append(json.loads(out)["results"][0]["exchanges"])
+    assert blocks[0] == blocks[1] < 30, blocks
     code, out, _ = run_cli(capsys, "simulate", "lbb-disturbance", "--policy", "wlbs", "--steps",
                            "120", "--exchange-every", "8", "--adaptive-exchange")
     assert code == 0 and "exchanges" in out.splitlines()[2], out
