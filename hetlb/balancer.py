@@ -44,7 +44,7 @@ from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksu
 from .shard import Partition, epoch_rates
 from .policies.base import (Context, Policy, SizedPolicy, check_decision, check_same_policy,
                             from_state, policy_settings, to_state)
-from .watchdog import Watchdog
+from .watchdog import FLUSHING, Watchdog
 from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
                         UnusableTelemetry, exchange_settings, hardware_info,
                         next_block_length)
@@ -1130,7 +1130,13 @@ class Balancer:
         if not self._block:
             return
         steps, self._block = self._block, []
-        table = self.telemetry.exchange(kept=len(steps))
+        if self.watchdog is not None:  # (a rank flushing alone is named as such)
+            self.watchdog.beat(self._step, FLUSHING)
+        try:
+            table = self.telemetry.exchange(kept=len(steps))
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.beat(self._step)
         self._ship_next = False
         if o is not None:  # untrained: reopened below as the first step of the next block
             self._discard()

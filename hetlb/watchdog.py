@@ -10,7 +10,7 @@ then fail with an error that does not say which worker it was.
 round), runs one daemon thread per worker that publishes a heartbeat to the process group's store
 every ``interval`` seconds: the worker's step, how far into it (``data``: waiting for its batch;
 ``compute``: forward/backward; ``sent``: its gradient handed to the all-reduce, i.e. waiting for
-the others), when it last made progress, its host and pid. When this worker has waited inside a
+the others; ``flush``: in ``Balancer.flush()``, a collective between steps), when it last made progress, its host and pid. When this worker has waited inside a
 step for ``stall`` seconds (a collective timeout much shorter than torch's) and no other worker has
 made progress in that time either, the thread reads every heartbeat and names the worker(s) holding
 the job up:
@@ -44,32 +44,40 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["Watchdog", "EXIT_CODE", "Stage", "COMPUTING", "WAITING"]
+__all__ = ["Watchdog", "EXIT_CODE", "Stage", "COMPUTING", "WAITING", "FLUSHING"]
 
 log = logging.getLogger("hetlb")
 
 #: The exit code of a worker its watchdog stopped (EX_TEMPFAIL: try again, i.e. restart).
 EXIT_CODE = 75
 
-_STAGES = ("data", "compute", "sent")
+_STAGES = ("data", "compute", "sent", "flush")
+# Which of two ranks at the same step is behind: waiting for its batch, then flushing (a
+# collective between steps, before the step's compute), computing, and sent.
+_ORDER = (0, 2, 3, 1)
 _PREFIX = "hetlb/watchdog/"
 
 
 class Stage:
     """Where a worker is inside a step, for :meth:`Watchdog.beat` from loops that have no
     :class:`hetlb.aggregate.StepTelemetry` (DelayedSync, Federated): ``hooked`` is whether it
-    waits for the others (its part handed to a collective)."""
+    waits for the others (its part handed to a collective); ``code`` indexes the stage names
+    (compute, sent; or another stage's, such as :data:`FLUSHING`'s)."""
 
-    __slots__ = ("hooked",)
+    __slots__ = ("hooked", "code")
 
-    def __init__(self, hooked: bool) -> None:
+    def __init__(self, hooked: bool, code: Optional[int] = None) -> None:
         self.hooked = hooked
+        self.code = (2 if hooked else 1) if code is None else code
 
 
 #: Computing its part of the step.
 COMPUTING = Stage(False)
 #: Waiting for the others in a collective (an all-reduce, a barrier).
 WAITING = Stage(True)
+#: In ``Balancer.flush()`` between steps: a collective that every rank must call at the same
+#: point (one rank calling it alone waits there until the collective's timeout).
+FLUSHING = Stage(True, code=3)
 
 
 class Watchdog:
@@ -154,6 +162,8 @@ class Watchdog:
         tele = self._tele
         if tele is None:
             return 0
+        if isinstance(tele, Stage):
+            return tele.code
         try:
             return 2 if tele.hooked else 1
         except Exception:  # noqa: BLE001 (a step closing under us: count it as computing)
@@ -243,14 +253,21 @@ def describe(beats: Dict[int, Dict[str, Any]], ranks: Sequence[int], now: float,
                  f"{beats[r]['step']} ({_STAGES[beats[r]['stage']]})" for r in gone]
         parts += [f"rank {r}: never sent a heartbeat" for r in silent]
         return "gone (process exited or frozen, or its node lost): " + "; ".join(parts)
+    def order(w: tuple) -> tuple:
+        return w[0], _ORDER[w[1]]
+
     where = {r: (beats[r]["step"], beats[r]["stage"]) for r in ranks}
-    low = min(where.values())
+    low = min(where.values(), key=order)
     behind = [r for r in ranks if where[r] == low]
     if len(behind) == len(ranks):
         return (f"every rank is at step {low[0]} ({_STAGES[low[1]]}) and none is behind: a stall "
                 f"outside hetlb's steps (e.g. the script between steps), or a collective that hangs")
-    ahead = sorted(set(where.values()) - {low})
+    ahead = sorted(set(where.values()) - {low}, key=order)
+    hint = ""
+    if _STAGES[low[1]] == "flush":
+        hint = (": bal.flush() is a collective, called on every rank at the same point between "
+                "steps (not inside `if rank == 0:`)")
     return ("behind (alive, not progressing): " + "; ".join(
         f"{who(r)} at step {low[0]} ({_STAGES[low[1]]}), stalled for {now - beats[r]['progress']:.1f} s"
         for r in behind) + f"; the others are at " + ", ".join(
-        f"step {s} ({_STAGES[g]})" for s, g in ahead))
+        f"step {s} ({_STAGES[g]})" for s, g in ahead) + hint)

@@ -263,3 +263,53 @@ def test_no_stall_is_reported_after_a_loop_is_left_with_a_break():
     for r in unwrap(run(_idle_after_a_break, 2, timeout=120)):
         assert r == {"balancer-False": None, "balancer-True": None, "delayed": None,
                      "federated": None}, r
+
+
+def test_describe_names_a_rank_flushing_alone():
+    # Stage 3: in bal.flush() between steps, before the step's compute: behind a rank that sent
+    # its gradient at the same step, ahead of one still waiting for its batch.
+    now = 100.0
+    beats = {0: beat(3, 3, 90, 99.5), 1: beat(3, 2, 90, 99.6, pid=7)}
+    text = describe(beats, [0, 1], now, gone_after=3.0)
+    assert text.startswith("behind (alive, not progressing): rank 0 (h, pid 1) at step 3 (flush)"), text
+    assert "the others are at step 3 (sent)" in text and "bal.flush() is a collective" in text, text
+    beats[1] = beat(3, 0, 90, 99.6)
+    assert "rank 1 (h, pid 1) at step 3 (data)" in describe(beats, [0, 1], now, 3.0)
+    beats[1] = beat(3, 1, 90, 99.6)  # computing step 3: the flushing rank is the one behind
+    assert "rank 0 (h, pid 1) at step 3 (flush)" in describe(beats, [0, 1], now, 3.0)
+
+
+def _flush_alone(rank, world):
+    import threading
+    torch.manual_seed(0)
+    net = DDP(torch.nn.Linear(4, 1))
+    dog = hetlb.Watchdog(stall=2.0, interval=0.25, action="log")
+    bal = hetlb.Balancer(net, 12, policy=hetlb.Uniform(), exchange_every=4, adaptive_exchange=False,
+                         watchdog=dog)
+    data = torch.utils.data.TensorDataset(torch.randn(120, 4), torch.randn(120, 1))
+    if rank == 1:  # once its watchdog has spoken, rank 1 leaves: rank 0's flush then fails
+        def leave():
+            t0 = time.monotonic()
+            while dog.diagnosis is None and time.monotonic() - t0 < 60:
+                time.sleep(0.1)
+            time.sleep(1.0)
+            os._exit(4)
+        threading.Thread(target=leave, daemon=True).start()
+    try:
+        for x, y in bal.loader(data):
+            if rank == 0 and bal.steps == 3:
+                bal.flush()  # the misuse: inside `if rank == 0:` (steps 1-2 wait in a block)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+    except Exception:  # noqa: BLE001 (the flush's all-reduce fails once rank 1 is gone)
+        pass
+    return dog.diagnosis
+
+
+def test_the_watchdog_names_a_rank_flushing_alone():
+    # A user audit (session 27): bal.flush() on one rank hangs until the collective's timeout
+    # (30 min under Gloo); the watchdog named that rank "at step 3 (data)". It says flush now.
+    out = run(_flush_alone, 2, may_die=(1,), timeout=120)
+    status, text = out[0]
+    assert status == "ok" and text is not None, out
+    assert "rank 0 made no progress for" in text and "at step 3 (flush)" in text, text
+    assert "behind (alive, not progressing): rank 0 (" in text and "bal.flush() is a collective" in text, text
