@@ -61,6 +61,12 @@ beside ``plain`` is an A/A comparison, the resolution of the run. In step-interl
 second table splits every variant's step into its phases (the loader's next batch, forward,
 backward, the optimizer's step), as medians and as what each adds to plain DDP's.
 
+By default a turn starts with the variant's next batch, which ends its previous step: that
+step's table exchange (or the floor's) then finished during the other variants' steps, so the
+wall time a step waits for it is not seen (session 28: 1-2 ms a table on this machine).
+``--next-last`` ends each turn with the next batch instead, so the wait falls in the variant's own
+turn, as in a training loop.
+
 ``--parts`` (with ``--interleave step`` and one hetlb variant) also times, on rank 0, each part
 of hetlb's step boundary inside the harness: the loader's whole ``next`` (``_Iteration.__next__``),
 the previous step's end (``Balancer._before_next``), the next step's start (``Balancer._handed``)
@@ -263,6 +269,9 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
     times: Dict[str, List[tuple]] = {v: [] for v in args.variants}
     total = args.warmup + args.rounds * args.steps
     order = list(args.variants)
+    # --next-last: each turn ends with the next batch, so a step's end (hetlb's table taken, the
+    # floor's exchange waited for) falls in the variant's own turn, not after the others' steps
+    held = {v: next(runs[v][2]) for v in order} if args.next_last else {}
     for step in range(total):
         k = step % len(order)
         for v in order[k:] + order[:k]:
@@ -270,7 +279,7 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
             f = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             c = time.thread_time()
             t = time.perf_counter()
-            x, y = next(it)
+            x, y = held[v] if args.next_last else next(it)
             t1 = time.perf_counter()
             c1 = time.thread_time()
             loss = torch.nn.functional.cross_entropy(ddp(x), y)
@@ -283,9 +292,14 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
             opt.zero_grad()
             t4 = time.perf_counter()
             c4 = time.thread_time()
+            tn = cn = 0.0  # the step's end and the next batch, at the turn's end (--next-last)
+            if args.next_last:
+                held[v] = next(it)
+                tn, cn = time.perf_counter() - t4, time.thread_time() - c4
+            nx, cx = (tn, cn) if args.next_last else (t1 - t, c1 - c)
             f4 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-            times[v].append((t4 - t, t1 - t, t2 - t1, t3 - t2, t4 - t3,
-                             c4 - c, c1 - c, c2 - c1, c3 - c2, c4 - c3, f4 - f))
+            times[v].append((t4 - t + tn, nx, t2 - t1, t3 - t2, t4 - t3,
+                             c4 - c + cn, cx, c2 - c1, c3 - c2, c4 - c3, f4 - f))
     return {v: t[args.warmup:] for v, t in times.items()}
 
 
@@ -440,7 +454,8 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
     lines = [f"### Homogeneous overhead with real compute, step-interleaved{' (' + args.label + ')' if args.label else ''}: "
              f"{args.world} Gloo ranks x 1 thread{', pinned' if args.pin else ''}, global batch {args.global_batch}, "
              f"{'gradient_as_bucket_view=True, ' if args.bucket_view else ''}"
-             f"every variant one step in turn, {args.rounds} rounds of {args.steps} steps each "
+             f"every variant one step in turn{' (each turn ending with its next batch)' if args.next_last else ''}, "
+             f"{args.rounds} rounds of {args.steps} steps each "
              f"(first {args.warmup} not counted)", "",
              "Ratio: per step, the variant's step time over plain DDP's step of the same turn; per "
              "round the median of those; median, min and max over rounds. Rank 0's loop.", "",
@@ -515,6 +530,11 @@ def main() -> None:
                         "side by side in one process group, one step each in turn, rounds being "
                         "consecutive blocks of --steps steps")
     p.add_argument("--pin", action="store_true", help="pin rank r to core r")
+    p.add_argument("--next-last", action="store_true",
+                   help="with --interleave step: end each variant's turn with its next batch, so "
+                        "its step's end (hetlb's table taken, the floor's exchange waited for) is "
+                        "timed in its own turn; by default a turn starts with it, after the other "
+                        "variants' steps, when any exchange has long finished")
     p.add_argument("--parts", action="store_true",
                    help="with --interleave step: time each part of hetlb's step boundary (rank 0)")
     p.add_argument("--steady-heap", action="store_true",

@@ -7,14 +7,17 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_overhead_bench_runs_every_kind_of_variant(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--next-last"]])
+def test_overhead_bench_runs_every_kind_of_variant(tmp_path, extra):
     out_md = tmp_path / "out.md"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_overhead.py"), "--interleave", "step",
            "--model", "tiny", "--rounds", "1", "--steps", "6", "--warmup", "2", "--out", str(out_md),
-           "--variants", "plain", "plain#2", "exchange", "floor", "default", "default/4"]
+           "--variants", "plain", "plain#2", "exchange", "floor", "default", "default/4", *extra]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
@@ -26,3 +29,4 @@ def test_overhead_bench_runs_every_kind_of_variant(tmp_path):
                                      "DDP + row all-reduce + no-op hook", "hetlb default",
                                      "hetlb default/4"], text
     assert all(0.2 < float(r) < 5 for _, r in names), names
+    assert ("each turn ending with its next batch" in text) == bool(extra), text[:400]
