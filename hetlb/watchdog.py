@@ -10,8 +10,8 @@ then fail with an error that does not say which worker it was.
 round), runs one daemon thread per worker that publishes a heartbeat to the process group's store
 every ``interval`` seconds: the worker's step, how far into it (``data``: waiting for its batch;
 ``compute``: forward/backward; ``sent``: its gradient handed to the all-reduce, i.e. waiting for
-the others; ``flush``: in ``Balancer.flush()``, a collective between steps), when it last made progress, its host and pid. When this worker has waited inside a
-step for ``stall`` seconds (a collective timeout much shorter than torch's) and no other worker has
+the others; ``flush``: in ``Balancer.flush()``, a collective between steps), when it last made
+progress, its host and pid. When this worker has waited inside a step for ``stall`` seconds (a collective timeout much shorter than torch's) and no other worker has
 made progress in that time either, the thread reads every heartbeat and names the worker(s) holding
 the job up:
 
@@ -253,6 +253,7 @@ def describe(beats: Dict[int, Dict[str, Any]], ranks: Sequence[int], now: float,
                  f"{beats[r]['step']} ({_STAGES[beats[r]['stage']]})" for r in gone]
         parts += [f"rank {r}: never sent a heartbeat" for r in silent]
         return "gone (process exited or frozen, or its node lost): " + "; ".join(parts)
+
     def order(w: tuple) -> tuple:
         return w[0], _ORDER[w[1]]
 
