@@ -11,9 +11,9 @@ round), runs one daemon thread per worker that publishes a heartbeat to the proc
 every ``interval`` seconds: the worker's step, how far into it (``data``: waiting for its batch;
 ``compute``: forward/backward; ``sent``: its gradient handed to the all-reduce, i.e. waiting for
 the others; ``flush``: in ``Balancer.flush()``, a collective between steps), when it last made
-progress, its host and pid. When this worker has waited inside a step for ``stall`` seconds (a collective timeout much shorter than torch's) and no other worker has
-made progress in that time either, the thread reads every heartbeat and names the worker(s) holding
-the job up:
+progress, its host and pid. When this worker has waited inside a step for ``stall`` seconds (a
+collective timeout much shorter than torch's) and no other worker has made progress in that time
+either, the thread reads every heartbeat and names the worker(s) holding the job up:
 
 - a worker whose heartbeat stopped (its process is gone or frozen, or its node is lost);
 - else the workers furthest behind (a lower step, or the same step at an earlier stage: a worker
