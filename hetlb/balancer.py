@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -489,6 +490,7 @@ class Balancer:
             if policy is None:
                 from .policies.lbb import LBB
                 policy = LBB()
+            history = checks.integer(history, "history", 1, sys.maxsize)  # (a deque's maxlen)
             self.exchange_every, self.adaptive_exchange, history = exchange_settings(
                 getattr(policy, "reads_telemetry", True), exchange_every, adaptive_exchange, history)
             self.model, self.global_batch, self.policy = model, global_batch, policy

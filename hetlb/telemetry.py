@@ -436,19 +436,22 @@ STATIC_BLOCK = 16
 
 
 def exchange_settings(reads_telemetry: bool, every: Any, adaptive: Any,
-                      history: Any) -> Tuple[int, bool, int]:
+                      history: Any) -> Tuple[int, bool, Optional[int]]:
     """``(exchange_every, adaptive_exchange, history)`` from the Balancer's (or the simulator's)
     arguments, None meaning the default, each checked: every step for a policy that reads the
     telemetry (the papers decide every step); adaptive blocks of up to :data:`STATIC_BLOCK`
     steps (at most ``history``) for one that does not, whose decisions blocks cannot change.
-    ``adaptive`` left None is True exactly where the blocks are that default."""
+    ``adaptive`` left None is True exactly where the blocks are that default. ``history`` None
+    (the simulator's default: it keeps enough for any block) bounds nothing and stays None."""
     defaulted = every is None
     if defaulted:
-        every = 1 if reads_telemetry else min(STATIC_BLOCK, integer(history, "history", 1, sys.maxsize))
+        bound = STATIC_BLOCK if history is None else integer(history, "history", 1, sys.maxsize)
+        every = 1 if reads_telemetry else min(STATIC_BLOCK, bound)
     else:
         every = integer(every, "exchange_every", 1)
     adaptive = (defaulted and every > 1) if adaptive is None else flag(adaptive, "adaptive_exchange")
-    history = block_history(history, every)
+    if history is not None:
+        history = block_history(history, every)
     if adaptive and every == 1:
         raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; with "
                          "exchange_every=1 every step is exchanged anyway: pass exchange_every=k "

@@ -252,8 +252,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     every, adaptive, hist = exchange_settings(getattr(pol, "reads_telemetry", True), exchange_every,
-                                              adaptive_exchange, 1 << 30 if history is None else history)
-    history = max(64, every) if history is None else hist
+                                              adaptive_exchange, history)
+    history = max(64, every) if hist is None else hist
     rng = np.random.default_rng(sc.seed if seed is None else seed)
     # The samples' sizes come from a stream of their own: the same steps whatever the policy.
     size_rng = np.random.default_rng([sc.seed if seed is None else seed, 1])
