@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import sys
+from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -487,20 +488,14 @@ def _report(args: argparse.Namespace) -> int:
     epochs: Dict[int, List[int]] = {}
     for i, s in enumerate(steps):
         epochs.setdefault(int(s.get("epoch", 0)), []).append(i)
-    actions: Dict[str, int] = {}
-    for s in steps:
-        if s.get("action"):
-            actions[s["action"]] = actions.get(s["action"], 0) + 1
+    actions = dict(Counter(s["action"] for s in steps if s.get("action")))
     # Steps a log lacks (a run resumed from a checkpoint taken inside a telemetry block, or one
     # that stopped between exchanges) or holds twice (a run resumed from an older checkpoint):
     # the summary would otherwise look whole.
     nums = [int(s["step"]) for s in steps]
     present = sorted(set(nums))
     missing = [[a + 1, b - 1] for a, b in zip(present, present[1:]) if b > a + 1]
-    counts: Dict[int, int] = {}
-    for n in nums:
-        counts[n] = counts.get(n, 0) + 1
-    repeated = sorted(n for n, c in counts.items() if c > 1)
+    repeated = sorted(n for n, c in Counter(nums).items() if c > 1)
     summary = {"steps": len(steps), "ranks": len(steps[0]["batch"]), "policy": steps[0].get("policy", ""),
                "missing": missing, "repeated": repeated,
                "mean_step": float(t.mean()), "median_step": float(np.median(t)), "mean_se": float(se.mean()),
