@@ -331,9 +331,18 @@ def _resolve_device(device: DeviceLike) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: CUDA is not available in this build or machine "
                          f"(torch {torch.__version__}); profile on 'cpu' or on a CUDA machine")
-    if dev.type == "cuda" and dev.index is None:
-        # Name the concrete device so the profile says which GPU it describes.
-        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cuda":
+        # The allocator's statistics (reset_peak_memory_stats) do not initialise CUDA themselves:
+        # on an H100 `device=0` (or "cuda:0") in a fresh process failed there with torch's
+        # "Invalid device argument" (session 28), while "cuda" worked through current_device().
+        torch.cuda.init()
+        n = torch.cuda.device_count()
+        if dev.index is None:
+            # Name the concrete device so the profile says which GPU it describes.
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= n:
+            raise ValueError(f"device={device!r}: this machine has {n} CUDA device(s) "
+                             f"(cuda:0 to cuda:{n - 1})")
     return dev
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU validation, for a machine with CUDA: builds the CUDA extension in place, checks that it can
-# raise an error message (a miscompiled one crashes there), runs the CUDA test
-# grid (kernels, opcheck), the distributed CUDA/NCCL checks (tools/gpu_check.py), the kernel
-# benchmark and hetlb's per-step cost on CUDA (bench/bench_gpu_overhead.py; GPU_CHECK_TRACE=DIR
-# adds profiler traces), then prints one summary. Without a CUDA device it says so and exits 0 (CI
-# runs it). Uses $PYTHON, else `python`, else `python3`.
+# raise an error message (a miscompiled one crashes there), runs the CUDA test grid (kernels,
+# opcheck; and the argument fuzzing, where CUDA devices are valid input), the distributed
+# CUDA/NCCL checks (tools/gpu_check.py), the kernel benchmark and hetlb's per-step cost on CUDA
+# (bench/bench_gpu_overhead.py; GPU_CHECK_TRACE=DIR adds profiler traces), then prints one summary.
+# Without a CUDA device it says so and exits 0 (CI runs it). Uses $PYTHON, else `python`, else
+# `python3`.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-$(command -v python || command -v python3)}
@@ -35,7 +36,7 @@ except RuntimeError as e:
     print('error messages format:', str(e).splitlines()[0][:80])
 else:
     raise SystemExit('no error for mixed dtypes')"
-step cuda_tests "$PY" -m pytest tests/test_ops.py tests/test_profile.py -q -p no:cacheprovider -x
+step cuda_tests "$PY" -m pytest tests/test_ops.py tests/test_profile.py tests/test_bad_input.py -q -p no:cacheprovider -x
 step gpu_checks "$PY" tools/gpu_check.py
 step bench_kernels "$PY" bench/bench_kernels.py --device cuda
 # hetlb's per-step cost on one GPU, step-interleaved (one step of each variant in turn, each between
