@@ -575,3 +575,69 @@ def test_the_broadcast_takes_rank_0_of_its_group_in_buckets():
         assert torch.equal(states[2][k], states[1][k]), k
     assert states[2]["mask"].tolist() == [True, False]
     assert not torch.equal(states[0]["0.weight"], states[1]["0.weight"])  # (not in the group)
+
+
+def lone_flush_worker(rank, world, case):
+    """``case`` "lone": rank 0 takes ``ds.state_dict()`` (a flush) alone after 3 reference batches
+    and both go on stepping; "all": both take it. Returns the error each rank met (None if none)
+    and its parameters after 6 batches."""
+    net = model0()
+    ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.05), reference_batch=4, lam=0.5,
+                           batches_per_iteration=1)
+    try:
+        for j in range(6):
+            xb, yb = batch_of(rank, j)
+            ((net(xb) - yb) ** 2).mean().backward()
+            ds.step()
+            if j == 2 and (rank == 0 or case == "all"):
+                ds.state_dict()
+        ds.flush()
+    except RuntimeError as e:
+        return str(e), None
+    return None, torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
+
+
+def test_a_flush_on_one_rank_raises_on_every_rank_instead_of_mixing_iterations():
+    # A checkpoint taken on rank 0 only (`if rank == 0: torch.save(ds.state_dict())`) flushed
+    # there alone: its flush's all-reduce met the others' next regular one, and with lam > 0 the
+    # ranks then compensated the same sum differently (each by its own last move), so the
+    # replicas drifted apart with no error.
+    for msg, x in unwrap(run(lone_flush_worker, 2, "lone")):
+        assert x is None and msg is not None, (msg, x)
+        assert "rank(s) [0] flushed" in msg and "rank(s) [1] did not" in msg and \
+            "state = ds.state_dict()` (every rank)" in msg, msg
+    (m0, x0), (m1, x1) = unwrap(run(lone_flush_worker, 2, "all"))
+    assert m0 is None and m1 is None and x0 == x1
+
+
+def mixed_checkpoint_worker(rank, world, tmp):
+    net = model0()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    ds = hetlb.DelayedSync(net, opt, reference_batch=4, lam=0.5, batches_per_iteration=1)
+    for j in range(4):
+        xb, yb = batch_of(rank, j)
+        ((net(xb) - yb) ** 2).mean().backward()
+        ds.step()
+        if j in (1, 3):
+            state = ds.state_dict()  # every rank: a collective
+            if rank == 0:
+                torch.save({"ds": state, "model": net.state_dict()}, f"{tmp}/{j}.pt")
+    torch.distributed.barrier()
+    # A resume that loads another checkpoint on each rank (a stale file on one node)
+    ckpt = torch.load(f"{tmp}/{1 if rank == 0 else 3}.pt")
+    net.load_state_dict(ckpt["model"])
+    ds.load_state_dict(ckpt["ds"])
+    try:
+        for j in range(4, 7):
+            xb, yb = batch_of(rank, j)
+            ((net(xb) - yb) ** 2).mean().backward()
+            ds.step()
+        ds.flush()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_resumed_from_different_checkpoints_raise_at_their_first_all_reduce(tmp_path):
+    for msg in unwrap(run(mixed_checkpoint_worker, 2, str(tmp_path))):
+        assert msg is not None and "met at different iterations" in msg, msg

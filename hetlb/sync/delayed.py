@@ -61,10 +61,14 @@ __all__ = ["DelayedSync", "IterationRecord", "measured_speeds"]
 
 log = logging.getLogger("hetlb")
 
-#: The telemetry row each rank writes into its slots of the flat buffer.
-ROW = ("batch", "data", "compute", "wait", "link", "left")
+#: The telemetry row each rank writes into its slots of the flat buffer. ``iteration`` (modulo
+#: :data:`_ITERATION_WRAP`, exact in float32) and ``flush`` (1 in a :meth:`DelayedSync.flush`'s
+#: own all-reduce) let every rank check that the all-reduce it completed is the one every other
+#: rank sent for the same purpose.
+ROW = ("batch", "data", "compute", "wait", "link", "left", "iteration", "flush")
 _R = {name: i for i, name in enumerate(ROW)}
 _FORMAT = "hetlb.DelayedSync/1"
+_ITERATION_WRAP = 1 << 24  # float32 holds every integer below 2 ** 24 exactly
 WEIGHTINGS = ("samples", "sizes", "none")
 
 
@@ -371,6 +375,7 @@ class DelayedSync:
         self._flight = None
         n = buf.numel() - self.world * len(ROW)
         table = buf[n:].view(self.world, len(ROW)).double().cpu().numpy()
+        self._check_matched(table, it)
         batch = np.rint(table[:, _R["batch"]]).astype(np.int64)
         rec = IterationRecord(it, batch, table[:, _R["data"]].copy(), table[:, _R["compute"]].copy(),
                               table[:, _R["wait"]].copy(), table[:, _R["link"]].copy())
@@ -410,12 +415,41 @@ class DelayedSync:
         self.updates += 1
         return True
 
-    def _send(self) -> None:
+    def _check_matched(self, table: np.ndarray, iteration: int) -> None:
+        """Raise on every rank, before the result is applied, when the ranks' all-reduces of this
+        collective were sent for different iterations or only some ranks were flushing: the sum
+        would mix one rank's flushed part of an iteration with the others' regular one, and the
+        delay compensation would then differ between ranks (each compensates by its own
+        parameters' last move), so the replicas would drift apart with no error."""
+        flushing = np.rint(table[:, _R["flush"]]).astype(np.int64)
+        its = np.rint(table[:, _R["iteration"]]).astype(np.int64)
+        if np.all(flushing == flushing[0]) and np.all(its == its[0]):
+            return
+        if not np.all(flushing == flushing[0]):
+            alone = np.flatnonzero(flushing == 1).tolist()
+            others = np.flatnonzero(flushing == 0).tolist()
+            raise RuntimeError(
+                f"DelayedSync: rank(s) {alone} flushed (ds.flush(), which ds.state_dict() calls) at "
+                f"iteration {iteration} while rank(s) {others} did not, so their all-reduces met "
+                f"different iterations' gradients. A flush is a collective: call it on every rank "
+                f"at the same update; for a checkpoint saved by one rank, take the state on every "
+                f"rank and save it on one: `state = ds.state_dict()` (every rank), then "
+                f"`if rank == 0: torch.save(state, path)`")
+        raise RuntimeError(
+            f"DelayedSync: the ranks' all-reduces met at different iterations ("
+            + ", ".join(f"rank {r}: {i}" for r, i in enumerate(its.tolist()))
+            + f", modulo 2**24) at this rank's iteration {iteration}; the ranks resumed from "
+            f"different checkpoints or one stepped on its own. Load the same checkpoint on every "
+            f"rank and call ds.step() after every reference batch on every rank")
+
+    def _send(self, flushing: bool = False) -> None:
         """Pack this iteration's accumulated gradient and row, start its all-reduce, and begin the
-        next iteration (the parameters it was computed at are kept for the compensation)."""
+        next iteration (the parameters it was computed at are kept for the compensation).
+        ``flushing``: sent by :meth:`flush` (marked in the row, see :meth:`_check_matched`)."""
         row = torch.zeros(self.world * len(ROW), dtype=self.dtype, device=self.device)
         left = self._left()
-        mine = [float(self._batch), self._data, self._compute, self._waited, self._link, float(left)]
+        mine = [float(self._batch), self._data, self._compute, self._waited, self._link, float(left),
+                float(self.iteration % _ITERATION_WRAP), float(flushing)]
         self._waited = self._link = 0.0
         row[self.rank * len(ROW):(self.rank + 1) * len(ROW)] = torch.tensor(mine, dtype=self.dtype)
         scale = 1.0
@@ -438,10 +472,12 @@ class DelayedSync:
         """Apply everything accumulated: wait for the in-flight all-reduce and apply it, then send
         this iteration's gradients and apply them too. Collective: every rank calls it at the
         same update (e.g. ``if ds.step() and ds.updates % 100 == 0: ds.flush(); save(...)``);
-        :meth:`state_dict` calls it."""
+        :meth:`state_dict` calls it. A flush on some ranks only raises ``RuntimeError`` on every
+        rank once the others' next all-reduce meets it (before any rank applies the mixed sum):
+        take a checkpoint's state on every rank and save it on one."""
         if self._flight is not None:
             self._complete()
-        self._send()
+        self._send(flushing=True)
         self._complete()
         self._rebase()
 
