@@ -67,6 +67,12 @@ wall time a step waits for it is not seen (session 28: 1-2 ms a table on this ma
 ``--next-last`` ends each turn with the next batch instead, so the wait falls in the variant's own
 turn, as in a training loop.
 
+``--rebuild`` (with ``--interleave step``) builds every variant afresh at each round's start, in
+an order rotated by the round, and discards each round's first ``--warmup`` steps: identical
+copies of plain DDP built once differ by up to 2.5 % in a run (session 28's A/A/A), by where
+their tensors happen to lie; rebuilt, that placement changes every round, so the median over
+rounds no longer carries one variant's luck.
+
 ``--parts`` (with ``--interleave step`` and one hetlb variant) also times, on rank 0, each part
 of hetlb's step boundary inside the harness: the loader's whole ``next`` (``_Iteration.__next__``),
 the previous step's end (``Balancer._before_next``), the next step's start (``Balancer._handed``)
@@ -260,15 +266,43 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
     import hetlb
     if not hasattr(hetlb, "DataLoader"):
         raise SystemExit("--interleave step needs a hetlb whose loader ends steps itself")
-    per_epoch = max(args.steps // 4, 8)
+    per_epoch = args.epoch_steps or max(args.steps // 4, 8)
+    order = list(args.variants)
+    times: Dict[str, List[tuple]] = {v: [] for v in args.variants}
+    if not args.rebuild:
+        _interleaved_steps(_build(order, model_name, args, world, per_epoch), order,
+                           args.warmup + args.rounds * args.steps, args, times)
+        return {v: t[args.warmup:] for v, t in times.items()}
+    import gc
+    for r in range(args.rounds):
+        # Built afresh each round in a rotated order (the same on every rank: building is
+        # collective), so where a variant's tensors land in memory changes from round to round
+        build = order[r % len(order):] + order[:r % len(order)]
+        runs = _build(build, model_name, args, world, per_epoch)
+        got: Dict[str, List[tuple]] = {v: [] for v in order}
+        _interleaved_steps(runs, order, args.warmup + args.steps, args, got)
+        for v in order:
+            times[v] += got[v][args.warmup:]
+        del runs, got
+        gc.collect()
+    return times
+
+
+def _build(order: List[str], model_name: str, args: argparse.Namespace, world: int,
+           per_epoch: int) -> Dict[str, tuple]:
+    """Every variant of ``order``, built in that order: {variant: (ddp, opt, batches, backward)}."""
     runs = {}
-    for v in args.variants:
+    for v in order:
         ddp, opt, loader, bal, backward = setup_variant(v, model_name, args, world, per_epoch)
         sampler = loader.sampler if bal is None else None
         runs[v] = (ddp, opt, endless(loader, sampler), backward)
-    times: Dict[str, List[tuple]] = {v: [] for v in args.variants}
-    total = args.warmup + args.rounds * args.steps
-    order = list(args.variants)
+    return runs
+
+
+def _interleaved_steps(runs: Dict[str, tuple], order: List[str], total: int,
+                       args: argparse.Namespace, times: Dict[str, List[tuple]]) -> None:
+    """``total`` turns of one step of every variant (the order rotated every turn), each step's
+    phase times appended to ``times[variant]``."""
     # --next-last: each turn ends with the next batch, so a step's end (hetlb's table taken, the
     # floor's exchange waited for) falls in the variant's own turn, not after the others' steps
     held = {v: next(runs[v][2]) for v in order} if args.next_last else {}
@@ -300,7 +334,6 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
             f4 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             times[v].append((t4 - t + tn, nx, t2 - t1, t3 - t2, t4 - t3,
                              c4 - c + cn, cx, c2 - c1, c3 - c2, c4 - c3, f4 - f))
-    return {v: t[args.warmup:] for v, t in times.items()}
 
 
 @contextlib.contextmanager
@@ -455,8 +488,9 @@ def interleaved_table(args: argparse.Namespace, res: List[tuple]) -> List[str]:
              f"{args.world} Gloo ranks x 1 thread{', pinned' if args.pin else ''}, global batch {args.global_batch}, "
              f"{'gradient_as_bucket_view=True, ' if args.bucket_view else ''}"
              f"every variant one step in turn{' (each turn ending with its next batch)' if args.next_last else ''}, "
+             f"{'every variant built afresh each round, ' if args.rebuild else ''}"
              f"{args.rounds} rounds of {args.steps} steps each "
-             f"(first {args.warmup} not counted)", "",
+             f"(first {args.warmup}{' of each round' if args.rebuild else ''} not counted)", "",
              "Ratio: per step, the variant's step time over plain DDP's step of the same turn; per "
              "round the median of those; median, min and max over rounds. Rank 0's loop.", "",
              "| model | variant | step (ms) | ratio: median | min | max | mean of all steps |",
@@ -535,6 +569,15 @@ def main() -> None:
                         "its step's end (hetlb's table taken, the floor's exchange waited for) is "
                         "timed in its own turn; by default a turn starts with it, after the other "
                         "variants' steps, when any exchange has long finished")
+    p.add_argument("--epoch-steps", type=int, default=None,
+                   help="with --interleave step: steps per epoch (default: a quarter of --steps, at "
+                        "least 8). An epoch's first and last steps each exchange a table, so short "
+                        "epochs make blocked exchanges (Uniform's default) look dearer than in "
+                        "training, whose epochs are hundreds of steps")
+    p.add_argument("--rebuild", action="store_true",
+                   help="with --interleave step: build every variant afresh each round, in a "
+                        "rotated order (each round then discards its first --warmup steps), so a "
+                        "variant's memory placement changes from round to round")
     p.add_argument("--parts", action="store_true",
                    help="with --interleave step: time each part of hetlb's step boundary (rank 0)")
     p.add_argument("--steady-heap", action="store_true",

@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("extra", [[], ["--next-last"]])
+@pytest.mark.parametrize("extra", [[], ["--next-last"], ["--next-last", "--rebuild", "--epoch-steps", "5"]])
 def test_overhead_bench_runs_every_kind_of_variant(tmp_path, extra):
     out_md = tmp_path / "out.md"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_overhead.py"), "--interleave", "step",
@@ -30,3 +30,4 @@ def test_overhead_bench_runs_every_kind_of_variant(tmp_path, extra):
                                      "hetlb default/4"], text
     assert all(0.2 < float(r) < 5 for _, r in names), names
     assert ("each turn ending with its next batch" in text) == bool(extra), text[:400]
+    assert ("built afresh each round" in text) == ("--rebuild" in extra), text[:400]
