@@ -269,18 +269,15 @@ def run_interleaved(model_name: str, args: argparse.Namespace, world: int) -> Di
     per_epoch = args.epoch_steps or max(args.steps // 4, 8)
     order = list(args.variants)
     times: Dict[str, List[tuple]] = {v: [] for v in args.variants}
-    if not args.rebuild:
-        _interleaved_steps(_build(order, model_name, args, world, per_epoch), order,
-                           args.warmup + args.rounds * args.steps, args, times)
-        return {v: t[args.warmup:] for v, t in times.items()}
+    # Built once for the whole run, or with --rebuild afresh each round in a rotated order (the
+    # same on every rank: building is collective), so where a variant's tensors land in memory
+    # changes from round to round; each build's first --warmup steps are not counted
+    builds, steps = (args.rounds, args.steps) if args.rebuild else (1, args.rounds * args.steps)
     import gc
-    for r in range(args.rounds):
-        # Built afresh each round in a rotated order (the same on every rank: building is
-        # collective), so where a variant's tensors land in memory changes from round to round
-        build = order[r % len(order):] + order[:r % len(order)]
-        runs = _build(build, model_name, args, world, per_epoch)
+    for r in range(builds):
+        runs = _build(order[r % len(order):] + order[:r % len(order)], model_name, args, world, per_epoch)
         got: Dict[str, List[tuple]] = {v: [] for v in order}
-        _interleaved_steps(runs, order, args.warmup + args.steps, args, got)
+        _interleaved_steps(runs, order, args.warmup + steps, args, got)
         for v in order:
             times[v] += got[v][args.warmup:]
         del runs, got

@@ -423,9 +423,10 @@ class DelayedSync:
         parameters' last move), so the replicas would drift apart with no error."""
         flushing = np.rint(table[:, _R["flush"]]).astype(np.int64)
         its = np.rint(table[:, _R["iteration"]]).astype(np.int64)
-        if np.all(flushing == flushing[0]) and np.all(its == its[0]):
+        mixed_flush = bool(np.any(flushing != flushing[0]))
+        if not mixed_flush and np.all(its == its[0]):
             return
-        if not np.all(flushing == flushing[0]):
+        if mixed_flush:
             alone = np.flatnonzero(flushing == 1).tolist()
             others = np.flatnonzero(flushing == 0).tolist()
             raise RuntimeError(
@@ -438,9 +439,8 @@ class DelayedSync:
         raise RuntimeError(
             f"DelayedSync: the ranks' all-reduces met at different iterations ("
             + ", ".join(f"rank {r}: {i}" for r, i in enumerate(its.tolist()))
-            + f", modulo 2**24) at this rank's iteration {iteration}; the ranks resumed from "
-            f"different checkpoints or one stepped on its own. Load the same checkpoint on every "
-            f"rank and call ds.step() after every reference batch on every rank")
+            + f", modulo 2**24) at this rank's iteration {iteration}: the ranks loaded "
+            f"different checkpoints (or some ranks none). Load the same checkpoint on every rank")
 
     def _send(self, flushing: bool = False) -> None:
         """Pack this iteration's accumulated gradient and row, start its all-reduce, and begin the
