@@ -339,14 +339,68 @@ struct StepCore {
   }
 
   void start(double w, const double* r, double off, bool new_window, int64_t at = 0, bool send = true) {
-    TORCH_CHECK(std::isfinite(w) && w >= 0, "hetlb StepCore.start: weight must be finite and >= 0, got ", w);
-    TORCH_CHECK(std::isfinite(off) && off >= 0, "hetlb StepCore.start: offset must be finite and >= 0, got ", off);
-    TORCH_CHECK(at >= 0 && at < block, "hetlb StepCore.start: pos must be in [0, ", block,
+    check_start(w, off, at, "start");
+    std::memcpy(row.data(), r, sizeof(double) * fields);
+    open_step(w, off, new_window, at, send);
+  }
+
+  // The row's columns of begin()'s values, in its argument order; with compute_col and cpu_col
+  // they cover every column once, so begin() leaves nothing of an earlier step in the row.
+  std::vector<int64_t> value_cols;
+
+  void set_columns(const std::vector<int64_t>& cols) {
+    std::vector<int> seen(static_cast<size_t>(fields), 0);
+    for (int64_t c : cols) {
+      TORCH_CHECK(c >= 0 && c < fields, "hetlb StepCore.set_columns: a column must be in [0, ",
+                  fields, "), got ", c);
+      ++seen[static_cast<size_t>(c)];
+    }
+    ++seen[static_cast<size_t>(compute_col)];
+    ++seen[static_cast<size_t>(cpu_col)];
+    for (int64_t c = 0; c < fields; ++c)
+      TORCH_CHECK(seen[static_cast<size_t>(c)] == 1, "hetlb StepCore.set_columns: the ",
+                  cols.size(), " columns with compute_col ", compute_col, " and cpu_col ", cpu_col,
+                  " must name each of the ", fields, " columns once; column ", c, " is named ",
+                  seen[static_cast<size_t>(c)], " times");
+    value_cols = cols;
+  }
+
+  // start() with the row's values as numbers (in set_columns' order; compute NaN and CPU 0 until
+  // stamped): the step boundary's one call, without building a row array first.
+  void begin(double w, double off, bool new_window, int64_t at, bool send, const double* values,
+             size_t n) {
+    TORCH_CHECK(!value_cols.empty(), "hetlb StepCore.begin: set_columns() was never called");
+    TORCH_CHECK(n == value_cols.size(), "hetlb StepCore.begin: need ", value_cols.size(),
+                " values (set_columns), got ", n);
+    check_start(w, off, at, "begin");
+    for (size_t i = 0; i < n; ++i) row[static_cast<size_t>(value_cols[i])] = values[i];
+    row[static_cast<size_t>(compute_col)] = kNaN;
+    row[static_cast<size_t>(cpu_col)] = 0.0;
+    open_step(w, off, new_window, at, send);
+  }
+
+  // End a step inside a block (it does not send the table): stamped here unless a hook ended its
+  // compute, and closed. Returns whether a hook had ended it.
+  bool end_kept() {
+    const bool hooked = last_buckets > 0;
+    if (!hooked) last_ready(true);
+    open = false;
+    return hooked;
+  }
+
+  void check_start(double w, double off, int64_t at, const char* what) const {
+    TORCH_CHECK(std::isfinite(w) && w >= 0, "hetlb StepCore.", what,
+                ": weight must be finite and >= 0, got ", w);
+    TORCH_CHECK(std::isfinite(off) && off >= 0, "hetlb StepCore.", what,
+                ": offset must be finite and >= 0, got ", off);
+    TORCH_CHECK(at >= 0 && at < block, "hetlb StepCore.", what, ": pos must be in [0, ", block,
                 ") (the block set by set_block), got ", at);
+  }
+
+  void open_step(double w, double off, bool new_window, int64_t at, bool send) {
     pos = at;
     ship = send;
     weight = w;
-    std::memcpy(row.data(), r, sizeof(double) * fields);
     offset = off;
     slot->clear();
     factors.clear();
@@ -692,6 +746,24 @@ void bind_comm_hook(py::module& m) {
           "Open a step: this rank's weight and row; start the compute clock (plus `offset` seconds "
           "of earlier micro-steps of an accumulation window). `pos`: the step's position in its "
           "block (see set_block); `ship`: whether this step sends the table of positions 0..pos.")
+      .def("set_columns", &StepCore::set_columns, py::arg("cols"),
+           "The row's columns of begin()'s values, in order (with compute_col and cpu_col, each "
+           "column once).")
+      .def(
+          "begin",
+          [](StepCore& c, double weight, double offset, bool new_window, int64_t pos, bool ship,
+             double v0, double v1, double v2, double v3, double v4, double v5, double v6, double v7) {
+            const double values[] = {v0, v1, v2, v3, v4, v5, v6, v7};
+            c.begin(weight, offset, new_window, pos, ship, values, 8);
+          },
+          py::arg("weight"), py::arg("offset"), py::arg("new_window"), py::arg("pos"),
+          py::arg("ship"), py::arg("v0"), py::arg("v1"), py::arg("v2"), py::arg("v3"),
+          py::arg("v4"), py::arg("v5"), py::arg("v6"), py::arg("v7"),
+          "start() with the row's 8 values as numbers, in set_columns' order (compute NaN, CPU 0 "
+          "until stamped): the step boundary's one call.")
+      .def("end_kept", &StepCore::end_kept,
+           "End a step that does not send the table (inside a block): stamp it unless a hook "
+           "ended its compute, and close it. Returns whether a hook had ended it.")
       .def("set_block", &StepCore::set_block, py::arg("k"),
            "Keep the stamped rows of up to `k` steps, sent together by a step started with ship "
            "(k = 1: every step sends its own row). Between steps only.")

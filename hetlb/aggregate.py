@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from . import _C
 from .checks import integer
-from .telemetry import COL, NUM_FIELDS, Probe
+from .plan import EXACT_INT
+from .telemetry import COL, NUM_FIELDS, ROW_VALUES, Probe
 
 log = logging.getLogger("hetlb.aggregate")
 
@@ -294,6 +295,10 @@ class BackwardWatch:
         if not torch.is_grad_enabled():
             return
         core = self.telemetry.core
+        if isinstance(output, torch.Tensor):  # (the common case, without tensors_in's generator)
+            if output.requires_grad:
+                core.watch_output(output, self._side)
+            return
         for t in tensors_in(output):  # every output a loss may use; one callback per backward
             if t.requires_grad:  # (native, StepCore.watch_output: no Python in backward)
                 core.watch_output(t, self._side)
@@ -327,6 +332,7 @@ class StepTelemetry:
         self.probe = probe if probe is not None else Probe(device)
         self.core = _C.StepCore(self.rank, self.world, NUM_FIELDS, transport == "carry", bool(nccl),
                                 COL["compute"], COL["cpu"], device if device.type != "cpu" else None)
+        self.core.set_columns([COL[c] for c in ROW_VALUES])
         if block != 1:
             self.core.set_block(int(block))
         #: Steps by which the compute column lags its row (device events are read one step late;
@@ -377,20 +383,25 @@ class StepTelemetry:
 
     # ------------------------------------------------------------------ one step
 
-    def start(self, step: int, weight: float, row: np.ndarray, batch: int, *, offset: float = 0.0,
+    def start(self, step: int, weight: float, batch: float, data: float, predicted: float,
+              checksum: float, plan: float, epoch: int, *, offset: float = 0.0,
               new_window: bool = True, sq: float = 0.0, pos: int = 0, ship: bool = True) -> None:
-        """Open a step: this rank's weight and row (memory filled in here), the emulator's hold
-        for it, and the compute clock (``offset``: seconds of earlier micro-steps). ``sq``: the
-        sum of the squared sizes of this rank's samples (an emulator's quadratic work term).
-        ``pos``, ``ship``: the step's position in its block and whether it sends the table."""
-        row[COL["memory"]] = self.probe.memory()
-        self.core.start(weight, row, offset, new_window, pos, ship)
+        """Open step ``step`` (of ``epoch``): this rank's weight and row (the values of
+        :data:`ROW_VALUES`; memory read here, step and epoch taken modulo 2^24 to stay exact in
+        float32), the emulator's hold for it, and the compute clock (``offset``: seconds of
+        earlier micro-steps). ``sq``: the sum of the squared sizes of this rank's samples (an
+        emulator's quadratic work term). ``pos``, ``ship``: the step's position in its block and
+        whether it sends the table."""
+        # One native call with plain numbers: at the step boundary (caches cold from the step's
+        # compute) filling a row array and converting it cost ~20 us more.
+        self.core.begin(weight, offset, new_window, pos, ship, batch, data, predicted, checksum,
+                        plan, step % EXACT_INT, epoch % EXACT_INT, self.probe.memory())
         emu = self.emulator
         if emu is not None:
             if getattr(emu, "by", "batch") == "data":
-                amount = row[COL["data"]] + getattr(emu, "quadratic", 0.0) * sq
+                amount = data + getattr(emu, "quadratic", 0.0) * sq
             else:
-                amount = batch
+                amount = int(batch)
             factor, extra = emu.affine(step, amount)
             if factor != 1.0 or extra != 0.0:
                 self.core.hold(factor, extra, emu.spin)
@@ -406,6 +417,11 @@ class StepTelemetry:
         """Whether a hook ended this step's compute: its last gradient bucket ran, or with a
         deferred hook the end of a backward through the model's output (:class:`BackwardWatch`)."""
         return self.core.last_buckets > 0
+
+    def end_kept(self) -> None:
+        """End a step that does not send the table (inside a block): stamped now unless a hook
+        ended its compute, and closed (one native call)."""
+        self.core.end_kept()
 
     def stamp(self, end_window: bool = True) -> float:
         """End the compute now (no hook ran); returns the host seconds."""

@@ -46,7 +46,7 @@ from .shard import Partition, epoch_rates
 from .policies.base import (Context, Policy, SizedPolicy, check_decision, check_same_policy,
                             from_state, policy_settings, to_state)
 from .watchdog import FLUSHING, Watchdog
-from .telemetry import (COL, FIELDS, NUM_FIELDS, RECORD_ARRAYS, History, StepRecord,
+from .telemetry import (COL, FIELDS, RECORD_ARRAYS, History, StepRecord,
                         UnusableTelemetry, exchange_settings, hardware_info,
                         next_block_length)
 
@@ -55,8 +55,6 @@ log = logging.getLogger("hetlb.balancer")
 # checksum, plan, step and epoch are adjacent columns: one view of the table checks all four.
 assert (COL["plan"], COL["step"], COL["epoch"]) == tuple(COL["checksum"] + i for i in (1, 2, 3))
 _IDS = slice(COL["checksum"], COL["epoch"] + 1)
-_BATCH, _DATA, _PREDICTED, _CHECKSUM, _PLAN, _STEP, _EPOCH = (
-    COL[f] for f in ("batch", "data", "predicted", "checksum", "plan", "step", "epoch"))
 # A StepRecord's arrays are the table's first columns, in order (one slice copies them all).
 assert tuple(FIELDS[:len(RECORD_ARRAYS)]) == RECORD_ARRAYS
 _RECORD_COLS = len(RECORD_ARRAYS)
@@ -191,6 +189,8 @@ class _StepGate:
     def __init__(self, board: PlanBoard, telemetry: StepTelemetry, batch_dim: BatchDim,
                  ends: Any = None) -> None:
         self.board, self.telemetry, self.batch_dim = board, telemetry, batch_dim
+        self._sizes: Optional[np.ndarray] = None  # the latest plan's sizes and this rank's entry
+        self._want = 0
         #: One process: the handle of the same Balancer's :class:`_BackwardEnd` hooks, removed
         #: with this gate when a new Balancer takes the module over.
         self.ends = ends
@@ -217,17 +217,24 @@ class _StepGate:
                 "bal.step() then enters no_sync itself and weights the whole window exactly")
         if self.batch_dim is not None:
             n = self._size(args, kwargs)
-            want = int(plan.sizes[self.board.rank])
-            if n is not None and n != want:
+            if n is not None and n != self._planned(plan.sizes):
                 raise BatchSizeError(
                     f"hetlb: rank {self.board.rank} gave the model a batch of {n} samples, but the "
-                    f"Balancer planned {want} for it in step {plan.step} of epoch {plan.epoch} "
-                    f"(sizes {plan.sizes.tolist()}). Feed the model the batches of the Balancer's "
-                    f"loader: with another sampler (e.g. DistributedSampler) the gradient weights "
-                    f"would be wrong. If the batch dimension is not the first dimension of the "
-                    f"first tensor argument, pass Balancer(..., batch_dim=1) or a callable "
-                    f"(args, kwargs) -> size; batch_dim=None turns this check off")
+                    f"Balancer planned {self._planned(plan.sizes)} for it in step {plan.step} of "
+                    f"epoch {plan.epoch} (sizes {plan.sizes.tolist()}). Feed the model the "
+                    f"batches of the Balancer's loader: with another sampler (e.g. "
+                    f"DistributedSampler) the gradient weights would be wrong. If the batch "
+                    f"dimension is not the first dimension of the first tensor argument, pass "
+                    f"Balancer(..., batch_dim=1) or a callable (args, kwargs) -> size; "
+                    f"batch_dim=None turns this check off")
         core.restart_clock()
+
+    def _planned(self, sizes: np.ndarray) -> int:
+        """This rank's entry of a plan's ``sizes`` (read-only, shared by the steps of a decision:
+        looked up once per array, as a NumPy index is dear with cold caches)."""
+        if sizes is not self._sizes:
+            self._sizes, self._want = sizes, int(sizes[self.board.rank])
+        return self._want
 
     def _size(self, args: tuple, kwargs: dict) -> Optional[int]:
         if callable(self.batch_dim):
@@ -610,8 +617,6 @@ class Balancer:
             self._block_len = 1 if self.adaptive_exchange else self.exchange_every
             # (sizes, data, window_len, (weight, batch, data, equal)) of _weight's latest plan
             self._weight_of: tuple = (None, None, 0, (0.0, 0.0, 0.0, True))
-            self._row_buf = np.zeros(NUM_FIELDS)  # (compute, memory, cpu: filled in by the core)
-            self._row_buf[COL["compute"]] = math.nan
             self._spent = 0.0
             self.last_overhead: float = 0.0
             self.board.post(self._decision)
@@ -793,20 +798,6 @@ class Balancer:
 
     # ------------------------------------------------------------------ the step
 
-    def _row(self, plan: StepPlan, batch: float, data: float) -> np.ndarray:
-        # One buffer, written in place: StepCore.start copies it, and at the step boundary (caches
-        # cold from the step's compute) an allocation and dict lookups per field cost microseconds.
-        row = self._row_buf
-        row[_BATCH] = batch
-        row[_DATA] = data
-        row[_PREDICTED] = (math.nan if self._local is None
-                           else self._local.predict(self.telemetry.probe.memory()))
-        row[_CHECKSUM] = self.board.checksum
-        row[_PLAN] = plan.checksum
-        row[_STEP] = self._step % EXACT_INT
-        row[_EPOCH] = plan.epoch % EXACT_INT
-        return row
-
     def _weight(self, plan: StepPlan) -> Tuple[float, float, float, bool]:
         """This rank's aggregation weight, batch and data amount in ``plan``, and whether every
         rank's weight is the same (``1 / world``: DDP's own mean); the weight of a window shorter
@@ -850,10 +841,11 @@ class Balancer:
         # different orders) meet in a table at once, not up to a block later.
         ship = pos + 1 >= self._block_len or self._ship_next or self._epoch_last(plan) or \
             (plan.step == 0 and self._loader_config is not None)
-        self.telemetry.start(self._step, w, self._row(plan, batch, data), int(batch),
-                             offset=offset, new_window=first,
-                             sq=0.0 if plan.sq is None else float(plan.sq[self.rank]),
-                             pos=pos, ship=ship)
+        tele = self.telemetry
+        predicted = math.nan if self._local is None else self._local.predict(tele.probe.memory())
+        tele.start(self._step, w, batch, data, predicted, self.board.checksum, plan.checksum,
+                   plan.epoch, offset=offset, new_window=first,
+                   sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship)
         self._open = _Open(plan, explicit, ship)
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
@@ -1057,9 +1049,7 @@ class Balancer:
         plan, ship = self._open.plan, self._open.ship
         tele = self.telemetry
         if not ship:  # inside a block: the row stays in the core until the block's exchange
-            if not tele.hooked:
-                tele.stamp()
-            tele.close()
+            tele.end_kept()
             self._open = None
             self._block.append((self._step, plan))
             self._advance(plan)

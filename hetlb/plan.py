@@ -268,6 +268,8 @@ class PlanBoard:
         self.checksum = 0
         self._total = -1  # samples of a posted sizes decision (-1: none posted)
         self._amounts = np.zeros(self.world)  # its data amounts when samples have no size
+        #: This rank's positions ``(begin, end)`` in a step of the posted sizes.
+        self.span = (0, 0)
         # The data position: epoch and steps of it trained.
         self.epoch = 0
         self.done = 0
@@ -334,6 +336,9 @@ class PlanBoard:
             self._amounts = decision.astype(np.float64)
             self._amounts.flags.writeable = False
             self._total = int(decision.sum())
+            sizes = decision.tolist()
+            begin = sum(sizes[:self.rank])
+            self.span = (begin, begin + sizes[self.rank])
         self.decision = decision
         self.checksum = decision_checksum(decision)
 
@@ -357,7 +362,8 @@ class PlanBoard:
                 None when samples have no size.
             seed: the loader's seed (a size-aware rule's random first pivot derives from it).
         """
-        key, pos, length = self._window_of(step, full_steps)
+        # Without accumulation every step is a window of its own (no window to remember).
+        key, pos, length = (None, 0, 1) if self.accumulate == 1 else self._window_of(step, full_steps)
         assignment = sq = None
         if pos == 0 and sample_sizes is None and count == self._total and \
                 isinstance(self.decision, np.ndarray):
@@ -404,7 +410,7 @@ class PlanBoard:
             # A size-aware plan is its assignment: two ranks with the same counts but different
             # samples must not pass the check.
             checksum = decision_checksum(sizes if assignment is None else assignment)
-        if pos == 0:
+        if pos == 0 and key is not None:
             self._window = (epoch, key, sizes)
         plan = StepPlan(epoch=int(epoch), step=int(step), sizes=sizes, data=data, checksum=checksum,
                         window_pos=pos, window_len=length, assignment=assignment, sq=sq)

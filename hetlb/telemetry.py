@@ -52,6 +52,9 @@ log = logging.getLogger("hetlb.telemetry")
 FIELDS = ("batch", "compute", "data", "memory", "cpu", "predicted", "checksum", "plan", "step", "epoch")
 NUM_FIELDS = len(FIELDS)
 COL = {name: i for i, name in enumerate(FIELDS)}
+#: The columns a rank fills in when its step starts, in the order ``StepCore.begin`` takes them;
+#: compute and CPU are stamped when its compute ends.
+ROW_VALUES = ("batch", "data", "predicted", "checksum", "plan", "step", "epoch", "memory")
 
 #: The per-rank arrays of a :class:`StepRecord`, in table order.
 RECORD_ARRAYS = ("batch", "compute", "data", "memory", "cpu", "predicted")

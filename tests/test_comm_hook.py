@@ -295,6 +295,58 @@ def test_block_slots_match_the_reference(world, data):
             core.close()
 
 
+@settings(max_examples=30, deadline=None)
+@given(values=st.lists(st.floats(-1e6, 1e6), min_size=8, max_size=8), junk=st.integers(0, 2 ** 32 - 1),
+       pos=st.integers(0, 2), ship=st.booleans())
+def test_begin_with_numbers_opens_the_step_start_opens_with_their_row(values, junk, pos, ship):
+    """StepCore.begin (the step boundary's one call, the values of ROW_VALUES as numbers) leaves
+    the same row, block position and clock state as start() with the row array: compute NaN and
+    CPU 0 until stamped, whatever an earlier step left in the row."""
+    from hetlb.telemetry import ROW_VALUES
+    row = np.zeros(NUM_FIELDS)
+    row[COL["compute"]] = math.nan
+    for name, v in zip(ROW_VALUES, values):
+        row[COL[name]] = v
+    a, b = (_C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"]) for _ in range(2))
+    b.set_columns([COL[c] for c in ROW_VALUES])
+    for core in (a, b):
+        core.set_block(3)
+        core.start(1.0, np.random.default_rng(junk).normal(size=NUM_FIELDS))  # an earlier step
+        core.last_ready()
+        core.close()
+    a.start(0.25, row, 0.5, False, pos, ship)
+    b.begin(0.25, 0.5, False, pos, ship, *values)
+    assert np.array_equal(a.row, b.row, equal_nan=True) and b.open and b.weight == 0.25
+    assert (b.pos, b.ship, b.last_buckets) == (pos, ship, 0)
+    assert 0.5 <= b.last_ready(False) < 0.6 and b.row[COL["compute"]] >= 0.5
+
+
+def test_end_kept_stamps_a_step_no_hook_ended_and_closes_it():
+    from hetlb.telemetry import ROW_VALUES
+    core = _C.StepCore(0, 1, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
+    with pytest.raises(RuntimeError, match="set_columns\\(\\) was never called"):
+        core.begin(1.0, 0.0, True, 0, True, *range(8))
+    with pytest.raises(RuntimeError, match=f"column must be in \\[0, {NUM_FIELDS}\\), got -1"):
+        core.set_columns([-1])
+    with pytest.raises(RuntimeError, match=f"column {COL['epoch']} is named 0 times"):
+        core.set_columns([COL[c] for c in ROW_VALUES if c != "epoch"])
+    with pytest.raises(RuntimeError, match=f"column {COL['batch']} is named 2 times"):
+        core.set_columns([COL["batch"]] + [COL[c] for c in ROW_VALUES])
+    with pytest.raises(RuntimeError, match=f"column {COL['compute']} is named 2 times"):
+        core.set_columns([COL["compute"]] + [COL[c] for c in ROW_VALUES if c != "data"])
+    core.set_columns([COL[c] for c in ROW_VALUES])
+    with pytest.raises(RuntimeError, match="begin: weight must be finite and >= 0, got -1"):
+        core.begin(-1.0, 0.0, True, 0, True, *range(8))
+    core.begin(1.0, 0.0, True, 0, True, *range(8))
+    assert core.end_kept() is False  # no hook ran: stamped here
+    assert not core.open and core.last_buckets == 1 and core.row[COL["compute"]] >= 0
+    core.begin(1.0, 0.0, True, 0, True, *range(8))
+    core.last_ready()  # as a hook would
+    stamped = core.row
+    assert core.end_kept() is True and not core.open
+    assert np.array_equal(core.row, stamped)  # not stamped twice
+
+
 def test_step_core_checks_its_block():
     core = _C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
     with pytest.raises(RuntimeError, match="at least 1 step, got 0"):
