@@ -172,23 +172,19 @@ class GlobalOrderSampler:
                 yield part.step_indices(epoch, s, board.rank).tolist()
             return
         perm = self.permutation(epoch)
-        full, gb, length, rank = self.full_steps, self.global_batch, self.length, board.rank
+        full, rank = self.full_steps, board.rank
         for s in range(start, self.steps_per_epoch):
-            o = s * gb
-            count = min(gb, length - o)
-            if self.sample_sizes is None:
-                plan = board.draw(epoch, s, count, full, None, seed=self.seed)
-                if plan.assignment is None and plan.sizes is board.decision:
-                    # The posted sizes (every whole step): this rank's slice was found once, when
-                    # they were posted (the step boundary's caches are cold; a NumPy call costs).
-                    begin, end = board.span
-                    yield perm[o + begin:o + end].tolist()
-                    continue
+            count = self.step_count(s)
+            o = s * self.global_batch
+            sizes = None if self.sample_sizes is None else self.sample_sizes[perm[o:o + count]]
+            plan = board.draw(epoch, s, count, full, sizes, seed=self.seed)
+            if plan.assignment is None and plan.sizes is board.decision:
+                # The posted sizes (every whole step): this rank's slice was found once, when
+                # they were posted (the step boundary's caches are cold; a NumPy call costs).
+                begin, end = board.span
+                yield perm[o + begin:o + end].tolist()
+            else:
                 yield perm[o:o + count][plan.positions(rank)].tolist()
-                continue
-            window = perm[o:o + count]
-            plan = board.draw(epoch, s, count, full, self.sample_sizes[window], seed=self.seed)
-            yield window[plan.positions(rank)].tolist()
 
     def _stream(self) -> Iterator[List[int]]:
         """Stream mode: this rank's reference batches of its shard (see :mod:`hetlb.plan`)."""

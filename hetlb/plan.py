@@ -32,7 +32,7 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Optional, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -182,6 +182,13 @@ class ScheduleRule:
                    float(d.get("quadratic", 0.0)))
 
 
+def rank_span(sizes: List[int], rank: int) -> Tuple[int, int]:
+    """``(begin, end)``: the positions of ``rank``'s samples in a step split by ``sizes`` (rank
+    ``r`` takes the ``r``-th contiguous slice)."""
+    begin = sum(sizes[:rank])
+    return begin, begin + sizes[rank]
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step as drawn: identical on every rank.
@@ -225,9 +232,7 @@ class StepPlan:
         samples)."""
         if self.assignment is not None:
             return np.flatnonzero(self.assignment == rank)
-        sizes = self.sizes.tolist()
-        begin = sum(sizes[:rank])
-        return slice(begin, begin + sizes[rank])
+        return slice(*rank_span(self.sizes.tolist(), rank))
 
 
 @dataclass(frozen=True)
@@ -336,9 +341,7 @@ class PlanBoard:
             self._amounts = decision.astype(np.float64)
             self._amounts.flags.writeable = False
             self._total = int(decision.sum())
-            sizes = decision.tolist()
-            begin = sum(sizes[:self.rank])
-            self.span = (begin, begin + sizes[self.rank])
+            self.span = rank_span(decision.tolist(), self.rank)
         self.decision = decision
         self.checksum = decision_checksum(decision)
 
