@@ -46,6 +46,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -58,6 +59,7 @@
 
 #include <chrono>
 #include <deque>
+#include <iterator>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -675,10 +677,9 @@ struct StepCore {
 // nothing in it, and it is skipped. `end_queued` needs no lock: deferral is for CPU models only,
 // whose hooks and callbacks all run on the thread that called backward.
 void watch_output(const std::shared_ptr<StepCore>& core, const at::Tensor& out,
-                  const c10::intrusive_ptr<c10d::ProcessGroup>& side) {
+                  const c10::weak_intrusive_ptr<c10d::ProcessGroup>& weak) {
   TORCH_CHECK(out.requires_grad(), "hetlb StepCore.watch_output: the tensor does not require grad");
   core->end_queued = false;  // (a backward that raised ran no callback)
-  c10::weak_intrusive_ptr<c10d::ProcessGroup> weak(side);
   out.register_hook([core, weak](const at::Tensor&) {
     const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
     if (exec_info != nullptr && !exec_info->empty()) return;
@@ -721,6 +722,111 @@ class WeightedHook : public c10d::CommHookInterface {
 };
 
 using row_array = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// The calls every step makes (begin, end_kept, restart_clock, the deferred watch) as plain CPython
+// builtins (vectorcall), bound to one core. They run with the caches cold from the step's
+// compute, where pybind11's generic dispatcher (its function records, kwargs handling, a type
+// caster that looks `StepCore&` up by type_index, ProcessGroup's holder caster) touches several
+// hundred cache lines a call: callgrind put 4 such calls at about 570 of the ~1500 last-level
+// cache misses hetlb added to a step (bench/RESULTS.md, session 31). These parse their few
+// arguments directly. The pybind methods of the same names stay, for everything else.
+constexpr const char* kStepCalls = "hetlb.StepCalls";
+
+struct StepCalls {
+  std::shared_ptr<StepCore> core;
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> side;  // the watch's side group (weak: see above)
+};
+
+StepCalls& calls_of(PyObject* self) {
+  return *static_cast<StepCalls*>(PyCapsule_GetPointer(self, kStepCalls));
+}
+
+// A C++ error as pybind11 (with torch's translator) raises it: RuntimeError, without the C++
+// backtrace.
+PyObject* raise_cpp(const std::exception& e) {
+  const auto* err = dynamic_cast<const c10::Error*>(&e);
+  PyErr_SetString(PyExc_RuntimeError, err != nullptr ? err->what_without_backtrace() : e.what());
+  return nullptr;
+}
+
+bool as_double(PyObject* o, double& out) {
+  out = PyFloat_AsDouble(o);
+  return !(out == -1.0 && PyErr_Occurred());
+}
+
+// begin(weight, offset, new_window, pos, ship, v0, ..., v7): StepCore.begin.
+PyObject* calls_begin(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 13) {
+    PyErr_Format(PyExc_TypeError,
+                 "hetlb step begin() takes 13 arguments (weight, offset, new_window, pos, ship "
+                 "and the row's 8 values), got %zd", nargs);
+    return nullptr;
+  }
+  double w = 0, off = 0, values[8];
+  if (!as_double(args[0], w) || !as_double(args[1], off)) return nullptr;
+  const int new_window = PyObject_IsTrue(args[2]);
+  if (new_window < 0) return nullptr;
+  const long long pos = PyLong_AsLongLong(args[3]);
+  if (pos == -1 && PyErr_Occurred()) return nullptr;
+  const int ship = PyObject_IsTrue(args[4]);
+  if (ship < 0) return nullptr;
+  for (int i = 0; i < 8; ++i)
+    if (!as_double(args[5 + i], values[i])) return nullptr;
+  try {
+    calls_of(self).core->begin(w, off, new_window != 0, pos, ship != 0, values, 8);
+  } catch (const std::exception& e) {
+    return raise_cpp(e);
+  }
+  Py_RETURN_NONE;
+}
+
+// end_kept(): StepCore.end_kept.
+PyObject* calls_end_kept(PyObject* self, PyObject* /*unused*/) {
+  try {
+    return PyBool_FromLong(calls_of(self).core->end_kept() ? 1 : 0);
+  } catch (const std::exception& e) {
+    return raise_cpp(e);
+  }
+}
+
+// restart_clock(): StepCore.restart_clock.
+PyObject* calls_restart_clock(PyObject* self, PyObject* /*unused*/) {
+  try {
+    calls_of(self).core->restart_clock();
+  } catch (const std::exception& e) {
+    return raise_cpp(e);
+  }
+  Py_RETURN_NONE;
+}
+
+// watch(output): StepCore.watch_output with the side group bound at creation.
+PyObject* calls_watch(PyObject* self, PyObject* out) {
+  if (!THPVariable_Check(out)) {
+    PyErr_Format(PyExc_TypeError, "hetlb step watch() needs a tensor, got %s", Py_TYPE(out)->tp_name);
+    return nullptr;
+  }
+  StepCalls& calls = calls_of(self);
+  if (calls.side.expired()) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "hetlb step watch(): no side process group: none was given, or it was "
+                    "destroyed (a backward after destroy_process_group?)");
+    return nullptr;
+  }
+  try {
+    watch_output(calls.core, THPVariable_Unpack(out), calls.side);
+  } catch (const std::exception& e) {
+    return raise_cpp(e);
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kCallDefs[] = {
+    {"begin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(calls_begin)),
+     METH_FASTCALL, "StepCore.begin(weight, offset, new_window, pos, ship, v0, ..., v7), positional."},
+    {"end_kept", calls_end_kept, METH_NOARGS, "StepCore.end_kept()."},
+    {"restart_clock", calls_restart_clock, METH_NOARGS, "StepCore.restart_clock()."},
+    {"watch", calls_watch, METH_O, "StepCore.watch_output(output, side) with the side group bound."},
+};
 
 }  // namespace
 
@@ -836,7 +942,7 @@ void bind_comm_hook(py::module& m) {
              c10::intrusive_ptr<c10d::ProcessGroup> group) {
             TORCH_CHECK(group && group->getSize() == c->world,
                         "hetlb StepCore.watch_output: need the side group of ", c->world, " ranks");
-            watch_output(c, out, group);
+            watch_output(c, out, c10::weak_intrusive_ptr<c10d::ProcessGroup>(group));
           },
           py::arg("output"), py::arg("group"),
           "Deferred hook: end this step's compute when the backward through `output` (a tensor "
@@ -965,6 +1071,37 @@ void bind_comm_hook(py::module& m) {
       },
       py::arg("reducer"), py::arg("core"), py::arg("process_group"), py::arg("side_group"),
       "Register the weighted all-reduce hook on a DDP model's reducer (once per model).");
+
+  m.def(
+      "step_calls",
+      [](std::shared_ptr<StepCore> core, const py::object& group) {
+        TORCH_CHECK(core, "hetlb step_calls: need a StepCore, got None");
+        c10::intrusive_ptr<c10d::ProcessGroup> side;
+        if (!group.is_none()) side = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+        TORCH_CHECK(!side || side->getSize() == core->world, "hetlb step_calls: need the side group of ",
+                    core->world, " ranks, got one of ", side ? side->getSize() : 0);
+        auto* calls = new StepCalls{std::move(core), c10::weak_intrusive_ptr<c10d::ProcessGroup>(side)};
+        py::object capsule = py::reinterpret_steal<py::object>(
+            PyCapsule_New(calls, kStepCalls, [](PyObject* cap) {
+              delete static_cast<StepCalls*>(PyCapsule_GetPointer(cap, kStepCalls));
+            }));
+        if (!capsule) {
+          delete calls;
+          throw py::error_already_set();
+        }
+        py::tuple out(std::size(kCallDefs));
+        for (size_t i = 0; i < std::size(kCallDefs); ++i) {
+          PyObject* f = PyCFunction_NewEx(&kCallDefs[i], capsule.ptr(), nullptr);
+          if (f == nullptr) throw py::error_already_set();
+          PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), f);
+        }
+        return out;
+      },
+      py::arg("core"), py::arg("side") = py::none(),
+      "The per-step calls bound to `core`, as plain builtins (no pybind11 dispatch at the cold "
+      "step boundary): (begin, end_kept, restart_clock, watch), positional arguments only, the "
+      "same as StepCore's methods of those names; watch(output) is watch_output(output, side) "
+      "(side None: a watch raises).");
 
   m.def("monotonic", &monotonic_seconds,
         "Seconds of the monotonic clock the step core stamps compute times with.");

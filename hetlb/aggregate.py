@@ -286,6 +286,9 @@ class BackwardWatch:
         self.telemetry = telemetry
         side = telemetry.side_group
         self._side = side if side is not None else dist.distributed_c10d._get_default_group()
+        # StepCore.watch_output with the side group bound, as a plain builtin (it runs every
+        # forward; see StepTelemetry's step calls).
+        self._watch = _C.step_calls(telemetry.core, self._side)[3]
 
     def __reduce__(self) -> Any:
         return (_InertWatch, ())
@@ -294,14 +297,14 @@ class BackwardWatch:
         # (In eval mode too: DDP reduces the gradient of a backward whatever the mode.)
         if not torch.is_grad_enabled():
             return
-        core = self.telemetry.core
+        watch = self._watch
         if isinstance(output, torch.Tensor):  # (the common case, without tensors_in's generator)
             if output.requires_grad:
-                core.watch_output(output, self._side)
+                watch(output)
             return
         for t in tensors_in(output):  # every output a loss may use; one callback per backward
             if t.requires_grad:  # (native, StepCore.watch_output: no Python in backward)
-                core.watch_output(t, self._side)
+                watch(t)
 
 
 class StepTelemetry:
@@ -333,6 +336,10 @@ class StepTelemetry:
         self.core = _C.StepCore(self.rank, self.world, NUM_FIELDS, transport == "carry", bool(nccl),
                                 COL["compute"], COL["cpu"], device if device.type != "cpu" else None)
         self.core.set_columns([COL[c] for c in ROW_VALUES])
+        # The calls every step makes, as plain builtins bound to the core: at the step boundary
+        # the caches are cold from the step's compute, and pybind11's dispatch costs several
+        # hundred cache misses a call there (bench/RESULTS.md, session 31).
+        self._begin, self._end_kept, self._restart_clock, _ = _C.step_calls(self.core)
         if block != 1:
             self.core.set_block(int(block))
         #: Steps by which the compute column lags its row (device events are read one step late;
@@ -394,8 +401,8 @@ class StepTelemetry:
         whether it sends the table."""
         # One native call with plain numbers: at the step boundary (caches cold from the step's
         # compute) filling a row array and converting it cost ~20 us more.
-        self.core.begin(weight, offset, new_window, pos, ship, batch, data, predicted, checksum,
-                        plan, step % EXACT_INT, epoch % EXACT_INT, self.probe.memory())
+        self._begin(weight, offset, new_window, pos, ship, batch, data, predicted, checksum, plan,
+                    step % EXACT_INT, epoch % EXACT_INT, self.probe.memory())
         emu = self.emulator
         if emu is not None:
             if getattr(emu, "by", "batch") == "data":
@@ -410,7 +417,7 @@ class StepTelemetry:
 
     def restart_clock(self) -> None:
         """The step's first forward: compute time is counted from here."""
-        self.core.restart_clock()
+        self._restart_clock()
 
     @property
     def hooked(self) -> bool:
@@ -421,7 +428,7 @@ class StepTelemetry:
     def end_kept(self) -> None:
         """End a step that does not send the table (inside a block): stamped now unless a hook
         ended its compute, and closed (one native call)."""
-        self.core.end_kept()
+        self._end_kept()
 
     def stamp(self, end_window: bool = True) -> float:
         """End the compute now (no hook ran); returns the host seconds."""

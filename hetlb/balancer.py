@@ -199,10 +199,9 @@ class _StepGate:
         plan = self.board.current
         if plan is None or not module.training or not torch.is_grad_enabled():
             return
-        core = self.telemetry.core
         syncing = getattr(module, "require_backward_grad_sync", True)
         if self.board.accumulate > 1:
-            if not core.open:
+            if not self.telemetry.core.open:
                 raise RuntimeError(
                     f"hetlb: with accumulate={self.board.accumulate} every micro-step runs inside "
                     f"`with bal.step():` (it enters ddp.no_sync() on all but a window's last "
@@ -227,7 +226,7 @@ class _StepGate:
                     f"dimension is not the first dimension of the first tensor argument, pass "
                     f"Balancer(..., batch_dim=1) or a callable (args, kwargs) -> size; "
                     f"batch_dim=None turns this check off")
-        core.restart_clock()
+        self.telemetry.restart_clock()
 
     def _planned(self, sizes: np.ndarray) -> int:
         """This rank's entry of a plan's ``sizes`` (read-only, shared by the steps of a decision:
@@ -259,7 +258,7 @@ class _BackwardEnd:
             self.telemetry.core.last_ready()
 
 
-@dataclass
+@dataclass(slots=True)  # (one a step)
 class _Open:
     """The step (or accumulation micro-step) in progress."""
 

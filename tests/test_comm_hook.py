@@ -347,6 +347,72 @@ def test_end_kept_stamps_a_step_no_hook_ended_and_closes_it():
     assert np.array_equal(core.row, stamped)  # not stamped twice
 
 
+@settings(max_examples=30, deadline=None)
+@given(values=st.lists(st.floats(-1e6, 1e6), min_size=8, max_size=8), weight=st.floats(0, 10),
+       offset=st.floats(0, 10), pos=st.integers(0, 2), ship=st.booleans(), new_window=st.booleans(),
+       hooked=st.booleans())
+def test_step_calls_do_what_the_core_s_methods_do(values, weight, offset, pos, ship, new_window, hooked):
+    """The per-step builtins of _C.step_calls (no pybind11 dispatch) leave a core as its pybind
+    methods of the same names leave another: begin's row and state, end_kept's stamp and
+    result, restart_clock's clock."""
+    from hetlb.telemetry import ROW_VALUES
+    a, b = (_C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"]) for _ in range(2))
+    begin, end_kept, restart_clock, _ = _C.step_calls(b)
+    for core in (a, b):
+        core.set_columns([COL[c] for c in ROW_VALUES])
+        core.set_block(3)
+    # numpy scalars and ints pass as pybind11 would take them
+    a.begin(weight, offset, new_window, pos, ship, *values)
+    begin(np.float64(weight), offset, new_window, np.int64(pos), ship, *values)
+    assert np.array_equal(a.row, b.row, equal_nan=True)
+    assert (b.open, b.weight, b.pos, b.ship, b.last_buckets) == (True, weight, pos, ship, 0)
+    time.sleep(0.02)
+    restart_clock()  # the clock restarts at the step's first forward: 20 ms not counted
+    a.restart_clock()
+    if hooked:  # as a hook would
+        a.last_ready()
+        b.last_ready()
+    assert end_kept() is a.end_kept() is hooked and not b.open and b.last_buckets == 1
+    assert offset <= b.row[COL["compute"]] < offset + 0.015
+    assert restart_clock() is None and not b.open  # (outside a step it does nothing)
+
+
+def test_step_calls_refuse_bad_arguments():
+    from hetlb.telemetry import ROW_VALUES
+    core = _C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
+    begin, end_kept, restart_clock, watch = _C.step_calls(core)
+    with pytest.raises(RuntimeError, match="set_columns\\(\\) was never called"):
+        begin(1.0, 0.0, True, 0, True, *range(8))
+    core.set_columns([COL[c] for c in ROW_VALUES])
+    with pytest.raises(TypeError, match="takes 13 arguments .*got 12"):
+        begin(1.0, 0.0, True, 0, True, *range(7))
+    with pytest.raises(TypeError, match="must be real number, not str"):
+        begin(1.0, 0.0, True, 0, True, "x", *range(7))
+    with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
+        begin(1.0, 0.0, True, 0.5, True, *range(8))
+    with pytest.raises(RuntimeError, match="begin: weight must be finite and >= 0, got -1"):
+        begin(-1.0, 0.0, True, 0, True, *range(8))
+    with pytest.raises(RuntimeError, match=r"pos must be in \[0, 1\)"):
+        begin(1.0, 0.0, True, 1, True, *range(8))
+    assert not core.open  # (nothing was opened by a refused call)
+    with pytest.raises(TypeError, match="takes no arguments"):
+        end_kept(1)
+    with pytest.raises(TypeError, match="needs a tensor, got list"):
+        watch([1.0])
+    with pytest.raises(RuntimeError, match="no side process group: none was given, or it was destroyed"):
+        watch(torch.ones(2, requires_grad=True))  # (step_calls without a side group)
+    with pytest.raises(RuntimeError, match="need a StepCore, got None"):
+        _C.step_calls(None)
+    assert unwrap(run(_step_calls_group_size, 1)) == ["refused"]
+
+
+def _step_calls_group_size(rank, world):
+    core = _C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
+    with pytest.raises(RuntimeError, match="need the side group of 2 ranks, got one of 1"):
+        _C.step_calls(core, dist.group.WORLD)
+    return "refused"
+
+
 def test_step_core_checks_its_block():
     core = _C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
     with pytest.raises(RuntimeError, match="at least 1 step, got 0"):
