@@ -678,7 +678,7 @@ struct StepCore {
 // whose hooks and callbacks all run on the thread that called backward.
 void watch_output(const std::shared_ptr<StepCore>& core, const at::Tensor& out,
                   const c10::weak_intrusive_ptr<c10d::ProcessGroup>& weak) {
-  TORCH_CHECK(out.requires_grad(), "hetlb StepCore.watch_output: the tensor does not require grad");
+  TORCH_CHECK(out.requires_grad(), "hetlb step watch(): the tensor does not require grad");
   core->end_queued = false;  // (a backward that raised ran no callback)
   out.register_hook([core, weak](const at::Tensor&) {
     const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
@@ -799,7 +799,7 @@ PyObject* calls_restart_clock(PyObject* self, PyObject* /*unused*/) {
   Py_RETURN_NONE;
 }
 
-// watch(output): StepCore.watch_output with the side group bound at creation.
+// watch(output): watch_output with the side group bound at creation.
 PyObject* calls_watch(PyObject* self, PyObject* out) {
   if (!THPVariable_Check(out)) {
     PyErr_Format(PyExc_TypeError, "hetlb step watch() needs a tensor, got %s", Py_TYPE(out)->tp_name);
@@ -825,7 +825,7 @@ PyMethodDef kCallDefs[] = {
      METH_FASTCALL, "StepCore.begin(weight, offset, new_window, pos, ship, v0, ..., v7), positional."},
     {"end_kept", calls_end_kept, METH_NOARGS, "StepCore.end_kept()."},
     {"restart_clock", calls_restart_clock, METH_NOARGS, "StepCore.restart_clock()."},
-    {"watch", calls_watch, METH_O, "StepCore.watch_output(output, side) with the side group bound."},
+    {"watch", calls_watch, METH_O, "watch_output(output, side) with the side group bound: the deferred hook's watch."},
 };
 
 }  // namespace
@@ -936,18 +936,6 @@ void bind_comm_hook(py::module& m) {
           "All-reduce this rank's row now (blocking; with a block, its rows of positions 0..pos) "
           "and return the table. `kept` >= 1: the kept rows of positions 0..kept-1 instead "
           "(kept_slots; a flush of the block's steps so far).")
-      .def(
-          "watch_output",
-          [](const std::shared_ptr<StepCore>& c, const at::Tensor& out,
-             c10::intrusive_ptr<c10d::ProcessGroup> group) {
-            TORCH_CHECK(group && group->getSize() == c->world,
-                        "hetlb StepCore.watch_output: need the side group of ", c->world, " ranks");
-            watch_output(c, out, c10::weak_intrusive_ptr<c10d::ProcessGroup>(group));
-          },
-          py::arg("output"), py::arg("group"),
-          "Deferred hook: end this step's compute when the backward through `output` (a tensor "
-          "of the model's output that needs a gradient) is done, and issue the side all-reduce "
-          "of the table after DDP's reduction (see hetlb.aggregate.BackwardWatch).")
       .def(
           "close", [](StepCore& c) { c.open = false; },
           "End the step: a backward pass after this raises until the next start().")
@@ -1100,7 +1088,7 @@ void bind_comm_hook(py::module& m) {
       py::arg("core"), py::arg("side") = py::none(),
       "The per-step calls bound to `core`, as plain builtins (no pybind11 dispatch at the cold "
       "step boundary): (begin, end_kept, restart_clock, watch), positional arguments only, the "
-      "same as StepCore's methods of those names; watch(output) is watch_output(output, side) "
+      "same as StepCore's methods of those names; watch(output) is the deferred hook's watch "
       "(side None: a watch raises).");
 
   m.def("monotonic", &monotonic_seconds,

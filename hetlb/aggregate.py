@@ -267,7 +267,7 @@ class BackwardWatch:
     While every rank's weight is ``1 / world`` (equal batches: Uniform on a homogeneous cluster),
     DDP's own averaging, fused into its copy into buckets, already is the weighted mean, so no
     hook runs and no extra pass over the gradient is made. The step then ends the way the hook
-    would end it: a native hook on the model's output (``StepCore.watch_output``) queues an
+    would end it: a native hook on the model's output (``_C.step_calls``' watch) queues an
     autograd callback that runs once the backward's compute is done, before DDP waits for its
     all-reduces, and stamps the compute time; that callback queues a second, which runs after
     DDP has reduced the gradient and issues the side all-reduce of the table, so it does not
@@ -279,16 +279,19 @@ class BackwardWatch:
     trained, so a loop left right after it (``break``) trains that batch again in the next one.
     A backward outside a step raises here, as the hook would.
     The Balancer registers the hook (and removes this watch) before the first step whose
-    weights differ. Holds the telemetry only; a copy of the model gets an inert watch.
+    weights differ. Holds the telemetry and its watch call (the core, and the side group
+    weakly) only; a copy of the model gets an inert watch.
     """
 
     def __init__(self, telemetry: "StepTelemetry") -> None:
         self.telemetry = telemetry
         side = telemetry.side_group
-        self._side = side if side is not None else dist.distributed_c10d._get_default_group()
-        # StepCore.watch_output with the side group bound, as a plain builtin (it runs every
-        # forward; see StepTelemetry's step calls).
-        self._watch = _C.step_calls(telemetry.core, self._side)[3]
+        if side is None:
+            side = dist.distributed_c10d._get_default_group()
+        # The native watch (watch_output) with the side group bound, as a plain builtin (it runs
+        # every forward; see StepTelemetry's step calls). The model keeps the group alive
+        # (StepTelemetry.defer); the watch holds it weakly.
+        self._watch = _C.step_calls(telemetry.core, side)[3]
 
     def __reduce__(self) -> Any:
         return (_InertWatch, ())
@@ -303,7 +306,7 @@ class BackwardWatch:
                 watch(output)
             return
         for t in tensors_in(output):  # every output a loss may use; one callback per backward
-            if t.requires_grad:  # (native, StepCore.watch_output: no Python in backward)
+            if t.requires_grad:  # (native: no Python in backward)
                 watch(t)
 
 
