@@ -95,9 +95,9 @@ def _groups(values: np.ndarray) -> str:
 
 
 _SECOND_LOADER = ("this Balancer already drives a loader; iterate that one every epoch "
-                  "(loader.set_epoch(epoch)). A loader for evaluation is a plain "
-                  "torch.utils.data.DataLoader (run it under torch.no_grad() or model.eval(): "
-                  "the Balancer checks only training batches)")
+                  "(loader.set_epoch(epoch)). A loader for evaluation is a hetlb.DataLoader "
+                  "bound to no Balancer, or a plain torch.utils.data.DataLoader (run it under "
+                  "torch.no_grad() or model.eval(): the Balancer checks only training batches)")
 
 
 def _check_rule_bounds(everyone: List[Dict[str, Any]], global_batch: int, policy: str) -> None:
@@ -217,16 +217,33 @@ class _StepGate:
         if self.batch_dim is not None:
             n = self._size(args, kwargs)
             if n is not None and n != self._planned(plan.sizes):
-                raise BatchSizeError(
-                    f"hetlb: rank {self.board.rank} gave the model a batch of {n} samples, but the "
-                    f"Balancer planned {self._planned(plan.sizes)} for it in step {plan.step} of "
-                    f"epoch {plan.epoch} (sizes {plan.sizes.tolist()}). Feed the model the "
-                    f"batches of the Balancer's loader: with another sampler (e.g. "
-                    f"DistributedSampler) the gradient weights would be wrong. If the batch "
-                    f"dimension is not the first dimension of the first tensor argument, pass "
-                    f"Balancer(..., batch_dim=1) or a callable (args, kwargs) -> size; "
-                    f"batch_dim=None turns this check off")
+                raise BatchSizeError(self._wrong_size(plan, n))
         self.telemetry.restart_clock()
+
+    def _wrong_size(self, plan: StepPlan, n: int) -> str:
+        """What a batch of ``n`` samples against ``plan`` most likely means, and what to do."""
+        rank, want = self.board.rank, self._planned(plan.sizes)
+        head = (f"hetlb: rank {rank} gave the model a batch of {n} samples, but the Balancer "
+                f"planned {want} for it in step {plan.step} of epoch {plan.epoch} (sizes "
+                f"{plan.sizes.tolist()}). ")
+        last = self.board.last_sizes
+        if last is not None and n == int(last[rank]):
+            return head + (
+                f"{n} is the size planned for this rank in the previous step: the batch was drawn "
+                f"before this step's decision (a prefetch, such as a loop that samples its next "
+                f"batch inside the step, as nanoGPT's get_batch after the forward). The sizes of a "
+                f"step are decided when the previous step ends: draw each batch after it, sized "
+                f"by bal.batch_sizes[bal.rank] read between steps (or use the Balancer's loader, "
+                f"which prefetches safely). If the batches come from a sampler of their own (e.g. "
+                f"DistributedSampler), use the Balancer's loader instead: the gradient weights "
+                f"follow the plan")
+        return head + (
+            "Feed the model the batches of the Balancer's loader, or, in a loop that samples its "
+            "own batches, batches of bal.batch_sizes[bal.rank] samples read at the start of each "
+            "step: with another sampler (e.g. DistributedSampler) the gradient weights would be "
+            "wrong. If the batch dimension is not the first dimension of the first tensor "
+            "argument, pass Balancer(..., batch_dim=1) or a callable (args, kwargs) -> size; "
+            "batch_dim=None turns this check off")
 
     def _planned(self, sizes: np.ndarray) -> int:
         """This rank's entry of a plan's ``sizes`` (read-only, shared by the steps of a decision:
@@ -601,7 +618,6 @@ class Balancer:
             self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
             self._window_param: Optional[torch.Tensor] = None  # see _check_window_kept
             self._synced_grad: Optional[tuple] = None  # see _check_window_taken
-            self._last_sizes: Optional[np.ndarray] = None  # the sizes of the last step done
             self._micro = 0  # micro-steps without a loader (window position)
             self._window_data = 0.0
             self._partials: Dict[int, tuple] = {}
@@ -771,7 +787,7 @@ class Balancer:
         d = self._decision
         if isinstance(d, np.ndarray):
             return d.copy()
-        last = self._last_sizes
+        last = self.board.last_sizes
         return last.copy() if last is not None else np.zeros(self.world, np.int64)
 
     @property
@@ -1146,7 +1162,6 @@ class Balancer:
     def _advance(self, plan: StepPlan) -> None:
         """``plan``'s step is done: the position, the step count and the watchdog move on."""
         self.board.complete(plan)
-        self._last_sizes = plan.sizes
         if self._loader_config is None:
             self._micro = 0
             self.board.current = None

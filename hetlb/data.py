@@ -186,6 +186,20 @@ class GlobalOrderSampler:
             else:
                 yield perm[o:o + count][plan.positions(rank)].tolist()
 
+    def evaluation(self) -> Iterator[List[int]]:
+        """This rank's indices of every step of an evaluation pass over the epoch's order: each
+        step's samples split evenly (the first ``count % world`` ranks one more), so every sample
+        is read once across the ranks and every rank runs the same number of steps. Reads the
+        order only; the position does not move."""
+        board = self.board
+        perm = self.permutation(board.epoch)
+        world, rank = board.world, board.rank
+        for s in range(self.steps_per_epoch):
+            count = self.step_count(s)
+            q, rem = divmod(count, world)
+            begin = s * self.global_batch + rank * q + min(rank, rem)
+            yield perm[begin:begin + q + (rank < rem)].tolist()
+
     def _stream(self) -> Iterator[List[int]]:
         """Stream mode: this rank's reference batches of its shard (see :mod:`hetlb.plan`)."""
         board = self.board
@@ -290,6 +304,11 @@ class BalancedLoader:
     ``load_state_dict`` save and restore the Balancer with the data position (one checkpoint
     object, also when resumed on a different world size).
 
+    A loader no Balancer is bound to iterates as a plain distributed evaluation loader: each step
+    of ``batch_size * world`` samples of the epoch's order split evenly over the ranks (within one
+    sample), every sample once and every rank the same number of steps; the position does not
+    move. So a script's test-set loader made by the same helper as its training loader works.
+
     Args:
         dataset: a map-style dataset.
         batch_size: samples per rank and step *on average*: the global batch is ``batch_size *
@@ -368,7 +387,8 @@ class BalancedLoader:
         self.balancer: Any = None  # set by the Balancer that binds this loader
         self._pending: Optional[Dict[str, Any]] = None  # state loaded before binding
         collate = dataloader_kwargs.pop("collate_fn", None) or default_collate
-        self._dl = DataLoader(dataset, batch_sampler=_Steps(self.sampler),
+        self._steps = _Steps(self.sampler)
+        self._dl = DataLoader(dataset, batch_sampler=self._steps,
                               collate_fn=_EmptySafeCollate(dataset, collate), **dataloader_kwargs)
 
     @property
@@ -439,9 +459,6 @@ class BalancedLoader:
         self.board.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.balancer is None:
-            raise RuntimeError("this hetlb loader is not bound to a Balancer yet: make one with "
-                               "hetlb.Balancer(ddp_model, loader=loader) before iterating")
         n = len(self.dataset)
         if n != self.sampler.length:
             raise ValueError(
@@ -451,7 +468,31 @@ class BalancedLoader:
                 f"it. To train on the changed dataset, checkpoint at the end of an epoch and make a "
                 f"new Balancer and loader over it (in a restarted job); the checkpoint resumes "
                 f"there at the next epoch")
+        if self.balancer is None:
+            return self._evaluation()
         return _Iteration(self)
+
+    def _evaluation(self) -> Iterator[Any]:
+        """A loader no Balancer is bound to iterates as a plain distributed evaluation loader
+        (:meth:`GlobalOrderSampler.evaluation`): a test set's loader made by the same helper as
+        the training loader works without a Balancer of its own."""
+        if self._pending is not None or self.board.restored:
+            raise RuntimeError(
+                "this hetlb loader holds a loaded checkpoint and is not bound to a Balancer yet: "
+                "make the Balancer with hetlb.Balancer(ddp_model, loader=loader) before iterating "
+                "(an unbound hetlb.DataLoader iterates as an evaluation loader, which reads no "
+                "checkpoint)")
+        if self.board.partition is not None:
+            raise RuntimeError(
+                "this sharded hetlb loader (partition=) is not bound to a Balancer: each rank "
+                "holds only its shard, so it cannot serve as an evaluation loader. Bind it with "
+                "hetlb.Balancer(ddp_model, loader=loader), or evaluate with a loader without "
+                "partition=")
+        self._steps.evaluating = True
+        try:  # the DataLoader asks its batch sampler for an iterator here, and only here
+            return iter(self._dl)
+        finally:
+            self._steps.evaluating = False
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole Balancer state with the data position (the same object as
@@ -634,17 +675,19 @@ class _Iteration:
 
 
 class _Steps:
-    """The DataLoader's batch sampler: the sampler's steps (it holds nothing else, so no cycle
-    runs through the DataLoader and a persistent-workers iterator is freed promptly)."""
+    """The DataLoader's batch sampler: the sampler's steps, or an evaluation pass while
+    ``evaluating`` (it holds nothing else, so no cycle runs through the DataLoader and a
+    persistent-workers iterator is freed promptly)."""
 
     def __init__(self, sampler: GlobalOrderSampler) -> None:
         self.sampler = sampler
+        self.evaluating = False
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[List[int]]:
-        return iter(self.sampler)
+        return self.sampler.evaluation() if self.evaluating else iter(self.sampler)
 
 
 def _is_leaf(v: Any) -> bool:

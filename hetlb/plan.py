@@ -305,6 +305,8 @@ class PlanBoard:
         self.left: Optional[Tuple[int, bool]] = None
         self.drawn: Deque[StepPlan] = deque()
         self.current: Optional[StepPlan] = None
+        #: The sizes of the step (window) trained last, or None before any.
+        self.last_sizes: Optional[np.ndarray] = None
         self._window: Optional[tuple] = None  # (epoch, window key, sizes) of the open window
         # Streams: shard sizes of the epoch, each rank's trained samples of its shard, this rank's
         # reference batch size, and how far this rank has drawn.
@@ -525,6 +527,7 @@ class PlanBoard:
         """``plan`` has trained (for accumulation: its window has): the position moves past it."""
         if plan.epoch == self.epoch:
             self.done = max(self.done, plan.step + 1)
+        self.last_sizes = plan.sizes
         if self.current is plan:
             self.current = None
 

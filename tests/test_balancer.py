@@ -349,14 +349,17 @@ def test_the_readme_resume_loop():
 def test_standalone_loader_bound_later_and_loaded_before_binding():
     model = torch.nn.Linear(1, 1)
     dl = hetlb.DataLoader(dataset(40), batch_size=4, shuffle=True, seed=3)
-    with pytest.raises(RuntimeError, match="not bound to a Balancer"):
-        iter(dl)
+    # Unbound, it is an evaluation loader: a whole pass, the position unmoved
+    evaluated = [int(v) for (x,) in dl for v in x[:, 0]]
+    assert sorted(evaluated) == list(range(40)) and len(dl) == 10
     bal = hetlb.Balancer(model, policy=hetlb.LBB(), loader=dl)
     assert bal.global_batch == 4
     first = train(dl, model, steps=5)
     state = dl.state_dict()
     dl2 = hetlb.DataLoader(dataset(40), batch_size=4, seed=3)
     dl2.load_state_dict(state)  # before its Balancer exists (the tutorial's _load_snapshot order)
+    with pytest.raises(RuntimeError, match="holds a loaded checkpoint and is not bound"):
+        iter(dl2)
     bal2 = hetlb.Balancer(model, policy=hetlb.LBB(), loader=dl2)
     assert bal2.steps == 5 and len(bal2.history) == 5
     rest = train(dl2, model)

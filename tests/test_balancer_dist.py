@@ -337,6 +337,17 @@ def misuse_worker(rank, world, case):
             for (xb,) in dl:
                 with bal.step():
                     ddp(xb).sum().backward()
+        elif case == "prefetch":
+            # A loop that samples its own batches and draws the next one inside the step (as
+            # nanoGPT's get_batch after the forward): the sizes change after step 0
+            from fixed_policy import Scripted
+            bal = hetlb.Balancer(ddp, 8, policy=Scripted([[4, 4], [3, 5]]))
+            xb = x[:bal.batch_sizes[bal.rank]]
+            for _ in range(3):
+                with bal.step():
+                    out = ddp(xb)
+                    xb = x[:bal.batch_sizes[bal.rank]]
+                    out.sum().backward()
     except (RuntimeError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
@@ -345,7 +356,10 @@ def misuse_worker(rank, world, case):
 @pytest.mark.parametrize("case, match", [
     ("no_sync", r"needs Balancer\(\.\.\., accumulate=K\)"),
     ("no_step", r"inside `with bal\.step\(\):`"),
-    ("sampler", "BatchSizeError: hetlb: rank \\d gave the model a batch of 4 samples"),
+    ("sampler", "BatchSizeError: hetlb: rank \\d gave the model a batch of 4 samples.*"
+                "DistributedSampler"),
+    ("prefetch", r"BatchSizeError: .*batch of 4 samples.* step 1 .*previous step: the batch was "
+                 r"drawn before this step's decision \(a prefetch"),
     ("own_count", r"window that ended at step 4 of epoch 0 .*still in the parameters as step 5 "
                   r"starts a new window.*whenever bal\.synced is True"),
     ("synced", r"^steps 8$"),  # 4 windows an epoch; zero_grad(set_to_none=False) in epoch 1 passes

@@ -376,3 +376,48 @@ def test_post_refuses_sizes_that_cannot_be_a_decision():
         b.post(np.array([2, 4]))
     with pytest.raises(ValueError, match="got \\[2, -1, 5\\]"):
         b.post(np.array([2, -1, 5]))
+
+
+@given(n=st.integers(0, 200), B=st.integers(1, 40), world=st.integers(1, 5),
+       seed=st.integers(0, 2**16), drop_last=st.booleans(), shuffle=st.booleans(),
+       epoch=st.integers(0, 3))
+def test_an_evaluation_pass_reads_every_sample_once_in_equal_steps(n, B, world, seed, drop_last,
+                                                                   shuffle, epoch):
+    boards, samplers = ranks(n, B, world, seed=seed, drop_last=drop_last, shuffle=shuffle)
+    for b in boards:
+        b.set_epoch(epoch)
+    passes = [list(s.evaluation()) for s in samplers]
+    assert len({len(p) for p in passes}) == 1  # every rank the same number of steps
+    steps = len(passes[0])
+    assert steps == (n // B if drop_last else -(-n // B))
+    # brute force: each step's count split as evenly as possible, in rank order, over the order
+    perm = samplers[0].permutation(epoch)
+    flat = []
+    for s in range(steps):
+        count = min(B, n - s * B)
+        got = [passes[r][s] for r in range(world)]
+        assert max(map(len, got)) - min(map(len, got)) <= 1
+        assert [len(g) for g in got] == sorted((len(g) for g in got), reverse=True)
+        step = [i for g in got for i in g]
+        assert step == perm[s * B:s * B + count].tolist()
+        flat += step
+    if not shuffle:
+        assert flat == list(range(len(flat)))
+    assert len(flat) == len(set(flat)) == (steps * B if drop_last else n)
+    # an evaluation pass moves nothing: the training position is where it was
+    assert all(b.done == 0 and b.epoch == epoch and not b.drawn for b in boards)
+
+
+def test_an_unbound_loader_evaluates_with_workers_and_idle_ranks():
+    import torch
+    from hetlb.data import BalancedLoader
+    ds = torch.utils.data.TensorDataset(torch.arange(11.0)[:, None])
+    world, seen = 4, []
+    for r in range(world):  # global batch 8: steps of 8 and 3 samples (ranks 3 idle in the last)
+        loader = BalancedLoader(ds, 2, board=PlanBoard(world, r, 8), num_workers=1)
+        assert len(loader) == 2
+        batches = [x[:, 0].tolist() for (x,) in loader]
+        assert [len(b) for b in batches] == [2, 1 if r < 3 else 0]
+        seen += [v for b in batches for v in b]
+        assert [x.shape[0] for (x,) in loader] == [2, 1 if r < 3 else 0]  # again, whole
+    assert sorted(seen) == [float(i) for i in range(11)]

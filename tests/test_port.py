@@ -91,6 +91,10 @@ def test_the_port_trains_the_same_model_and_resumes(tmp_path):
     for run in (ref, out):  # the first step is the equal split; later LBB may move samples
         assert "Epoch 0 | Batchsize: 32 | Steps: 6" in run.stdout, run.stdout
         assert run.stdout.count("Steps: 6") == 4, run.stdout
+    # The test set's loader comes from the same helper: DistributedSampler pads its 101 samples
+    # to 102 (one repeated); the port's unbound hetlb.DataLoader reads each once, on the same model
+    assert ref.stdout.count("Evaluated 102 samples") == 4, ref.stdout
+    assert out.stdout.count("Evaluated 101 samples") == 4, out.stdout
     want = torch.load(tmp_path / "ddp.pt")
     for name in ("hetlb.pt", "resumed.pt"):
         got = torch.load(tmp_path / name)

@@ -15,8 +15,8 @@ from torch.distributed import init_process_group, destroy_process_group
 
 
 class RandomRegression(Dataset):
-    def __init__(self, size):
-        g = torch.Generator().manual_seed(0)
+    def __init__(self, size, seed=0):
+        g = torch.Generator().manual_seed(seed)
         self.data = [(torch.rand(20, generator=g), torch.rand(1, generator=g)) for _ in range(size)]
 
     def __len__(self):
@@ -27,10 +27,11 @@ class RandomRegression(Dataset):
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, save_every, snapshot_path):
+    def __init__(self, model, train_data, test_data, optimizer, save_every, snapshot_path):
         self.rank = int(os.environ["RANK"])
         self.model = model
         self.train_data = train_data
+        self.test_data = test_data
         self.optimizer = optimizer
         self.save_every = save_every
         self.epochs_run = 0
@@ -60,6 +61,17 @@ class Trainer:
         for source, targets in self.train_data:
             self._run_batch(source, targets)
 
+    def _evaluate(self, epoch):
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for source, targets in self.test_data:
+                loss = F.mse_loss(self.model(source), targets, reduction="sum")
+                total += torch.tensor([loss.item(), len(source)], dtype=torch.float64)
+        torch.distributed.all_reduce(total)
+        self.model.train()
+        print(f"Epoch {epoch} | Evaluated {int(total[1])} samples | Test loss {total[0] / total[1]:.6f}")
+
     def _save_snapshot(self, epoch):
         snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch + 1}
         torch.save(snapshot, self.snapshot_path)
@@ -68,6 +80,7 @@ class Trainer:
     def train(self, max_epochs):
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
+            self._evaluate(epoch)
             if self.rank == 0 and epoch % self.save_every == 0:
                 self._save_snapshot(epoch)
 
@@ -92,7 +105,8 @@ def main(save_every, total_epochs, batch_size, size, snapshot_path):
     init_process_group(backend="gloo")
     dataset, model, optimizer = load_train_objs(size)
     train_data = prepare_dataloader(dataset, batch_size)
-    trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path)
+    test_data = prepare_dataloader(RandomRegression(101, seed=1), batch_size)
+    trainer = Trainer(model, train_data, test_data, optimizer, save_every, snapshot_path)
     trainer.train(total_epochs)
     destroy_process_group()
 
