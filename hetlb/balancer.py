@@ -41,7 +41,8 @@ from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty,
                         raise_refusals, refuse_everywhere, weights_for)
 from .data import BalancedLoader, check_loader_config
 from .runlog import ENV_LOG_DIR, RunLog
-from .plan import EXACT_INT, PlanBoard, ScheduleRule, StepPlan, decision_checksum
+from .plan import (EXACT_INT, PlanBoard, ScheduleRule, SingleSampleError, StepPlan, avoid_single,
+                   decision_checksum)
 from .shard import Partition, epoch_rates
 from .policies.base import (Context, Policy, SizedPolicy, check_decision, check_same_policy,
                             from_state, policy_settings, to_state)
@@ -153,6 +154,22 @@ def _check_model(model: torch.nn.Module, is_ddp: bool, accumulate: int) -> None:
             f"accumulate={accumulate} enters ddp.no_sync() on all but a window's last micro-step, "
             f"which DDP(static_graph=True) does not support (torch fails with an internal "
             f"assertion): build the DDP model with static_graph=False")
+
+
+def single_sample_layers(model: torch.nn.Module) -> List[str]:
+    """Names of the layers of ``model`` that refuse a batch of one sample in training: batch
+    normalisation over inputs ``(N, C)`` sees one value per channel there (torch raises
+    "Expected more than 1 value per channel when training"). Found by type: every
+    ``BatchNorm1d`` (its input may be ``(N, C)``; on ``(N, C, L)`` with ``L > 1`` one sample
+    would do, which the type cannot tell); not ``BatchNorm2d``/``3d``, whose inputs have spatial
+    dimensions, nor ``SyncBatchNorm``, whose statistics span the ranks."""
+    bn1d = (torch.nn.BatchNorm1d, torch.nn.LazyBatchNorm1d)
+    return [name or type(m).__name__ for name, m in model.named_modules() if isinstance(m, bn1d)]
+
+
+def _layer_list(names: List[str]) -> str:
+    """``names`` as a message lists them (the first three)."""
+    return "BatchNorm1d: " + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def _take_over(model: torch.nn.Module, keep: int) -> None:
@@ -301,7 +318,9 @@ class Balancer:
         loader: a :func:`hetlb.DataLoader` made before the model, to bind to this Balancer.
         group: process group (default: the world).
         lower, upper: bounds on this rank's batch (integers, ``0 <= lower <= upper``; ``lower``
-            1 when not given). ``upper`` is also capped by ``profile.limit`` when the profile ran
+            1 when not given, 2 for a model with layers that refuse a one-sample batch in
+            training, :func:`single_sample_layers`; for such a model ``lower=0`` lets a rank idle
+            but no split hands it exactly one sample, and ``lower=1`` says its inputs take one). ``upper`` is also capped by ``profile.limit`` when the profile ran
             out of memory (a real memory bound). A size-aware policy (:class:`hetlb.Chronica`),
             which assigns each step's samples freely and may give a rank none, cannot honour
             them: a ``lower`` above 0 or an ``upper`` below ``global_batch`` is refused with it
@@ -469,7 +488,16 @@ class Balancer:
             self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
             # (checked with the policy below: their defaults depend on it)
             lower_given = lower  # (a size-aware rule cannot honour bounds: see below)
-            lower = 1 if lower is None else checks.integer(lower, "lower", 0)
+            # Layers that refuse a one-sample batch in training: no rank gets exactly one.
+            single = single_sample_layers(model.module if isinstance(model, DistributedDataParallel)
+                                          else model)
+            lower = (2 if single else 1) if lower is None else checks.integer(lower, "lower", 0)
+            if single and lower == 1:  # the user's choice: one sample is fine for these inputs
+                log.warning("lower=1: a rank may train a batch of one sample, which the model's "
+                            "layers refuse in training where their input is (N, C) (%s); leave "
+                            "lower out (2 for such a model) unless their inputs have more values "
+                            "per channel", _layer_list(single))
+                single = []
             if batch_dim is not None and not callable(batch_dim):
                 batch_dim = checks.integer(batch_dim, "batch_dim", 0)
             if transport is not None:
@@ -507,9 +535,12 @@ class Balancer:
                 raise ValueError(f"upper={upper} is smaller than lower={lower}; each rank's batch must be "
                                  f"able to lie in [lower, upper]")
             if global_batch < self.world * lower:
+                why = (f" (lower is 2 by default for this model: its layers refuse a one-sample "
+                       f"batch in training, {_layer_list(single)})" if single and lower_given is None
+                       else "")
                 raise ValueError(f"global_batch={global_batch} is smaller than the world of {self.world} "
-                                 f"ranks times lower={lower}; every rank needs at least {lower} sample(s) "
-                                 f"per step (pass lower=0 to let ranks idle)")
+                                 f"ranks times lower={lower}{why}; every rank needs at least {lower} "
+                                 f"sample(s) per step (pass lower=0 to let ranks idle)")
             if policy is None:
                 from .policies.lbb import LBB
                 policy = LBB()
@@ -533,7 +564,7 @@ class Balancer:
                                "accumulate": self.accumulate, "policy": type(policy).__name__,
                                "exchange_every": self.exchange_every,
                                "adaptive_exchange": self.adaptive_exchange,
-                               "defer_hook": defer_hook},
+                               "defer_hook": defer_hook, "one_sample_refused": bool(single)},
                     "policy_settings": policy_settings(policy),
                     "transport": transport,
                     "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
@@ -558,7 +589,9 @@ class Balancer:
                             "profiles and starts without them; pass profile= on every rank",
                             have, sorted(set(range(self.world)) - set(have)))
             # Before any hook is registered: a policy refusing the context leaves the model as it was.
-            self._decision = check_decision(policy.start(self.context), self.context, type(policy).__name__)
+            self._single = bool(single)
+            self._decision = self._two_or_none(
+                check_decision(policy.start(self.context), self.context, type(policy).__name__))
             if isinstance(self._decision, ScheduleRule):
                 _check_rule_bounds(everyone, global_batch, type(policy).__name__)
             if self.adaptive_exchange and isinstance(self._decision, ScheduleRule) and \
@@ -606,6 +639,7 @@ class Balancer:
             else:
                 self.board = PlanBoard(self.world, self.rank, global_batch, self.accumulate)
             self.board.lower = np.asarray(self.context.lower, dtype=np.int64).copy()
+            self.board.single_ok = not self._single
             self._gate = model.register_forward_pre_hook(
                 _StepGate(self.board, self.telemetry, batch_dim, ends), with_kwargs=True)
 
@@ -865,6 +899,20 @@ class Balancer:
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
         self._spent += time.perf_counter() - t
+
+    def _two_or_none(self, decision: Any) -> Any:
+        """A sizes decision with no rank at exactly one sample for a model that refuses one
+        (:func:`hetlb.plan.avoid_single` within the upper bounds; only ``lower=0`` lets a
+        policy decide 1); anything else as it is."""
+        if not self._single or not isinstance(decision, np.ndarray):
+            return decision
+        try:
+            return avoid_single(decision, self.context.upper)
+        except SingleSampleError as e:
+            raise SingleSampleError(
+                f"{type(self.policy).__name__} decided {decision.tolist()}, and {e}; the model's "
+                f"layers refuse one sample in training. Pass lower=2 (or leave lower out), or "
+                f"lower=1 if their inputs have more than one value per channel") from None
 
     def _equal_weights(self, decision: Any) -> bool:
         """Whether a whole step of ``decision`` weighs every rank ``1 / world`` (a size-aware
@@ -1257,7 +1305,7 @@ class Balancer:
         self._bad = 0
         if not isinstance(self.policy, SizedPolicy):  # (a SizedPolicy checked it in emit())
             decision = check_decision(decision, self.context, type(self.policy).__name__)
-        self._decision = decision
+        self._decision = decision = self._two_or_none(decision)
         before = self.board.checksum
         self.board.post(decision)
         steady = self.board.checksum == before
@@ -1473,8 +1521,8 @@ class Balancer:
             else:
                 log.warning("checkpoint from %d ranks resumed on %d: the policy restarts",
                             world, self.world)
-            self._decision = check_decision(self.policy.start(self.context), self.context,
-                                            type(self.policy).__name__)
+            self._decision = self._two_or_none(check_decision(
+                self.policy.start(self.context), self.context, type(self.policy).__name__))
         else:
             self.history = history
             self._decision = decision

@@ -105,6 +105,97 @@ def split_last(shares: np.ndarray, count: int, lower: Optional[np.ndarray] = Non
     return sizes
 
 
+class SingleSampleError(ValueError):
+    """A split cannot avoid handing some rank exactly one sample, which the model's layers refuse
+    in training (see :func:`hetlb.checks.single_sample_layers`)."""
+
+
+def avoid_single(sizes: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """``sizes`` (int64 ``[world]``) with no rank at exactly one sample, the sum kept and no rank
+    above ``room``. Each rank at 1, in rank order, gives its sample to the rank with the most
+    samples (2 or more) that has room (the lowest rank among equals), else to another rank at 1
+    (which then has 2), else takes one from the rank with the most samples (3 or more), else
+    takes all the samples of the rank with the fewest (2 or more) it has room for. Where these
+    moves run out, the split is rebuilt on the fewest ranks (largest room first) that can hold
+    the samples at 2 or more each. Raises :class:`SingleSampleError` only where no split avoids
+    1 (one sample in all, say). Returns ``sizes`` itself when no rank is at 1."""
+    if not np.any(sizes == 1):
+        return sizes
+    s = np.asarray(sizes, dtype=np.int64).copy()
+    room = np.asarray(room, dtype=np.int64)
+    n = s.size
+    for r in range(n):
+        if s[r] != 1:
+            continue
+        takers = [q for q in range(n) if q != r and s[q] >= 2 and s[q] < room[q]]
+        pair = [q for q in range(n) if q != r and s[q] == 1 and max(room[q], room[r]) >= 2]
+        givers = [q for q in range(n) if s[q] >= 3] if room[r] >= 2 else []
+        whole = [q for q in range(n) if q != r and s[q] >= 2 and 1 + s[q] <= room[r]]
+        if takers:
+            q = max(takers, key=lambda q: (s[q], -q))
+            s[q] += 1
+            s[r] = 0
+        elif pair:
+            q = pair[0]
+            keep = q if room[q] >= 2 else r
+            s[q] = s[r] = 0
+            s[keep] = 2
+        elif givers:
+            q = max(givers, key=lambda q: (s[q], -q))
+            s[q] -= 1
+            s[r] = 2
+        elif whole:
+            q = min(whole, key=lambda q: (s[q], q))
+            s[r] += s[q]
+            s[q] = 0
+        else:
+            return _fewest_ranks(sizes, room)
+    return s
+
+
+def _fewest_ranks(sizes: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """A split of ``sum(sizes)`` on the fewest ranks, largest ``room`` first, each given 2 or
+    more and at most its room: ``m`` ranks can hold the samples iff ``2m <= total <= the sum of
+    the m largest rooms``, so the first such ``m`` decides."""
+    total = int(np.sum(sizes))
+    order = sorted((q for q in range(room.size) if room[q] >= 2), key=lambda q: (-room[q], q))
+    held = 0
+    for m, q in enumerate(order, 1):
+        held += int(room[q])
+        if 2 * m <= total <= held:
+            out = np.zeros(room.size, np.int64)
+            out[order[:m]] = 2
+            left = total - 2 * m
+            for p in order[:m]:
+                give = min(left, int(room[p]) - 2)
+                out[p] += give
+                left -= give
+            return out
+    raise SingleSampleError(
+        f"the split {np.asarray(sizes).tolist()} gives a rank exactly one sample, and no split of "
+        f"its {total} samples gives every rank none or two or more (each rank's room "
+        f"{np.asarray(room).tolist()})")
+
+
+def move_to_sizes(assignment: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """A copy of ``assignment`` (rank of each sample) in which every rank holds ``target[r]``
+    samples: a rank above its target gives its last samples (in the step's order) to the ranks
+    below theirs, in rank order. ``target`` must sum to the number of samples."""
+    out = np.asarray(assignment, dtype=np.int64).copy()
+    have = np.bincount(out, minlength=target.size)
+    free: List[int] = []
+    for r in range(target.size):
+        extra = int(have[r] - target[r])
+        if extra > 0:
+            free += np.flatnonzero(out == r)[-extra:].tolist()
+    free.sort()
+    for r in range(target.size):
+        need = int(target[r] - have[r])
+        for _ in range(max(need, 0)):
+            out[free.pop(0)] = r
+    return out
+
+
 def sample_work(sizes: Any, quadratic: float) -> np.ndarray:
     """Each sample's work, float64 ``[n]``: its size ``s``, plus ``quadratic * s**2`` (the
     attention-bound term), as the loader's schedule and the simulator count it."""
@@ -300,6 +391,10 @@ class PlanBoard:
         #: Per-rank lower bounds on a batch, kept by the short last step where it can
         #: (:func:`split_last`); set by the Balancer.
         self.lower = np.zeros(self.world, np.int64)
+        #: False: no split this board makes (an epoch's short last step, a size-aware step)
+        #: hands a rank exactly one sample (:func:`avoid_single`); set by the Balancer for a
+        #: model whose layers refuse one sample in training.
+        self.single_ok = True
         #: ``(epoch, whole)`` of the epoch the last :meth:`set_epoch` moved off: ``whole`` when
         #: every step of it had been handed out (an iteration over it then has nothing left).
         self.left: Optional[Tuple[int, bool]] = None
@@ -395,10 +490,26 @@ class PlanBoard:
                         f"there being its position in the step). Raise the policy's cap= (leave "
                         f"headroom) or lower the global batch") from None
                 sizes = np.bincount(assignment, minlength=self.world).astype(np.int64)
+                if not self.single_ok and np.any(sizes == 1):
+                    target = self._two_or_none(sizes, np.full(self.world, count), epoch, step)
+                    assignment = move_to_sizes(assignment, target)
+                    sizes = target
+                    if rule.cap is not None:
+                        held = np.bincount(assignment, weights=amounts, minlength=self.world)
+                        if np.any(held > rule.cap):
+                            raise SingleSampleError(
+                                f"step {step} of epoch {epoch}: no rank may train exactly one "
+                                f"sample (the model's layers refuse it), and moving that sample "
+                                f"breaks the policy's cap {rule.cap.tolist()} (the ranks would "
+                                f"hold {held.tolist()}). Raise cap=, or give the model layers "
+                                f"that take one sample (e.g. BatchNorm on inputs with more "
+                                f"than one value per channel)")
             elif pos > 0 and self._window is not None and self._window[:2] == (epoch, key):
                 sizes = self._window[2]
             else:
                 sizes = split_last(self.decision, count, self.lower)
+                if not self.single_ok:
+                    sizes = self._two_or_none(sizes, self.decision, epoch, step)
             if sizes.shape != (self.world,) or int(sizes.sum()) != count or np.any(sizes < 0):
                 raise RuntimeError(f"step plan {sizes.tolist()} does not split {count} samples over "
                                    f"{self.world} ranks")
@@ -421,6 +532,18 @@ class PlanBoard:
                         window_pos=pos, window_len=length, assignment=assignment, sq=sq)
         self.drawn.append(plan)
         return plan
+
+    def _two_or_none(self, sizes: np.ndarray, room: np.ndarray, epoch: int, step: int) -> np.ndarray:
+        """:func:`avoid_single` for step ``step`` of ``epoch``, its error naming the step."""
+        try:
+            return avoid_single(sizes, room)
+        except SingleSampleError as e:
+            raise SingleSampleError(
+                f"step {step} of epoch {epoch}: no rank may train exactly one sample (the model's "
+                f"layers refuse it in training), but {e}. Pass drop_last=True to the loader (an "
+                f"epoch's short last step), or a global batch that leaves every rank two or more "
+                f"(lower=2); Balancer(..., lower=1) allows one sample where the layers' inputs "
+                f"have more than one value per channel") from None
 
     def draw_sharded(self, epoch: int, step: int) -> StepPlan:
         """Plan step ``step`` of ``epoch`` in sharded mode: every rank's samples come from its own

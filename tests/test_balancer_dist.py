@@ -918,3 +918,44 @@ def test_a_balanced_model_copies_and_saves_as_plain_ddp_does():
         for name in ("copy", "loaded"):
             for got, want in zip(r[name], r["mean"]):
                 torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- one-sample batches (BatchNorm1d)
+
+def one_sample_worker(rank, world):
+    """A model with BatchNorm1d over (N, C): no rank may train exactly one sample."""
+    out = {}
+    torch.manual_seed(0)
+    x = torch.randn(19, 3)  # global batch 8: steps of 8, 8 and a short one of 3
+    ds = torch.utils.data.TensorDataset(x)
+
+    def train(bal, ddp, loader):
+        sizes = []
+        for (xb,) in loader:
+            ddp(xb).sum().backward()
+            sizes.append(bal.batch_sizes.tolist())
+        return sizes
+
+    def model():
+        return DDP(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                       torch.nn.Linear(4, 1)))
+    ddp = model()
+    bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform())
+    out["lower"] = bal.context.lower.tolist()
+    out["default"] = train(bal, ddp, bal.loader(ds, shuffle=False))  # last step [2, 1] otherwise
+    ddp = model()
+    bal = hetlb.Balancer(ddp, 8, policy=Fixed([1, 7]), lower=0)
+    out["lower0"] = train(bal, ddp, bal.loader(ds, shuffle=False))
+    try:
+        hetlb.Balancer(model(), 2, policy=hetlb.Uniform())
+    except ValueError as e:
+        out["small"] = str(e)
+    return out
+
+
+def test_a_batchnorm1d_model_never_gets_a_one_sample_batch():
+    for r in unwrap(run(one_sample_worker, 2)):
+        assert r["lower"] == [2, 2]
+        assert r["default"] == [[4, 4], [4, 4], [3, 0]]
+        assert r["lower0"] == [[0, 8], [0, 8], [0, 3]]
+        assert "lower is 2 by default for this model" in r["small"] and "lower=0" in r["small"]

@@ -421,3 +421,57 @@ def test_an_unbound_loader_evaluates_with_workers_and_idle_ranks():
         seen += [v for b in batches for v in b]
         assert [x.shape[0] for (x,) in loader] == [2, 1 if r < 3 else 0]  # again, whole
     assert sorted(seen) == [float(i) for i in range(11)]
+
+
+def _no_single_brute(sizes, room):
+    """The fewest samples moved by any split of sum(sizes) with no rank at 1 (None: none)."""
+    import itertools
+    best = None
+    for x in itertools.product(*[[0] + list(range(2, r + 1)) for r in room]):
+        if sum(x) == sum(sizes):
+            d = sum(abs(a - b) for a, b in zip(x, sizes))
+            best = d if best is None else min(best, d)
+    return best
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=4))
+def test_avoid_single_finds_a_split_whenever_one_exists(pairs):
+    from hetlb.plan import SingleSampleError, avoid_single
+    room = np.array([max(a, b) for a, b in pairs], np.int64)
+    sizes = np.array([min(a, b) for a, b in pairs], np.int64)
+    brute = _no_single_brute(sizes.tolist(), room.tolist())
+    try:
+        out = avoid_single(sizes, room)
+    except SingleSampleError:
+        assert brute is None, (sizes, room)
+        return
+    assert brute is not None
+    assert not np.any(out == 1) and out.sum() == sizes.sum()
+    assert np.all(out >= 0) and np.all(out <= room)
+    if not np.any(sizes == 1):
+        assert out is sizes
+
+
+def test_no_split_of_a_board_gives_one_sample_when_refused():
+    from hetlb.plan import SingleSampleError
+    # the short last step: 3 samples by shares [4, 4] with lower 2 would be [2, 1]
+    boards, samplers = ranks(19, 8, 2, shuffle=False)
+    for b in boards:
+        b.lower = np.array([2, 2])
+        b.single_ok = False
+        b.post(np.array([4, 4]))
+    got = [[len(i) for i in s] for s in samplers]
+    assert got == [[4, 4, 3], [4, 4, 0]]
+    # a size-aware step whose schedule gives rank 2 one sample: it goes to another rank
+    board = PlanBoard(3, 0, 6)
+    board.single_ok = False
+    board.post(ScheduleRule(slope=np.array([1.0, 1.0, 1.0]), intercept=np.array([0.0, 0.0, 0.0])))
+    plan = board.draw(0, 0, 6, 1, np.array([9.0, 4.0, 4.0, 1.0, 1.0, 1.0]))
+    assert not np.any(plan.sizes == 1) and plan.sizes.sum() == 6
+    assert np.bincount(plan.assignment, minlength=3).tolist() == plan.sizes.tolist()
+    # one sample in the whole step: nothing to do but refuse, naming what to change
+    board = PlanBoard(2, 0, 8)
+    board.single_ok = False
+    board.post(np.array([4, 4]))
+    with pytest.raises(SingleSampleError, match="drop_last=True.*lower="):
+        board.draw(0, 2, 1, 2)
