@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from . import _C
 from .checks import integer
+from .eager import never_compiled
 from .plan import EXACT_INT
 from .telemetry import COL, NUM_FIELDS, ROW_VALUES, Probe
 
@@ -296,6 +297,7 @@ class BackwardWatch:
     def __reduce__(self) -> Any:
         return (_InertWatch, ())
 
+    @never_compiled
     def __call__(self, module: Any, args: Any, output: Any) -> None:
         # (In eval mode too: DDP reduces the gradient of a backward whatever the mode.)
         if not torch.is_grad_enabled():

@@ -40,6 +40,7 @@ from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty,
                         defer_blocker, first_tensor, is_nccl, keep_groups, make_side_group,
                         raise_refusals, refuse_everywhere, weights_for)
 from .data import BalancedLoader, check_loader_config
+from .eager import never_compiled
 from .runlog import ENV_LOG_DIR, RunLog
 from .plan import (EXACT_INT, PlanBoard, ScheduleRule, SingleSampleError, StepPlan, avoid_single,
                    decision_checksum)
@@ -212,6 +213,7 @@ class _StepGate:
         #: with this gate when a new Balancer takes the module over.
         self.ends = ends
 
+    @never_compiled
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         plan = self.board.current
         if plan is None or not module.training or not torch.is_grad_enabled():
