@@ -16,8 +16,8 @@ W_TRUE = torch.tensor([[1.0, -2.0, 0.5], [0.3, 0.0, -1.0]], dtype=torch.float64)
 SIZES = (7, 12, 20)  # client dataset sizes (distinct, so data weighting differs from equal)
 
 
-def model0():
-    torch.manual_seed(0)
+def model0(seed=0):
+    torch.manual_seed(seed)
     return torch.nn.Linear(3, 2).double()
 
 
@@ -32,14 +32,18 @@ def flat(net):
 
 
 def fedavg_worker(rank, world, configs, rounds, tau, batch, lr):
-    """For each ``(average, tune)``: train ``rounds`` rounds from the same start; return the
-    batches actually drawn and the parameters after each round (what the hand computation is
-    checked against)."""
+    """For each ``(average, tune, own_seeds)``: train ``rounds`` rounds; return the batches
+    actually drawn and the parameters after each round (what the hand computation is checked
+    against). ``own_seeds``: each client builds its model with seed ``rank`` and a buffer of
+    its rank (rank 0's is ``model0()``, the hand computation's start)."""
     out = []
-    for average, tune in configs:
-        net = model0()
+    for average, tune, own_seeds in configs:
+        net = model0(rank if own_seeds else 0)
+        net.register_buffer("tag", torch.full((2,), float(rank if own_seeds else 0)))
+        built = flat(net).tolist()
         fl = Federated(net, torch.optim.SGD(net.parameters(), lr=lr), tau, batch, tune=tune,
                        average=average, min_batch=2)
+        start = {"built": built, "params": flat(net).tolist(), "tag": net.tag.tolist()}
         data = client_data(rank)
         drawn, params = [[]], []
         for x, y in fl.loader(data, seed=3):
@@ -50,7 +54,8 @@ def fedavg_worker(rank, world, configs, rounds, tau, batch, lr):
                 if fl.round == rounds:
                     break
                 drawn.append([])
-        out.append({"drawn": drawn, "params": params, "history": [r.to_dict() for r in fl.history]})
+        out.append({"drawn": drawn, "params": params, "history": [r.to_dict() for r in fl.history],
+                    "start": start, "tag": net.tag.tolist()})
     return out
 
 
@@ -77,7 +82,7 @@ def hand_fedavg(drawn_by_client, rounds, lr, weights):
     return out
 
 
-CONFIGS = [("equal", False), ("data", True)]
+CONFIGS = [("equal", False, False), ("data", True, False), ("equal", False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +90,14 @@ def fedavg_runs():
     return unwrap(run(fedavg_worker, 3, CONFIGS, 3, 3, 4, 0.05))
 
 
-@pytest.mark.parametrize("config", range(len(CONFIGS)), ids=[f"{a}-tune={t}" for a, t in CONFIGS])
+@pytest.mark.parametrize("config", range(len(CONFIGS)),
+                         ids=[f"{a}-tune={t}" + ("-own-seeds" if s else "") for a, t, s in CONFIGS])
 def test_fedavg_equals_the_hand_computed_average(fedavg_runs, config):
     """3 clients, tau = 3 local steps, 3 rounds: every client's parameters after every round equal
-    the hand-computed FedAvg average (equal, or by dataset size); with tune=True the batches
-    differ between clients and rounds and the average is still per client, not per sample."""
-    average, tune = CONFIGS[config]
+    the hand-computed FedAvg average (equal, or by dataset size) from rank 0's initial model (also
+    when each client built its model with a seed of its own); with tune=True the batches differ
+    between clients and rounds and the average is still per client, not per sample."""
+    average, tune, _ = CONFIGS[config]
     world, rounds, tau, batch, lr = 3, 3, 3, 4, 0.05
     res = [r[config] for r in fedavg_runs]
     weights = [1.0] * world if average == "equal" else [float(s) for s in SIZES]
@@ -114,6 +121,17 @@ def test_fedavg_equals_the_hand_computed_average(fedavg_runs, config):
             assert all(len(x) == hist[rnd]["batch"][rank] for x, _ in batches)
     if not tune:
         assert all(h["batch"] == [batch] * world for h in hist)
+
+
+def test_clients_built_with_other_seeds_start_from_rank_0s_model(fedavg_runs):
+    # Before: each client started from the model it built, so the first round averaged models
+    # trained from different starts (not FedAvg), silently; the hand-computed average above
+    # differed from round 1 on.
+    res = [r[CONFIGS.index(("equal", False, True))] for r in fedavg_runs]
+    assert res[0]["start"]["built"] != res[1]["start"]["built"]  # the clients did build others
+    for rank, r in enumerate(res):
+        assert r["start"]["params"] == res[0]["start"]["built"], rank  # rank 0's parameters
+        assert r["start"]["tag"] == r["tag"] == [0.0, 0.0], rank  # and buffers
 
 
 def tune_worker(rank, world, speeds, rounds):

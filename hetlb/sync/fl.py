@@ -32,7 +32,9 @@ whole table), so every client computes the same next batches from the same numbe
 deterministic; no coordinator). Clients that are not at the same round (resumed from checkpoints
 of different rounds) all raise at that average, before the average is applied. The settings and
 the model's layout are compared across the clients once, at construction: a client that differs
-makes every client raise the same ``ValueError`` naming the setting.
+makes every client raise the same ``ValueError`` naming the setting. Then rank 0's parameters and
+buffers are broadcast to the other clients (as DDP and :class:`hetlb.DelayedSync` do), so the
+first round is FedAvg from one model even when the clients built theirs with different seeds.
 
 Clock: a round's compute is the time from the round's first batch being drawn from
 :meth:`Federated.loader` (or the end of the previous round's average, or
@@ -65,7 +67,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..aggregate import make_side_group, shapes_digest
+from ..aggregate import broadcast_module_state, make_side_group, shapes_digest
 from ..checks import agree, choice, flag, instance, integer, number, optional_integer
 from ..policies.predictors import EMA
 from ..solve import allocate_proportional
@@ -126,8 +128,10 @@ class Federated:
     See the module docstring for the algorithm and the paper's reasons.
 
     Args:
-        model: a plain ``torch.nn.Module`` (not DDP-wrapped), identical on every client at the
-            start (the first average makes it so anyway).
+        model: a plain ``torch.nn.Module`` (not DDP-wrapped), of the same tensors on every
+            client; rank 0's parameters and buffers are broadcast to the others when it is made.
+            A client resumed mid-round holds a local model of its own: load the saved model
+            after making the Federated.
         optimizer: the client's local optimizer over the model's parameters; :meth:`step` steps
             and zeroes it. Its learning rate is never changed.
         local_steps: ``tau``, local steps per round (the same on every client; never tuned).
@@ -228,6 +232,10 @@ class Federated:
                      "max_batch": self.max_batch, "dtype": str(self.dtype),
                      "tensors": len(self.tensors), "elements": self._numel,
                      "shapes": shapes_digest(self.tensors)}, refused)
+        # (after the comparison, which raises on every client or none: a broadcast that one
+        # client skipped would leave the others waiting in it)
+        if on and self.world > 1:  # FedAvg's rounds start every client from the global model
+            broadcast_module_state(model, group)
         if watchdog is not None and on:
             watchdog.attach_to(group)
 
