@@ -454,22 +454,31 @@ def test_clients_resumed_at_different_rounds_fail_at_the_first_average():
 
 
 def failing_worker(rank, world):
-    """Rank 1's emulator has a fail=True disturbance: the error each rank raised."""
+    """The error each rank raised when rank 1's emulator has a fail=True disturbance, and when
+    rank 1 passes local_steps=0."""
+    out = []
     net = model0()
     emu = Emulator(disturbances=[Disturbance(2, fail=True)] if rank == 1 else [])
-    try:
-        Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4, emulator=emu)
-    except ValueError as e:
-        return str(e)
-    return None
+    for kw in ({"emulator": emu}, {"local_steps": 0 if rank == 1 else 2}):
+        try:
+            Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), **dict({"local_steps": 2,
+                                                                           "batch": 4}, **kw))
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 def test_an_emulated_failure_is_refused_on_every_client():
     # fail=True used to have no effect here (the client trained on at full speed), while the
     # Disturbance docstring said the rank reports +inf compute.
     res = unwrap(run(failing_worker, 2))
-    assert res[0] is not None and res[0] == res[1], res
-    assert "rank 1" in res[0] and "fail=True is emulated by the Balancer only" in res[0]
+    assert res[0][0] is not None and res[0][0] == res[1][0], res
+    assert "rank 1" in res[0][0] and "fail=True is emulated by the Balancer only" in res[0][0]
+    # A client refusing its own arguments used to leave the others in the start-up exchange
+    # until the collective's timeout.
+    assert "local_steps" in res[1][1] and "got 0" in res[1][1], res
+    assert res[0][1] == f"Federated on rank 1: ValueError: {res[1][1]}", res
     net = model0()
     emu = Emulator(disturbances=[Disturbance(0, 5, extra=0.01), Disturbance(3, fail=True)])
     with pytest.raises(ValueError, match=r"fail=True is emulated by the Balancer only.*start=3"):
