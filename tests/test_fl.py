@@ -16,8 +16,8 @@ W_TRUE = torch.tensor([[1.0, -2.0, 0.5], [0.3, 0.0, -1.0]], dtype=torch.float64)
 SIZES = (7, 12, 20)  # client dataset sizes (distinct, so data weighting differs from equal)
 
 
-def model0():
-    torch.manual_seed(0)
+def model0(seed=0):
+    torch.manual_seed(seed)
     return torch.nn.Linear(3, 2).double()
 
 
@@ -32,14 +32,18 @@ def flat(net):
 
 
 def fedavg_worker(rank, world, configs, rounds, tau, batch, lr):
-    """For each ``(average, tune)``: train ``rounds`` rounds from the same start; return the
-    batches actually drawn and the parameters after each round (what the hand computation is
-    checked against)."""
+    """For each ``(average, tune, own_seeds)``: train ``rounds`` rounds; return the batches
+    actually drawn and the parameters after each round (what the hand computation is checked
+    against). ``own_seeds``: each client builds its model with seed ``rank`` and a buffer of
+    its rank (rank 0's is ``model0()``, the hand computation's start)."""
     out = []
-    for average, tune in configs:
-        net = model0()
+    for average, tune, own_seeds in configs:
+        net = model0(rank if own_seeds else 0)
+        net.register_buffer("tag", torch.full((2,), float(rank if own_seeds else 0)))
+        built = flat(net).tolist()
         fl = Federated(net, torch.optim.SGD(net.parameters(), lr=lr), tau, batch, tune=tune,
                        average=average, min_batch=2)
+        start = {"built": built, "params": flat(net).tolist(), "tag": net.tag.tolist()}
         data = client_data(rank)
         drawn, params = [[]], []
         for x, y in fl.loader(data, seed=3):
@@ -50,7 +54,8 @@ def fedavg_worker(rank, world, configs, rounds, tau, batch, lr):
                 if fl.round == rounds:
                     break
                 drawn.append([])
-        out.append({"drawn": drawn, "params": params, "history": [r.to_dict() for r in fl.history]})
+        out.append({"drawn": drawn, "params": params, "history": [r.to_dict() for r in fl.history],
+                    "start": start, "tag": net.tag.tolist()})
     return out
 
 
@@ -77,7 +82,7 @@ def hand_fedavg(drawn_by_client, rounds, lr, weights):
     return out
 
 
-CONFIGS = [("equal", False), ("data", True)]
+CONFIGS = [("equal", False, False), ("data", True, False), ("equal", False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +90,14 @@ def fedavg_runs():
     return unwrap(run(fedavg_worker, 3, CONFIGS, 3, 3, 4, 0.05))
 
 
-@pytest.mark.parametrize("config", range(len(CONFIGS)), ids=[f"{a}-tune={t}" for a, t in CONFIGS])
+@pytest.mark.parametrize("config", range(len(CONFIGS)),
+                         ids=[f"{a}-tune={t}" + ("-own-seeds" if s else "") for a, t, s in CONFIGS])
 def test_fedavg_equals_the_hand_computed_average(fedavg_runs, config):
     """3 clients, tau = 3 local steps, 3 rounds: every client's parameters after every round equal
-    the hand-computed FedAvg average (equal, or by dataset size); with tune=True the batches
-    differ between clients and rounds and the average is still per client, not per sample."""
-    average, tune = CONFIGS[config]
+    the hand-computed FedAvg average (equal, or by dataset size) from rank 0's initial model (also
+    when each client built its model with a seed of its own); with tune=True the batches differ
+    between clients and rounds and the average is still per client, not per sample."""
+    average, tune, _ = CONFIGS[config]
     world, rounds, tau, batch, lr = 3, 3, 3, 4, 0.05
     res = [r[config] for r in fedavg_runs]
     weights = [1.0] * world if average == "equal" else [float(s) for s in SIZES]
@@ -114,6 +121,17 @@ def test_fedavg_equals_the_hand_computed_average(fedavg_runs, config):
             assert all(len(x) == hist[rnd]["batch"][rank] for x, _ in batches)
     if not tune:
         assert all(h["batch"] == [batch] * world for h in hist)
+
+
+def test_clients_built_with_other_seeds_start_from_rank_0s_model(fedavg_runs):
+    # Before: each client started from the model it built, so the first round averaged models
+    # trained from different starts (not FedAvg), silently; the hand-computed average above
+    # differed from round 1 on.
+    res = [r[CONFIGS.index(("equal", False, True))] for r in fedavg_runs]
+    assert res[0]["start"]["built"] != res[1]["start"]["built"]  # the clients did build others
+    for rank, r in enumerate(res):
+        assert r["start"]["params"] == res[0]["start"]["built"], rank  # rank 0's parameters
+        assert r["start"]["tag"] == r["tag"] == [0.0, 0.0], rank  # and buffers
 
 
 def tune_worker(rank, world, speeds, rounds):
@@ -436,22 +454,31 @@ def test_clients_resumed_at_different_rounds_fail_at_the_first_average():
 
 
 def failing_worker(rank, world):
-    """Rank 1's emulator has a fail=True disturbance: the error each rank raised."""
+    """The error each rank raised when rank 1's emulator has a fail=True disturbance, and when
+    rank 1 passes local_steps=0."""
+    out = []
     net = model0()
     emu = Emulator(disturbances=[Disturbance(2, fail=True)] if rank == 1 else [])
-    try:
-        Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), 2, 4, emulator=emu)
-    except ValueError as e:
-        return str(e)
-    return None
+    for kw in ({"emulator": emu}, {"local_steps": 0 if rank == 1 else 2}):
+        try:
+            Federated(net, torch.optim.SGD(net.parameters(), lr=0.1), **dict({"local_steps": 2,
+                                                                           "batch": 4}, **kw))
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 def test_an_emulated_failure_is_refused_on_every_client():
     # fail=True used to have no effect here (the client trained on at full speed), while the
     # Disturbance docstring said the rank reports +inf compute.
     res = unwrap(run(failing_worker, 2))
-    assert res[0] is not None and res[0] == res[1], res
-    assert "rank 1" in res[0] and "fail=True is emulated by the Balancer only" in res[0]
+    assert res[0][0] is not None and res[0][0] == res[1][0], res
+    assert "rank 1" in res[0][0] and "fail=True is emulated by the Balancer only" in res[0][0]
+    # A client refusing its own arguments used to leave the others in the start-up exchange
+    # until the collective's timeout.
+    assert "local_steps" in res[1][1] and "got 0" in res[1][1], res
+    assert res[0][1] == f"Federated on rank 1: ValueError: {res[1][1]}", res
     net = model0()
     emu = Emulator(disturbances=[Disturbance(0, 5, extra=0.01), Disturbance(3, fail=True)])
     with pytest.raises(ValueError, match=r"fail=True is emulated by the Balancer only.*start=3"):

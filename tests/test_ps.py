@@ -276,8 +276,11 @@ def test_out_of_step_push_stops_the_server_and_answers_everyone():
     bad = ps._call(2, {"grad": g, "n": 12, "compute": 0.01, "version": 0,
                        "indices": ra["indices"]})
     for f in (first, bad):
-        with pytest.raises(RuntimeError, match="does not hold"):
+        with pytest.raises(RuntimeError, match="parameter server 'hetlb-ps' failed in worker 2's "
+                                               "call and stopped: RuntimeError: .*does not hold"):
             f.wait()
+    ps._bye(1)  # what each worker does on the error; serve() waits for it (at most timeout)
+    ps._bye(2)
     with pytest.raises(RuntimeError, match="does not hold"):
         ps.serve()
 
@@ -289,14 +292,14 @@ def test_in_process_checks_model_size_and_keeps_float64():
     model = _model().double()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)
-    with pytest.raises(RuntimeError, match="same model"):
+    with pytest.raises(ValueError, match="same model"):  # the server's error keeps its type
         ps._call(1, {"hello": True, "hardware": {}, "numel": 3}).wait()
     # The same element count in other shapes (a user audit, session 25: before, it trained).
     from hetlb.aggregate import shapes_digest as _shapes_digest
     other = [torch.zeros(DIM + 1, 1, dtype=torch.float64)]
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)
-    with pytest.raises(RuntimeError, match="other shapes or dtypes.*same model"):
+    with pytest.raises(ValueError, match="other shapes or dtypes.*same model"):
         ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1,
                      "shapes": _shapes_digest(other)}).wait()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
@@ -310,7 +313,7 @@ def test_in_process_checks_model_size_and_keeps_float64():
                          timeout=5.0)
     r = ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1}).wait()
     g = torch.full((DIM + 1,), 1e-9, dtype=torch.float64) * torch.arange(1, DIM + 2)
-    with pytest.raises(RuntimeError, match="malformed"):
+    with pytest.raises(ValueError, match="malformed"):
         ps._call(1, {"grad": g[:2], "n": 8, "compute": 0.1, "version": 0,
                      "indices": r["indices"]}).wait()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
@@ -383,7 +386,7 @@ def test_in_process_buffer_checks():
     model = _bn_model()
     model.register_buffer("mask", torch.ones(DIM, dtype=torch.bool))
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
-    with pytest.raises(RuntimeError, match="other buffers"):
+    with pytest.raises(ValueError, match="other buffers"):
         ps._call(1, {"hello": True, "hardware": {}, "numel": 2 * DIM + DIM + 1,
                      "buffer_shapes": shapes_digest([torch.zeros(3)])}).wait()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
@@ -393,7 +396,7 @@ def test_in_process_buffer_checks():
     assert [tuple(b.shape) for b in r["buffers"]] == [tuple(b.shape) for b in model.buffers()]
     push = {"grad": torch.zeros(2 * DIM + DIM + 1), "n": 8, "compute": 0.1, "version": 0,
             "indices": r["indices"]}
-    with pytest.raises(RuntimeError, match="malformed buffers"):
+    with pytest.raises(ValueError, match="malformed buffers"):
         ps._call(1, push).wait()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
     r = ps._call(1, {"hello": True, "hardware": {}}).wait()
@@ -467,3 +470,58 @@ def test_torchrun_restarts_a_parameter_server_job_from_its_checkpoint(tmp_path):
     assert server["epoch"] == 2
     # The last epoch ran whole in the restarted attempt: every sample applied exactly once.
     assert (_applied(server["log"], 2)[1] == 1).all()
+
+
+class _Refusing(torch.optim.SGD):
+    """An optimizer whose step fails (a user's optimizer raising on the server)."""
+
+    def step(self, closure=None):
+        raise ValueError("the refusing optimizer does not step")
+
+
+def _refused(rank, world, init):
+    """Two servers, each with one worker, in one RPC group: ranks 0 and 1 serve, rank 2 works for
+    rank 0 (whose optimizer raises at the first update) and rank 3 for rank 1 (it pushes a
+    gradient of one sample fewer than it was handed). Returns the error each rank raised."""
+    import torch.distributed.rpc as rpc
+    from hetlb.sync.ps import ParameterServer, Worker
+
+    class OutOfStep(Worker):
+        def _call(self, push, *args, **kw):
+            if push is not None and "grad" in push:
+                push = dict(push, indices=push["indices"][1:])
+            return super()._call(push, *args, **kw)
+
+    names = ["ps-optimizer", "ps-out-of-step", "w-optimizer", "w-out-of-step"]
+    rpc.init_rpc(names[rank], rank=rank, world_size=world,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=30))
+    try:
+        model = _model()
+        if rank < 2:
+            opt = (_Refusing if rank == 0 else torch.optim.SGD)(model.parameters(), lr=0.1)
+            server = ParameterServer(model, opt, N, 8, 1, "asp", timeout=10.0, name=names[rank])
+            server.serve()
+        else:
+            make = Worker if rank == 2 else OutOfStep
+            make(model, _data(), torch.nn.functional.mse_loss, 1, timeout=30.0,
+                 server=names[rank - 2]).run()
+        return None
+    except Exception as e:  # noqa: BLE001 (the error is what is checked)
+        return type(e).__name__, str(e)
+    finally:
+        rpc.shutdown(graceful=False)
+
+
+def test_a_server_refusal_reaches_its_worker_with_the_servers_message():
+    # Before: torch's rpc_sync returns (does not raise) the exception set on an async_execution
+    # future, so the worker failed with "TypeError: 'RuntimeError' object does not support item
+    # assignment" and the server's reason was lost.
+    res = unwrap(run(_refused, 4, backend="rpc", timeout=60))
+    assert res[0] == ("ValueError", "the refusing optimizer does not step"), res[0]
+    assert res[1][0] == "RuntimeError" and "does not hold" in res[1][1], res[1]
+    kind, msg = res[2]
+    assert kind == "ValueError" and "the refusing optimizer does not step" in msg, res[2]
+    assert "parameter server 'ps-optimizer'" in msg, msg
+    kind, msg = res[3]
+    assert kind == "RuntimeError" and "worker 1 pushed a gradient of samples it does not hold" in msg, res[3]
+    assert "parameter server 'ps-out-of-step'" in msg, msg

@@ -32,7 +32,9 @@ whole table), so every client computes the same next batches from the same numbe
 deterministic; no coordinator). Clients that are not at the same round (resumed from checkpoints
 of different rounds) all raise at that average, before the average is applied. The settings and
 the model's layout are compared across the clients once, at construction: a client that differs
-makes every client raise the same ``ValueError`` naming the setting.
+makes every client raise the same ``ValueError`` naming the setting. Then rank 0's parameters and
+buffers are broadcast to the other clients (as DDP and :class:`hetlb.DelayedSync` do), so the
+first round is FedAvg from one model even when the clients built theirs with different seeds.
 
 Clock: a round's compute is the time from the round's first batch being drawn from
 :meth:`Federated.loader` (or the end of the previous round's average, or
@@ -65,7 +67,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..aggregate import make_side_group, shapes_digest
+from ..aggregate import broadcast_module_state, make_side_group, refuse_everywhere, shapes_digest
 from ..checks import agree, choice, flag, instance, integer, number, optional_integer
 from ..policies.predictors import EMA
 from ..solve import allocate_proportional
@@ -126,8 +128,10 @@ class Federated:
     See the module docstring for the algorithm and the paper's reasons.
 
     Args:
-        model: a plain ``torch.nn.Module`` (not DDP-wrapped), identical on every client at the
-            start (the first average makes it so anyway).
+        model: a plain ``torch.nn.Module`` (not DDP-wrapped), of the same tensors on every
+            client; rank 0's parameters and buffers are broadcast to the others when it is made.
+            A client resumed mid-round holds a local model of its own: load the saved model
+            after making the Federated.
         optimizer: the client's local optimizer over the model's parameters; :meth:`step` steps
             and zeroes it. Its learning rate is never changed.
         local_steps: ``tau``, local steps per round (the same on every client; never tuned).
@@ -164,62 +168,68 @@ class Federated:
                  min_batch: int = 1, max_batch: Optional[int] = None, group: Any = None,
                  data_size: Optional[int] = None, emulator: Any = None,
                  watchdog: Optional[Watchdog] = None) -> None:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError("Federated takes the plain module, not DDP: clients train locally and "
-                             "average the model once per round (pass ddp.module)")
-        instance(model, "model", torch.nn.Module, "a torch.nn.Module (not DDP-wrapped)")
-        instance(optimizer, "optimizer", torch.optim.Optimizer,
-                 "a torch.optim.Optimizer over the model's parameters")
-        self.local_steps = integer(local_steps, "local_steps", 1)
-        self.batch = integer(batch, "batch", 1)
-        self.tune = flag(tune, "tune")
-        self.average = choice(average, "average", AVERAGES)
-        self.alpha = number(alpha, "alpha", above=0.0, maximum=1.0)
-        self.min_batch = integer(min_batch, "min_batch", 1)
-        self.max_batch = optional_integer(max_batch, "max_batch", 1)
-        if self.min_batch > self.batch:
-            raise ValueError(f"min_batch must be <= batch={self.batch}, got {min_batch!r}")
-        if self.max_batch is not None and self.max_batch < self.batch:
-            raise ValueError(f"max_batch must be >= batch={self.batch} (or None), got {max_batch!r}")
-        self.data_size = optional_integer(data_size, "data_size", 1)
-        if emulator is not None:
-            from ..emulate import Emulator
-            instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
-        self.emulator = emulator
-        refused: Optional[str] = None
-        if emulator is not None and emulator.failures:
-            # A round averages every client: there is no protocol for one that makes no progress.
-            # Refused on every client (at the exchange below), so none waits in it for the timeout.
-            refused = (f"fail=True is emulated by the Balancer only; Federated cannot go on without "
-                       f"a client (every round averages all of them), got an emulator with "
-                       f"{list(emulator.failures)}: drop fail=True, or emulate a slow client with "
-                       f"Disturbance(start, stop, extra=seconds)")
-        if watchdog is not None:
-            instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
-        self.model, self.optimizer, self.group = model, optimizer, group
-        on = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size(group) if on else 1
-        self.rank = dist.get_rank(group) if on else 0
-        self._distributed = on
-        self.tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
-        if not self.tensors:
-            raise ValueError("Federated: the model has no parameter or buffer to average")
-        floats = [t for t in self.tensors if t.is_floating_point()]
-        self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in floats) else torch.float32
-        self.device = self.tensors[0].device
-        self._numel = sum(t.numel() for t in self.tensors)
-        self.predictor = EMA(alpha=self.alpha)
-        self.predictor.reset(self.world)
-        self.batches = np.full(self.world, self.batch, np.int64)
-        self.round = 0
-        self.steps = 0  # local steps taken in all (the emulator's step index)
-        self._in_round = 0  # local steps taken in the current round
-        self._compute = 0.0  # seconds of local steps in the current round (restored mid-round)
-        self.history: Deque[RoundRecord] = deque(maxlen=4096)
-        self._loader: Optional[ClientLoader] = None
-        self._pending_loader: Optional[Dict[str, Any]] = None
-        self.restart_clock()
-        self.watchdog = watchdog
+        # A client refusing its arguments joins the start-up exchange with its refusal, so every
+        # client raises rather than waiting in the collective until its timeout.
+        try:
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                raise ValueError("Federated takes the plain module, not DDP: clients train locally and "
+                                 "average the model once per round (pass ddp.module)")
+            instance(model, "model", torch.nn.Module, "a torch.nn.Module (not DDP-wrapped)")
+            instance(optimizer, "optimizer", torch.optim.Optimizer,
+                     "a torch.optim.Optimizer over the model's parameters")
+            self.local_steps = integer(local_steps, "local_steps", 1)
+            self.batch = integer(batch, "batch", 1)
+            self.tune = flag(tune, "tune")
+            self.average = choice(average, "average", AVERAGES)
+            self.alpha = number(alpha, "alpha", above=0.0, maximum=1.0)
+            self.min_batch = integer(min_batch, "min_batch", 1)
+            self.max_batch = optional_integer(max_batch, "max_batch", 1)
+            if self.min_batch > self.batch:
+                raise ValueError(f"min_batch must be <= batch={self.batch}, got {min_batch!r}")
+            if self.max_batch is not None and self.max_batch < self.batch:
+                raise ValueError(f"max_batch must be >= batch={self.batch} (or None), got {max_batch!r}")
+            self.data_size = optional_integer(data_size, "data_size", 1)
+            if emulator is not None:
+                from ..emulate import Emulator
+                instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
+            self.emulator = emulator
+            refused: Optional[str] = None
+            if emulator is not None and emulator.failures:
+                # A round averages every client: there is no protocol for one that makes no progress.
+                # Refused on every client (at the exchange below), so none waits in it for the timeout.
+                refused = (f"fail=True is emulated by the Balancer only; Federated cannot go on without "
+                           f"a client (every round averages all of them), got an emulator with "
+                           f"{list(emulator.failures)}: drop fail=True, or emulate a slow client with "
+                           f"Disturbance(start, stop, extra=seconds)")
+            if watchdog is not None:
+                instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
+            self.model, self.optimizer, self.group = model, optimizer, group
+            on = dist.is_available() and dist.is_initialized()
+            self.world = dist.get_world_size(group) if on else 1
+            self.rank = dist.get_rank(group) if on else 0
+            self._distributed = on
+            self.tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
+            if not self.tensors:
+                raise ValueError("Federated: the model has no parameter or buffer to average")
+            floats = [t for t in self.tensors if t.is_floating_point()]
+            self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in floats) else torch.float32
+            self.device = self.tensors[0].device
+            self._numel = sum(t.numel() for t in self.tensors)
+            self.predictor = EMA(alpha=self.alpha)
+            self.predictor.reset(self.world)
+            self.batches = np.full(self.world, self.batch, np.int64)
+            self.round = 0
+            self.steps = 0  # local steps taken in all (the emulator's step index)
+            self._in_round = 0  # local steps taken in the current round
+            self._compute = 0.0  # seconds of local steps in the current round (restored mid-round)
+            self.history: Deque[RoundRecord] = deque(maxlen=4096)
+            self._loader: Optional[ClientLoader] = None
+            self._pending_loader: Optional[Dict[str, Any]] = None
+            self.restart_clock()
+            self.watchdog = watchdog
+        except (ValueError, TypeError) as e:
+            refuse_everywhere(e, group)
+            raise
         # Clients that differ here average out of step: another local_steps or batch table mixes
         # rounds of different lengths, another model makes the all-reduce pair unrelated elements
         # (or Gloo abort on the sizes). One exchange at start-up compares them.
@@ -228,6 +238,10 @@ class Federated:
                      "max_batch": self.max_batch, "dtype": str(self.dtype),
                      "tensors": len(self.tensors), "elements": self._numel,
                      "shapes": shapes_digest(self.tensors)}, refused)
+        # (after the comparison, which raises on every client or none: a broadcast that one
+        # client skipped would leave the others waiting in it)
+        if on and self.world > 1:  # FedAvg's rounds start every client from the global model
+            broadcast_module_state(model, group)
         if watchdog is not None and on:
             watchdog.attach_to(group)
 

@@ -43,6 +43,13 @@ Shutdown: when the last epoch ends every worker is answered ``done``, says goodb
 the server waits for the goodbyes (at most ``timeout``) and everyone shuts RPC down without the
 graceful barrier, so a dead worker cannot hang it.
 
+Errors: a call that fails on the server (a push of samples the worker does not hold, a malformed
+push or model, a sample applied twice, the optimizer raising) stops it, as its state may be
+half-updated. Every live worker gets the server's error at its waiting or next call (the
+message names the server; the type is the original one where it is a built-in exception, else
+``RuntimeError``), says goodbye and raises it; the server waits for the goodbyes (at most
+``timeout``, so the answers go out before RPC shuts down) and raises the original error.
+
 Model buffers (BatchNorm's running statistics) travel with the parameters: a worker loads the
 server's buffers with its parameters and pushes its buffers after its forward pass. An update sets
 the server's floating buffers to the members' batch-weighted mean (``sum_k n_k * b_k / sum_k
@@ -108,7 +115,33 @@ def _ps_call(server: str, rank: int, push: Optional[Dict[str, Any]]) -> torch.fu
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result({"done": True, "dropped": False, "reason": "no server running"})
         return fut
-    return ps._call(rank, push)
+    return ps._call(rank, push).then(_as_reply)
+
+
+def _as_reply(fut: torch.futures.Future) -> Dict[str, Any]:
+    """The answer of a call, its error carried as ``{"error": exception}``: torch's ``rpc_sync``
+    returns (does not raise) an exception set on an ``async_execution`` function's future (torch
+    2.13), so the worker raises what it finds here, whichever way torch delivers it."""
+    try:
+        return fut.value()
+    except Exception as e:  # noqa: BLE001 (delivered to the worker, which raises it)
+        return {"done": True, "error": e}
+
+
+def _server_error(error: BaseException, message: str) -> Exception:
+    """``message`` as an exception of ``error``'s type where that is a built-in one that shows
+    the message as given (ValueError for a malformed push), else as a ``RuntimeError``: the
+    worker raises it, and a class of the user's (an optimizer's) may not rebuild from a message
+    or unpickle there."""
+    cls = type(error)
+    if cls.__module__ == "builtins" and issubclass(cls, Exception):
+        try:
+            made = cls(message)
+            if str(made) == message:  # (KeyError quotes it)
+                return made
+        except Exception:  # noqa: BLE001 (an exception type with other arguments)
+            pass
+    return RuntimeError(message)
 
 
 def _ps_bye(server: str, rank: int) -> None:
@@ -237,6 +270,7 @@ class ParameterServer:
         self._last_time = np.full(K, np.nan)
         self._byes: set = set()
         self._error: Optional[BaseException] = None
+        self._failed_in: Optional[int] = None  # the worker whose call failed on the server
         self._new_order()
 
     def _new_order(self) -> None:
@@ -300,7 +334,8 @@ class ParameterServer:
     def serve(self) -> None:
         """Answer the workers until the last epoch ends (call on rank 0 after ``rpc.init_rpc``).
 
-        Raises ``RuntimeError`` if every worker was dropped."""
+        Raises ``RuntimeError`` if every worker was dropped, and the error of a call that failed
+        on the server once every live worker was told (said goodbye) or ``timeout`` passed."""
         if self.checkpointer is not None and self.resume:
             state = self.checkpointer.latest()
             if state is not None:
@@ -316,15 +351,17 @@ class ParameterServer:
             tick = min(1.0, self.timeout / 4)
             while not self._finished.wait(tick):
                 self._check_timeouts()
-            if self._error is not None:
-                raise self._error
-            # Every worker that is alive was answered "done"; wait for their goodbyes.
+            # Every worker that is alive was answered "done" (or the server's error, or gets it
+            # at its next call); wait for their goodbyes: an answer still unsent when RPC shuts
+            # down is lost, and the worker would see a closed connection instead.
             deadline = time.monotonic() + self.timeout
             while time.monotonic() < deadline:
                 with self._lock:
                     if all(w in self._byes for w in np.flatnonzero(self.alive).tolist()):
                         break
                 time.sleep(0.01)
+            if self._error is not None:
+                raise self._error
         finally:
             _LIVE.pop(self.name, None)
 
@@ -334,21 +371,34 @@ class ParameterServer:
         failed: list = []
         try:
             with self._lock:
-                ready = self._receive(w, push, fut)
+                # After a failure a live worker's call (one that was computing) gets the error.
+                stopped = self._failed_in is not None and 0 <= w < self.workers and \
+                    bool(self.alive[w])
+                ready = [] if stopped else self._receive(w, push, fut)
         except BaseException as e:  # noqa: BLE001 (the callers get it as their call's error)
             log.exception("parameter server: call from worker %d failed; stopping", rank)
             with self._lock:
                 # The server's state may be half-updated: stop rather than train on it.
-                self._error = e if self._error is None else self._error
+                if self._error is None:
+                    self._error, self._failed_in = e, int(rank)
                 failed = [f for f in self._waiters.values() if f is not fut]
                 self._waiters.clear()
                 self._finished.set()
             for f in [fut] + failed:
-                f.set_exception(RuntimeError(f"parameter server failed: {type(e).__name__}: {e}"))
+                f.set_exception(self._failure())
+            return fut
+        if stopped:
+            fut.set_exception(self._failure())
             return fut
         for f, reply in ready:
             f.set_result(reply)
         return fut
+
+    def _failure(self) -> Exception:
+        """The error a worker's call gets once a call failed on the server (``_error``)."""
+        e = self._error
+        return _server_error(e, f"parameter server {self.name!r} failed in worker "
+                                f"{self._failed_in}'s call and stopped: {type(e).__name__}: {e}")
 
     def _bye(self, rank: int) -> None:
         with self._lock:
@@ -609,6 +659,8 @@ class ParameterServer:
     def _check_timeouts(self) -> None:
         ready: list = []
         with self._lock:
+            if self._finished.is_set():
+                return  # (a call failed meanwhile: nothing may advance)
             now = time.monotonic()
             late = [w for w, t in self._handed_at.items() if now - t > self.timeout]
             if now > self._hello_deadline:
@@ -706,14 +758,38 @@ class Worker:
         self.iterations: List[Dict[str, float]] = []
         self.dropped = False
 
-    def _call(self, push: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    def _call(self, push: Optional[Dict[str, Any]], held: float = 0.0,
+              drop_after: Optional[float] = None) -> Optional[Dict[str, Any]]:
+        """One call to the server: its reply. The server's error is raised here, after a
+        goodbye (the server waits for it before it stops). None: the server could not be
+        reached after this worker held its batch ``held`` seconds, past the server's timeout
+        ``drop_after`` (it was dropped, and the server may have finished and left since)."""
         t0 = time.perf_counter()
-        reply = rpc.rpc_sync(self.server, _ps_call, args=(self.server, self.rank, push),
-                             timeout=self.timeout)
+        try:
+            reply = rpc.rpc_sync(self.server, _ps_call, args=(self.server, self.rank, push),
+                                 timeout=self.timeout)
+        except RuntimeError as e:
+            if drop_after is None or held <= drop_after:
+                raise
+            log.warning("worker %d: the server could not be reached after this worker held "
+                        "its batch %.1f s, longer than the server's timeout (%.1f s): it was "
+                        "dropped, and the server has finished or stopped (%s); stopping",
+                        self.rank, held, drop_after, str(e).splitlines()[0][:200])
+            return None
+        error = reply.get("error")
+        if error is not None:
+            self._goodbye()
+            raise error
         if self.link:
             sleep_until(time.perf_counter() + self.link)
         reply["_wait"] = time.perf_counter() - t0
         return reply
+
+    def _goodbye(self) -> None:
+        try:
+            rpc.rpc_sync(self.server, _ps_bye, args=(self.server, self.rank), timeout=10)
+        except RuntimeError:
+            pass  # the server is gone already
 
     def run(self) -> int:
         """Train until the server says done; the number of iterations this worker ran."""
@@ -748,30 +824,19 @@ class Worker:
                 compute = self.emulator.stretch(int(reply["iteration"]), len(idx), t0)
             self.iterations.append({"n": len(idx), "compute": compute, "wait": reply["_wait"]})
             held = time.monotonic() - handed
-            try:
-                reply = self._call({"grad": grad.detach(), "n": len(idx), "compute": compute,
-                                    "version": version, "indices": idx,
-                                    "buffers": [_pushed(b) for b in self._buffers]})
-            except RuntimeError as e:
-                drop_after = reply.get("drop_after")
-                if drop_after is None or held <= drop_after:
-                    raise
-                # Held past the server's timeout: the server dropped this worker, handed its
-                # samples to the others and may have finished training and left since.
-                log.warning("worker %d: the server could not be reached after this worker held "
-                            "its batch %.1f s, longer than the server's timeout (%.1f s): it was "
-                            "dropped, and the server has finished or stopped (%s); stopping",
-                            self.rank, held, drop_after, str(e).splitlines()[0][:200])
+            answer = self._call({"grad": grad.detach(), "n": len(idx), "compute": compute,
+                                 "version": version, "indices": idx,
+                                 "buffers": [_pushed(b) for b in self._buffers]},
+                                held, reply.get("drop_after"))
+            if answer is None:
                 self.dropped = True
                 return len(self.iterations)
+            reply = answer
         self.dropped = bool(reply.get("dropped"))
         if self.dropped:
             log.warning("worker %d: the server dropped this worker (it did not answer within the "
                         "server's timeout); stopping", self.rank)
-        try:
-            rpc.rpc_sync(self.server, _ps_bye, args=(self.server, self.rank), timeout=10)
-        except RuntimeError:
-            pass  # the server is gone already
+        self._goodbye()
         return len(self.iterations)
 
 
