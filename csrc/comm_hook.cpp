@@ -702,14 +702,17 @@ void watch_output(const std::shared_ptr<StepCore>& core, const at::Tensor& out,
 
 namespace {
 
+// The balanced model's hook, or (attached) the hook of another DDP model trained on the same
+// batches (Balancer.attach): the same weight, but its last bucket neither ends the step's
+// compute nor sends the table, which the balanced model's hook does once per step.
 class WeightedHook : public c10d::CommHookInterface {
  public:
   WeightedHook(std::shared_ptr<StepCore> core, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-               c10::intrusive_ptr<c10d::ProcessGroup> side)
-      : core_(std::move(core)), pg_(std::move(pg)), side_(std::move(side)) {}
+               c10::intrusive_ptr<c10d::ProcessGroup> side, bool attached)
+      : core_(std::move(core)), pg_(std::move(pg)), side_(std::move(side)), attached_(attached) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    return core_->run_bucket(bucket.getBufferRef(), bucket.isLast(), pg_, side_);
+    return core_->run_bucket(bucket.getBufferRef(), bucket.isLast() && !attached_, pg_, side_);
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override {
@@ -719,6 +722,7 @@ class WeightedHook : public c10d::CommHookInterface {
  private:
   std::shared_ptr<StepCore> core_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_, side_;
+  const bool attached_;
 };
 
 using row_array = py::array_t<double, py::array::c_style | py::array::forcecast>;
@@ -1045,7 +1049,8 @@ void bind_comm_hook(py::module& m) {
   m.def(
       "register_comm_hook",
       [](py::object reducer, std::shared_ptr<StepCore> core,
-         c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> side) {
+         c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> side,
+         bool attached) {
         auto r = reducer.cast<std::shared_ptr<c10d::Reducer>>();
         TORCH_CHECK(core && pg && side, "hetlb register_comm_hook: need a core, a process group and "
                     "a side group (the gradient group itself under Gloo), got None");
@@ -1055,10 +1060,13 @@ void bind_comm_hook(py::module& m) {
         TORCH_CHECK(side->getSize() == pg->getSize(),
                     "hetlb register_comm_hook: the side group has ", side->getSize(),
                     " ranks, the gradient group ", pg->getSize());
-        r->register_comm_hook(std::make_unique<WeightedHook>(std::move(core), std::move(pg), std::move(side)));
+        r->register_comm_hook(
+            std::make_unique<WeightedHook>(std::move(core), std::move(pg), std::move(side), attached));
       },
       py::arg("reducer"), py::arg("core"), py::arg("process_group"), py::arg("side_group"),
-      "Register the weighted all-reduce hook on a DDP model's reducer (once per model).");
+      py::arg("attached") = false,
+      "Register the weighted all-reduce hook on a DDP model's reducer (once per model); attached: "
+      "the hook of another model trained on the same batches (weights only, no telemetry).");
 
   m.def(
       "step_calls",

@@ -365,15 +365,18 @@ class StepTelemetry:
 
     # ------------------------------------------------------------------ registration
 
-    def register(self, model: Any, native: bool = True) -> None:
+    def register(self, model: Any, native: bool = True, attached: bool = False) -> None:
         """Register the weighted all-reduce hook on the DDP ``model`` (the native one, or the
-        Python reference with ``native=False``; both issue the same collectives)."""
+        Python reference with ``native=False``; both issue the same collectives). ``attached``:
+        another model trained on the same batches (:meth:`hetlb.Balancer.attach`), whose hook
+        applies the same weight but neither ends the step's compute nor sends the table."""
         pg, side = self._keep_groups(model)
         if native:
-            _C.register_comm_hook(model.reducer, self.core, pg, side)
+            _C.register_comm_hook(model.reducer, self.core, pg, side, attached)
         else:
             from .reference import ReferenceHookState, weighted_allreduce_hook
-            model.register_comm_hook(ReferenceHookState(self.core, self.group, self.side_group),
+            model.register_comm_hook(ReferenceHookState(self.core, self.group, self.side_group,
+                                                        attached=attached),
                                      weighted_allreduce_hook)
 
     def _keep_groups(self, model: Any) -> tuple:

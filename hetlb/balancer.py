@@ -294,6 +294,34 @@ class _BackwardEnd:
             self.telemetry.core.last_ready()
 
 
+class _Unattached:
+    """Global forward pre-hook during the Balancer's first step: a DDP model that trains there
+    (training mode, gradients on, parameters that take them) and is neither the balanced model
+    nor attached would have its gradient averaged by DDP over the ranks' uneven batches,
+    unweighted. Every rank runs the same program, so every rank raises at the same forward.
+    Only the first step: a global hook sends every module of every forward through torch's slow
+    path (about half a forward of a small model)."""
+
+    def __init__(self, allowed: frozenset) -> None:
+        self.allowed = allowed  # ids of the balanced model and the attached ones
+
+    @never_compiled
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        if not isinstance(module, DistributedDataParallel) or id(module) in self.allowed or \
+                not module.training or not torch.is_grad_enabled() or \
+                not any(p.requires_grad for p in module.parameters()):
+            return
+        other = any(isinstance(h, _StepGate) for h in module._forward_pre_hooks.values())
+        raise RuntimeError(
+            f"hetlb: a second DistributedDataParallel model ({type(module.module).__name__}) trains "
+            f"in this Balancer's step without being attached to it: DDP would average its "
+            f"gradient over the ranks' uneven batches unweighted, which is not the mean over the "
+            f"step's samples. Attach it to the Balancer on every rank before training, "
+            f"bal.attach(model): its gradient is then weighted as the balanced model's"
+            + (" (it has a Balancer of its own: one Balancer per set of batches, the other "
+               "models attached to it)" if other else ""))
+
+
 @dataclass(slots=True)  # (one a step)
 class _Open:
     """The step (or accumulation micro-step) in progress."""
@@ -625,6 +653,12 @@ class Balancer:
             # A DDP model, whose hook delivers every step's table with the gradient once it is
             # registered (a deferred one by _begin, before the first step whose weights differ).
             self._comm_hook = is_ddp
+            self._native, self._lower_given = native_hook, lower_given
+            #: Other DDP models trained on the same batches (:meth:`attach`), weighted alike.
+            self._attached: List[DistributedDataParallel] = []
+            #: The first step looks for DDP models that train in it unattached (:class:`_Unattached`).
+            self._check_models = is_ddp
+            self._unattached: Any = None  # its handle while that step is open
             self._watch: Any = None  # the deferred hook's BackwardWatch handle (None: hooked)
             if is_ddp and deferred:
                 self._watch = self.telemetry.defer(model)
@@ -805,6 +839,75 @@ class Balancer:
         if pending is not None:
             self.load_state_dict(pending)
 
+    def attach(self, model: torch.nn.Module) -> None:
+        """Weigh another DDP model trained on this Balancer's batches as the balanced one: an
+        encoder and a head wrapped separately, a GAN's two networks, a student beside its teacher.
+
+        DDP alone would average such a model's gradient over the ranks' uneven batches
+        unweighted; attached, its communication hook multiplies each rank's gradient by the
+        same weight as the balanced model's (registered when the balanced model's is: at once,
+        or with the deferred hook at the first step whose weights differ), and with accumulation
+        ``bal.step()`` enters its ``no_sync()`` too. Its forward is not checked against the plan
+        (its batch may be another shape: real and generated samples, say), and the step's
+        telemetry is the balanced model's. Call it on every rank, between steps, before the
+        model trains (its hook stays for the model's life: DDP cannot remove one).
+
+        The Balancer's first step refuses a DDP model that trains in it without being attached
+        (a ``RuntimeError`` naming this method). One process without DDP needs nothing: a plain
+        module is accepted and left as it is.
+
+        Raises ``TypeError`` for a model that is not DDP (with more than one rank),
+        ``ValueError`` for the balanced model itself, a model already attached or balanced, one
+        DDP reduces over another process group, and what the Balancer refuses of its own model
+        (a hook of your own, sparse gradients, ``static_graph`` with ``accumulate``)."""
+        checks.instance(model, "model", torch.nn.Module, "a DistributedDataParallel model")
+        if self._in_with or self._open is not None:
+            raise RuntimeError("bal.attach(model) inside a step; attach models between steps, "
+                               "before they train")
+        is_ddp = isinstance(model, DistributedDataParallel)
+        if not is_ddp and self.world == 1:
+            return  # (one process: no all-reduce to weigh)
+        if not is_ddp:
+            raise TypeError(f"bal.attach: with {self.world} ranks the model must be "
+                            f"DistributedDataParallel, got {type(model).__name__}")
+        if model is self.model or any(model is m for m in self._attached):
+            raise ValueError("bal.attach: this model is already weighted by this Balancer "
+                             "(the balanced model, or attached before)")
+        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        if model.process_group is not pg:
+            raise ValueError("bal.attach: the model's DDP reduces over another process group than "
+                             "the Balancer's; wrap it in DistributedDataParallel over the same group")
+        _check_model(model, True, self.accumulate)
+        single = single_sample_layers(model.module)
+        if single and not self._single and self._lower_given != 1:
+            if self._lower_given == 0:  # no split may hand a rank exactly one sample from now on
+                self._single = True
+                self.board.single_ok = False
+                self._decision = self._two_or_none(self._decision)
+                self.board.post(self._decision)
+            else:
+                raise ValueError(
+                    f"bal.attach: the model's layers refuse a one-sample batch in training "
+                    f"({_layer_list(single)}), which the Balancer may hand a rank "
+                    f"(lower={int(self.context.lower.min())}): make the Balancer with lower=2 (its "
+                    f"default for such a model), or lower=0, or lower=1 if their inputs have more "
+                    f"than one value per channel")
+        keep_groups(model, (pg,))
+        if self._watch is None:  # the balanced model's hook is registered: this one's now too
+            self.telemetry.register(model, native=self._native, attached=True)
+        else:
+            why = defer_blocker(model, self.group, native=True, emulator=self.emulator,
+                                accumulate=self.accumulate, transport=self.transport)
+            if why is not None:  # it needs its hook now, and so the balanced model its own
+                self._attached.append(model)
+                self._register_hook(f"the attached model needs its hook at once ({why})")
+                self.telemetry.core.watch([p for m in [self.model] + self._attached
+                                           for p in m.parameters()])
+                return
+        self._attached.append(model)
+        # bal.backward weighs the loss only where no parameter holds a gradient, of either model
+        self.telemetry.core.watch([p for m in [self.model] + self._attached for p in m.parameters()])
+
     # ------------------------------------------------------------------ sizes
 
     @property
@@ -880,7 +983,8 @@ class Balancer:
                     "(it is registered once the batches differ), and DDP takes one hook only. "
                     "Register no hook of your own on a balanced model")
             if not equal:
-                self._register_hook(plan)
+                self._register_hook(f"step {plan.step} of epoch {plan.epoch}: the ranks' weights "
+                                    f"differ (sizes {plan.sizes.tolist()})")
         first = plan.window_pos == 0
         if first:
             self._window_data = 0.0
@@ -898,6 +1002,10 @@ class Balancer:
                    plan.epoch, offset=offset, new_window=first,
                    sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship)
         self._open = _Open(plan, explicit, ship)
+        if self._check_models and self._unattached is None:
+            allowed = frozenset(id(m) for m in [self.model] + self._attached)
+            self._unattached = torch.nn.modules.module.register_module_forward_pre_hook(
+                _Unattached(allowed))
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
         self._spent += time.perf_counter() - t
@@ -923,16 +1031,16 @@ class Balancer:
             return False
         return _same(weights_for(self.weighting, decision, decision))
 
-    def _register_hook(self, plan: StepPlan) -> None:
-        """The first step whose weights differ (``plan``, on every rank alike: plans are
-        replicated) is about to run: DDP's mean would be wrong from here on, so the deferred
-        communication hook is registered now, for good (DDP cannot remove one)."""
+    def _register_hook(self, why: str) -> None:
+        """Register the deferred communication hook now, for good (DDP cannot remove one), and
+        the attached models' hooks: the first step whose weights differ is about to run (on
+        every rank alike: plans are replicated), so DDP's mean would be wrong from here on."""
         self.telemetry.register(self.model, native=True)  # (first: if DDP refuses, nothing changed)
+        for m in self._attached:
+            self.telemetry.register(m, native=True, attached=True)
         self._watch.remove()
         self._watch = None
-        log.info("step %d of epoch %d: the ranks' weights differ (sizes %s), so the weighted "
-                 "communication hook is registered from now on", plan.step, plan.epoch,
-                 plan.sizes.tolist())
+        log.info("%s, so the weighted communication hook is registered from now on", why)
 
     def _epoch_last(self, plan: StepPlan) -> bool:
         """Whether ``plan`` is the last step of its epoch (known with a loader only)."""
@@ -978,7 +1086,7 @@ class Balancer:
         self._in_with = True
         local = not plan.window_end and isinstance(self.model, DistributedDataParallel)
         try:
-            with self.model.no_sync() if local else contextlib.nullcontext():
+            with self._no_sync() if local else contextlib.nullcontext():
                 yield self
         except BaseException:
             self._in_with = False
@@ -1006,6 +1114,16 @@ class Balancer:
             if self._loader_config is None:
                 self._micro += 1
             self._spent += time.perf_counter() - t
+
+    def _no_sync(self) -> Any:
+        """``no_sync()`` of the balanced model and the attached ones (a window's weight is
+        applied once, by the hooks of its last micro-step)."""
+        if not self._attached:
+            return self.model.no_sync()
+        stack = contextlib.ExitStack()
+        for m in [self.model] + self._attached:
+            stack.enter_context(m.no_sync())
+        return stack
 
     def _check_window_kept(self, plan: StepPlan) -> None:
         """A micro-step after the first of its window: the gradient the window's earlier
@@ -1107,6 +1225,12 @@ class Balancer:
         """Drop the open step without finishing it (a peek, or an exception in its body)."""
         self.telemetry.close()
         self._open = None
+        self._stop_model_check()
+
+    def _stop_model_check(self) -> None:
+        if self._unattached is not None:
+            self._unattached.remove()
+            self._unattached = None
 
     def _finish(self) -> None:
         """End the open step: its table, checks, record, the next decision, the position."""
@@ -1211,6 +1335,9 @@ class Balancer:
 
     def _advance(self, plan: StepPlan) -> None:
         """``plan``'s step is done: the position, the step count and the watchdog move on."""
+        if self._unattached is not None:  # the first step ran with its models checked
+            self._stop_model_check()
+            self._check_models = False
         self.board.complete(plan)
         if self._loader_config is None:
             self._micro = 0

@@ -341,12 +341,15 @@ def ref_block_slots(rows: Sequence[np.ndarray], rank: int, world: int) -> Tensor
 @dataclass
 class ReferenceHookState:
     """State of :func:`weighted_allreduce_hook`: the rank's native step core (``hetlb._C.StepCore``)
-    and the process groups. ``buckets`` counts the buckets hooked since the object was made."""
+    and the process groups. ``buckets`` counts the buckets hooked since the object was made;
+    ``attached``: the hook of another model on the same batches (weights only, no telemetry)."""
 
     core: Any
     group: Any = None
     side_group: Any = None
     buckets: int = 0
+    #: The hook of a model attached to the Balancer (weights only: no step end, no table).
+    attached: bool = False
 
 
 def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001, ANN201
@@ -371,7 +374,7 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
     applied = 1.0 if core.prescaled else w
     if w == 0.0:
         buf.zero_()  # an idle rank's gradient may be NaN (mean over no samples)
-    last = bucket.is_last()
+    last = bucket.is_last() and not state.attached
     if last:
         core.last_ready()
     # With a block of steps (exchange_every) only the block's last step sends the table, of every

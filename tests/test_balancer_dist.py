@@ -959,3 +959,105 @@ def test_a_batchnorm1d_model_never_gets_a_one_sample_batch():
         assert r["default"] == [[4, 4], [4, 4], [3, 0]]
         assert r["lower0"] == [[0, 8], [0, 8], [0, 3]]
         assert "lower is 2 by default for this model" in r["small"] and "lower=0" in r["small"]
+
+
+# ---------------------------------------------------------------- several DDP models on one Balancer
+
+def _two_part_net():
+    torch.manual_seed(0)
+    enc = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh()).double()
+    head = torch.nn.Linear(7, 3).double()
+    return enc, head
+
+
+def attach_worker(rank, world, case):
+    """An encoder and a head wrapped in DDP separately, the Balancer on the encoder."""
+    from fixed_policy import Scripted
+    x, y, _ = _data()
+    ds = torch.utils.data.TensorDataset(x, y, torch.arange(len(x)))
+    enc, head = _two_part_net()
+    denc, dhead = DDP(enc), DDP(head)
+    try:
+        if case == "unattached":
+            bal = hetlb.Balancer(denc, 8, policy=Fixed([3, 5]))
+        elif case == "second_balancer":
+            bal = hetlb.Balancer(denc, 8, policy=Fixed([3, 5]))
+            hetlb.Balancer(dhead, 8, policy=Fixed([3, 5]))
+        else:
+            # "deferred": equal halves first (no hook yet), then uneven: both hooks come together
+            policy = Scripted([[4, 4], [4, 4], [3, 5], [6, 2]]) if case in ("deferred", "backward") \
+                else Fixed([3, 5])
+            bal = hetlb.Balancer(denc, 8, policy=policy, accumulate=2 if case == "accumulate" else 1)
+            bal.attach(dhead)
+        loader = bal.loader(ds, seed=5)
+        errs = []
+        opt = torch.optim.SGD(list(enc.parameters()) + list(head.parameters()), lr=0.0)
+        window = []
+        for step, (xb, yb, ib) in enumerate(loader):
+            if step == 6:
+                break
+            with bal.step():
+                loss = (dhead(denc(xb)) - yb).pow(2).sum(1).mean()
+                if case == "accumulate":
+                    loss = loss / 2
+                bal.backward(loss) if case == "backward" else loss.backward()
+            window.append(loader.sampler.step_indices(bal.board.current if bal.board.current is not None
+                                                      else bal._consumed))
+            if not bal.synced:
+                continue
+            # the union of the window's samples, in one process
+            rt, rh = _two_part_net()
+            rl = 0
+            for parts in window:
+                idx = torch.from_numpy(np.concatenate(parts))
+                rl = rl + (rh(rt(x[idx])) - y[idx]).pow(2).sum(1).mean() / len(window)
+            rl.backward()
+            got = [p.grad for p in list(enc.parameters()) + list(head.parameters())]
+            want = [p.grad for p in list(rt.parameters()) + list(rh.parameters())]
+            errs.append(max((g - w).abs().max().item() for g, w in zip(got, want)))
+            opt.zero_grad()
+            window = []
+        return {"errs": errs, "hooked": bal._watch is None}
+    except (RuntimeError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+@pytest.mark.parametrize("case", ["hooked", "deferred", "accumulate", "backward"])
+def test_an_attached_model_is_weighted_as_the_balanced_one(case):
+    for r in unwrap(run(attach_worker, 2, case)):
+        assert "error" not in r, r
+        assert len(r["errs"]) == (3 if case == "accumulate" else 6) and max(r["errs"]) < 1e-12, r
+        assert r["hooked"]
+
+
+@pytest.mark.parametrize("case, match", [
+    ("unattached", r"second DistributedDataParallel model \(Linear\) trains in this Balancer's "
+                   r"step without being attached.*bal\.attach\(model\)"),
+    ("second_balancer", r"without being attached.*has a Balancer of its own"),
+])
+def test_a_ddp_model_training_unattached_is_refused_on_every_rank(case, match):
+    import re
+    for r in unwrap(run(attach_worker, 2, case)):
+        assert re.search(match, r.get("error", "")), r
+
+
+def attach_refusals_worker(rank, world):
+    out = []
+    enc, head = _two_part_net()
+    denc = DDP(enc)
+    bal = hetlb.Balancer(denc, 8, policy=Fixed([4, 4]))
+    for what, model in [("itself", denc), ("plain", head),
+                        ("bn", DDP(torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.BatchNorm1d(3))))]:
+        try:
+            bal.attach(model)
+            out.append(f"{what}: no error")
+        except (TypeError, ValueError) as e:
+            out.append(f"{what}: {type(e).__name__}: {e}")
+    return out
+
+
+def test_attach_refuses_what_it_cannot_weigh():
+    for r in unwrap(run(attach_refusals_worker, 2)):
+        assert "already weighted by this Balancer" in r[0]
+        assert "TypeError" in r[1] and "must be DistributedDataParallel" in r[1]
+        assert "refuse a one-sample batch" in r[2] and "lower=2" in r[2]
