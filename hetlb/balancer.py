@@ -43,7 +43,7 @@ from .data import BalancedLoader, check_loader_config
 from .eager import never_compiled
 from .runlog import ENV_LOG_DIR, RunLog
 from .plan import (EXACT_INT, PlanBoard, ScheduleRule, SingleSampleError, StepPlan, avoid_single,
-                   decision_checksum)
+                   decision_checksum, rescale_position)
 from .shard import Partition, epoch_rates
 from .policies.base import (Context, Policy, SizedPolicy, check_decision, check_same_policy,
                             from_state, policy_settings, to_state)
@@ -1559,10 +1559,15 @@ class Balancer:
         harmless. On a different world size the data position and step count carry over and the
         policy restarts from :meth:`Policy.start` (its state is per rank).
 
+        Another ``global_batch`` or ``accumulate`` resumes where the samples per optimizer step
+        (global batch x accumulate) are the checkpoint's and it lies a whole number of optimizer
+        steps into its epoch (a script that divides its accumulation by the world, as nanoGPT,
+        resumed on another world size): the position is converted and the policy restarts.
+
         Raises ``TypeError`` for something other than a dict, and ``ValueError`` naming the field
-        for a checkpoint of another format, one that lacks a field, or one of another
-        ``global_batch`` or ``accumulate`` (the checkpoint's value and this Balancer's are both
-        printed); the history and decision are checked before anything is restored.
+        for a checkpoint of another format, one that lacks a field, or one of other samples per
+        optimizer step, or taken where they cannot be converted (both values and both ways to
+        resume are printed); the history and decision are checked before anything is restored.
 
         On the same world size the policy's state is restored, so the checkpoint must come from
         a policy of the same class and settings (``ValueError`` naming them otherwise). To switch
@@ -1582,24 +1587,15 @@ class Balancer:
             raise ValueError(f"checkpoint lacks {missing}; expected the dict of "
                              f"Balancer.state_dict() or loader.state_dict()")
         gb = checks.integer(state["global_batch"], "checkpoint global_batch", 1)
-        if gb != self.global_batch:
-            saved_world = state.get("world")
-            hint = ""
-            if saved_world is not None and int(saved_world) != self.world:
-                hint = (f" (saved on {int(saved_world)} ranks, now {self.world}: a per-rank "
-                        f"batch_size= times the world makes another global batch)")
-            raise ValueError(f"checkpoint global_batch={state['global_batch']!r} differs from this "
-                             f"Balancer's global_batch={self.global_batch}{hint}: a run resumes with "
-                             f"the global batch it was saved with (another world size is fine): make "
-                             f"the Balancer with global_batch={gb}"
-                             + (f" (with a loader made first: batch_size={gb // self.world}, "
-                                f"hetlb.DataLoader's per-rank average)" if gb % self.world == 0 else
-                                f" (a loader made first needs batch_size * {self.world} == {gb}: "
-                                f"make the loader through bal.loader(...) instead)"))
         acc = checks.integer(state.get("accumulate", 1), "checkpoint accumulate", 1)
-        if acc != self.accumulate:
-            raise ValueError(f"checkpoint accumulate={state.get('accumulate')!r} differs from this "
-                             f"Balancer's accumulate={self.accumulate}")
+        position = state["position"]
+        # Another global batch with the same samples per optimizer step: the position converted,
+        # the policy restarted (its state and history count steps of the old batch)
+        rescaled = (gb, acc) != (self.global_batch, self.accumulate)
+        if rescaled:
+            if not isinstance(position, dict):
+                raise ValueError(f"checkpoint position is malformed: {position!r}")
+            position = rescale_position(position, (gb, acc), (self.global_batch, self.accumulate))
         world = checks.integer(state["world"], "checkpoint world", 1)
         steps = checks.integer(state["steps"], "checkpoint steps", 0)
         if self._loader_config is not None:
@@ -1607,8 +1603,8 @@ class Balancer:
         history = decision = None
         # No loader yet: its order is checked against the checkpoint's when it is bound.
         pending_check = None if self._loader_config is not None else \
-            {"loader": state.get("loader"), "position": state["position"]}
-        fresh = state["policy"] is None  # the user switches policy (see the docstring)
+            {"loader": state.get("loader"), "position": position}
+        fresh = state["policy"] is None or rescaled  # a policy switched (see the docstring)
         if world == self.world and not fresh:  # parsed before anything changes
             check_same_policy(self.policy, state, "this Balancer",
                               '; to switch at this resume, set state["policy"] = None before '
@@ -1626,7 +1622,7 @@ class Balancer:
             backup = self.policy.state_dict()
             self.policy.load_state_dict(from_state(state["policy"]))
         try:
-            self.board.load_position(state["position"])
+            self.board.load_position(position)
         except BaseException:
             if decision is not None:
                 self.policy.load_state_dict(backup)
@@ -1644,7 +1640,12 @@ class Balancer:
         self._micro = 0
         self._step = steps
         if world != self.world or fresh:
-            if fresh:
+            if rescaled:
+                log.warning("checkpoint of global_batch=%d x accumulate=%d resumed with "
+                            "global_batch=%d x accumulate=%d (the same samples per optimizer "
+                            "step): the position is converted and %s restarts", gb, acc,
+                            self.global_batch, self.accumulate, type(self.policy).__name__)
+            elif fresh:
                 log.warning("checkpoint resumed without its policy state: %s starts afresh",
                             type(self.policy).__name__)
             else:

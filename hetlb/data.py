@@ -521,7 +521,13 @@ class BalancedLoader:
             raise ValueError("not a hetlb loader state (loader.state_dict() or bal.state_dict(): a "
                              f"dict with a 'position'), got {got}")
         check_loader_config(state, self.sampler.config())
-        self.board.load_position(state["position"])
+        pos = state["position"]
+        if "policy" in state and isinstance(pos, dict) and pos.get("global_batch") != self.board.global_batch:
+            # A Balancer's state of another global batch: its Balancer converts the position
+            # when it binds this loader (or refuses it, naming why)
+            self._pending = state
+            return
+        self.board.load_position(pos)
         self._pending = state if "policy" in state else None
 
 

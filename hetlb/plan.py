@@ -340,6 +340,43 @@ class StreamPlan:
 Decision = Union[np.ndarray, ScheduleRule]
 
 
+def rescale_position(position: Dict[str, Any], saved: Tuple[int, int], now: Tuple[int, int]) -> Dict[str, Any]:
+    """A balanced-steps data position saved with ``saved = (global_batch, accumulate)``, counted
+    in steps of ``now``'s global batch: the same samples of the epoch's order trained.
+
+    Only the samples per optimizer step (global batch x accumulate) must agree, as in a script
+    that divides its accumulation by the world (nanoGPT: 2 ranks x 2 micro-steps and 4 ranks x 1
+    train the same samples per update), and the position must be a whole number of optimizer
+    steps into its epoch (a checkpoint always lies at a window's end; the epoch's shorter last
+    windows are not whole ones). Raises ``ValueError`` naming both ways to resume otherwise."""
+    (gb, acc), (gb2, acc2) = saved, now
+    if (gb, acc) == (gb2, acc2):
+        return position
+    per, per2 = gb * acc, gb2 * acc2
+    keep = (f"resume with the checkpoint's global_batch={gb} and accumulate={acc}, or with any "
+            f"global_batch x accumulate = {per} samples per optimizer step")
+    if per != per2:
+        raise ValueError(
+            f"the checkpoint trains global_batch={gb} x accumulate={acc} = {per} samples per "
+            f"optimizer step, this Balancer global_batch={gb2} x accumulate={acc2} = {per2}: "
+            f"{keep} (e.g. global_batch={per}, accumulate=1: a script that divides its "
+            f"accumulation by the world keeps that product on any world size)")
+    if "step" not in position or position.get("partition") is not None:
+        raise ValueError(f"a sharded or streaming data position resumes only with the global "
+                         f"batch it was saved with: {keep.split(', or')[0]}")
+    step = int(position["step"])
+    if position.get("epoch_end") or step == 0:
+        return {**position, "step": 0 if step == 0 else step * gb // gb2, "global_batch": gb2}
+    if (step * gb) % per:
+        raise ValueError(
+            f"the checkpoint was taken after step {step} of epoch {position.get('epoch')} "
+            f"({step * gb} samples of its order), not a whole number of {per}-sample optimizer "
+            f"steps (the epoch's last windows are shorter), so the global batch cannot change "
+            f"there: {keep.split(', or')[0]}, or take the checkpoint at an epoch's end or "
+            f"where a whole number of optimizer steps trained")
+    return {**position, "step": step * gb // gb2, "global_batch": gb2}
+
+
 class PlanBoard:
     """Decisions, drawn steps and the data position of one training job (one rank's copy).
 

@@ -1061,3 +1061,51 @@ def test_attach_refuses_what_it_cannot_weigh():
         assert "already weighted by this Balancer" in r[0]
         assert "TypeError" in r[1] and "must be DistributedDataParallel" in r[1]
         assert "refuse a one-sample batch" in r[2] and "lower=2" in r[2]
+
+
+# ---------------------------------------------------------------- another global batch, same samples per update
+
+def per_update_worker(rank, world, n, gb, acc, state=None, stop_windows=None):
+    """nanoGPT's shape: the accumulation divided by the world, samples per optimizer step kept."""
+    net = torch.nn.Linear(1, 1).double()
+    ddp = DDP(net)
+    bal = hetlb.Balancer(ddp, gb, policy=Jitter(3), lower=0, accumulate=acc)
+    loader = bal.loader(torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float64)[:, None]),
+                        seed=2)
+    try:
+        if state is not None:
+            loader.load_state_dict(state)
+    except ValueError as e:
+        return {"error": str(e)}
+    seen, windows, samples = {}, 0, []
+    for epoch in range(loader.epoch, 2):
+        loader.set_epoch(epoch)
+        for (xb,) in loader:
+            with bal.step():
+                (ddp(xb).sum() / acc).backward()
+            seen.setdefault(epoch, []).extend(int(v) for v in xb[:, 0].tolist())
+            if bal.synced:
+                windows += 1
+                ddp.zero_grad()
+                if windows == stop_windows:
+                    return {"seen": seen, "state": bal.state_dict(), "windows": windows}
+    return {"seen": seen, "state": bal.state_dict(), "windows": windows, "steps": bal.steps}
+
+
+def test_a_checkpoint_resumes_on_another_world_with_the_same_samples_per_update():
+    n = 100  # 2 ranks x 8 x accumulate 2, then 4 ranks x 16 x accumulate 1: 16 samples per update
+    first = unwrap(run(per_update_worker, 2, n, 8, 2, None, 3))  # 3 updates into epoch 0
+    state = first[0]["state"]
+    assert state["position"] == {"epoch": 0, "step": 6, "global_batch": 8}
+    rest = unwrap(run(per_update_worker, 4, n, 16, 1, state))
+    assert len({r["windows"] for r in rest}) == 1
+    epoch0 = sorted(_union(first, 0) + _union(rest, 0))
+    assert epoch0 == list(range(n)) and _union(rest, 1) == list(range(n))
+    assert rest[0]["steps"] == 3 + (-(-(n - 48) // 16)) + (-(-n // 16))  # optimizer steps go on
+    # other samples per update, or a position that is not a whole number of updates: refused
+    for r in unwrap(run(per_update_worker, 2, n, 8, 1, state)):
+        assert "8 x accumulate=2 = 16 samples per optimizer step" in r["error"]
+        assert "global_batch=8 and accumulate=2" in r["error"] and "global_batch=16, accumulate=1" in r["error"]
+    odd = dict(state, position={"epoch": 0, "step": 7, "global_batch": 8})
+    for r in unwrap(run(per_update_worker, 2, n, 16, 1, odd)):
+        assert "not a whole number of 16-sample optimizer steps" in r["error"], r

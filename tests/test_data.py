@@ -475,3 +475,29 @@ def test_no_split_of_a_board_gives_one_sample_when_refused():
     board.post(np.array([4, 4]))
     with pytest.raises(SingleSampleError, match="drop_last=True.*lower="):
         board.draw(0, 2, 1, 2)
+
+
+@given(gb=st.integers(1, 12), acc=st.integers(1, 4), acc2=st.integers(1, 8),
+       windows=st.integers(0, 20), tail=st.integers(0, 3), end=st.booleans())
+def test_a_position_rescales_to_another_global_batch_with_the_same_samples_per_update(
+        gb, acc, acc2, windows, tail, end):
+    from hetlb.plan import rescale_position
+    per = gb * acc
+    if per % acc2:
+        return
+    gb2 = per // acc2
+    step = windows * acc + tail  # (a tail: past the whole windows, as an epoch's shorter last ones)
+    pos = {"epoch": 2, "step": step, "global_batch": gb, **({"epoch_end": True} if end else {})}
+    if (gb, acc) == (gb2, acc2):
+        assert rescale_position(pos, (gb, acc), (gb2, acc2)) is pos
+        return
+    if not end and step and (step * gb) % per:
+        with pytest.raises(ValueError, match="not a whole number of"):
+            rescale_position(pos, (gb, acc), (gb2, acc2))
+        return
+    out = rescale_position(pos, (gb, acc), (gb2, acc2))
+    assert out["global_batch"] == gb2 and out["epoch"] == 2 and out.get("epoch_end") == pos.get("epoch_end")
+    if not end:  # the same samples of the order trained, in whole new windows
+        assert out["step"] * gb2 == step * gb and out["step"] % acc2 == 0
+    with pytest.raises(ValueError, match="samples per optimizer step"):
+        rescale_position(pos, (gb, acc), (gb2 + 1, acc2))

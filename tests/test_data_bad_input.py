@@ -275,26 +275,23 @@ def test_sizes_that_sum_the_same_but_differ_would_move_a_sharded_epoch():
 
 
 @pytest.mark.parametrize("into", ["balancer", "loader", "board"])
-def test_a_checkpoint_of_another_global_batch_is_refused(into):
+def test_a_checkpoint_of_other_samples_per_update_is_refused(into):
     state = mid_epoch_state(batch=4)
+    both = (r"4 x accumulate=1 = 4 samples per optimizer step, this Balancer global_batch=8 x "
+            r"accumulate=1 = 8: resume with the checkpoint's global_batch=4 and accumulate=1, or "
+            r"with any global_batch x accumulate = 4")
     if into == "balancer":
         model, bal, loader = balancer(8, Indices(20))
-        # (hetlb.Balancer's own check; a user audit, session 26: it named no fix)
-        match = ("checkpoint global_batch=4 differs from .*8.*make the Balancer with global_batch=4 "
-                 r"\(with a loader made first: batch_size=4")
-    elif into == "loader":
-        loader = hetlb.DataLoader(Indices(20), batch_size=8)
-        match = (r"checkpoint global_batch=4 differs from this job's global batch 8 \(batch_size \* "
-                 r"world\).*Resume with global_batch=4")
-    else:
-        loader = None
-        board = PlanBoard(2, 0, 8)
-        match = "Resume with global_batch=4"
-    with pytest.raises(ValueError, match=match):
-        if loader is None:
-            board.load_position(state["position"])
-        else:
+        with pytest.raises(ValueError, match=both):
             loader.load_state_dict(state)
+    elif into == "loader":  # made first: its Balancer converts the position or refuses it
+        loader = hetlb.DataLoader(Indices(20), batch_size=8)
+        loader.load_state_dict(state)
+        with pytest.raises(ValueError, match=both):
+            hetlb.Balancer(torch.nn.Linear(1, 1).double(), policy=hetlb.Uniform(), loader=loader)
+    else:
+        with pytest.raises(ValueError, match="Resume with global_batch=4"):
+            PlanBoard(2, 0, 8).load_position(state["position"])
 
 
 @pytest.mark.parametrize("order", ["balancer-first", "loader-first", "bound"])
