@@ -4,9 +4,12 @@ Under torchrun (c10d rendezvous, torch >= 2.4) the elastic agent shares one TCPS
 workers (``TORCHELASTIC_USE_AGENT_STORE=True``) and, since the fix for pytorch/pytorch#135712,
 keeps that store for the whole job: a restarted worker group bootstraps from a store still
 holding the previous attempt's keys, and torch's ``env://`` handler adds no per-attempt prefix
-("we create a new TCPStore for every retry"). Gloo then reads the dead ranks' addresses and fails
-with "connectFullMesh failed ... Connection refused" (or NCCL reads an old unique id), so
-``--max-restarts`` never brings a job back once its group had been initialised.
+("we create a new TCPStore for every retry"). A rank of the new attempt that reads a dead rank's
+address before that rank has written its new one makes Gloo's constructor fail with
+"connectFullMesh failed ... Connection refused" where it connects to that address, or wait until
+the group's timeout where the pair's two ranks, comparing different addresses, both take the
+listening side (or NCCL reads an old unique id), so ``--max-restarts`` brings a job back only by
+chance once its group had been initialised.
 
 :func:`init_process_group` takes torch's arguments. When it runs under the agent's shared store it
 bootstraps a fresh store for this attempt: global rank 0 starts a TCPStore server on a free port
