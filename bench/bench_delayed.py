@@ -102,9 +102,10 @@ def buffers(iterations: int, link: float, repeats: int) -> list:
     runs: Dict[bool, list] = {False: [], True: []}
     for _ in range(repeats):
         for sync in (False, True):
-            runs[sync].append(on_gloo_ranks(_worker, 4, iterations, [1.0, 2.0, 3.0, 4.0], 0.0, link, True, sync))
-    lines = [f"### DelayedSync with BatchNorm: sync_buffers off and on, static 1:2:3:4, link {link * 1e3:g} ms, "
-             f"{repeats} runs each, alternated", "",
+            runs[sync].append(on_gloo_ranks(_worker, 4, iterations, [1.0, 2.0, 3.0, 4.0], 0.0, link,
+                                            True, sync))
+    lines = [f"### DelayedSync with BatchNorm: sync_buffers off and on, static 1:2:3:4, "
+             f"link {link * 1e3:g} ms, {repeats} runs each, alternated", "",
              "| sync_buffers | samples/s, median (min-max) | / off | median wait ms | median all-reduce ms | "
              "bytes per all-reduce | running_mean apart after |", "|---|---:|---:|---:|---:|---:|---:|"]
     rate = {k: [float(np.array(r["batch"]).sum() / r["wall"]) for r in v] for k, v in runs.items()}
@@ -112,7 +113,8 @@ def buffers(iterations: int, link: float, repeats: int) -> list:
         rs = runs[sync]
         wait = np.median([np.median(np.array(r["wait"], float)[1:]) for r in rs]) * 1e3
         allr = np.median([np.median(np.array(r["link"], float)[1:]) for r in rs]) * 1e3
-        lines.append(f"| {sync} | {np.median(rate[sync]):.0f} ({min(rate[sync]):.0f}-{max(rate[sync]):.0f}) | "
+        lo, hi = min(rate[sync]), max(rate[sync])
+        lines.append(f"| {sync} | {np.median(rate[sync]):.0f} ({lo:.0f}-{hi:.0f}) | "
                      f"{np.median(rate[sync]) / np.median(rate[False]):.3f} | {wait:.2f} | {allr:.1f} | "
                      f"{rs[0]['bytes']} | {max(r['spread'] for r in rs):.3g} |")
     import time as _time

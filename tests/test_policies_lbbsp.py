@@ -581,7 +581,8 @@ def test_bench_narx_guard_runs():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_narx_guard.py"), "--trace-steps", "320"],
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_narx_guard.py"),
+                          "--trace-steps", "320"],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=root))
     assert out.returncode == 0, out.stderr[-2000:]

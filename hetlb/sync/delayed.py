@@ -194,10 +194,14 @@ class DelayedSync:
       for nothing. This is the value synchronous data parallelism would average, and a buffer no
       forward pass changed keeps its value bit for bit. The forward passes a rank runs while that
       all-reduce is in flight (the next iteration's) update its own buffers, which it sends with
-      the next iteration before the update overwrites them; so, like the gradients, each
-      iteration's running statistics start from the average of two iterations before, and no
-      rank's forward passes are lost. An update in which no rank trained a sample leaves the
-      buffers at the last average.
+      the next iteration before the update overwrites them. So each iteration's forward passes
+      start from the average of two iterations before (as its gradient is computed at
+      parameters one update old), and running statistics, an exponential average over recent
+      batches, average every other iteration's batches: iterations alternate between two such
+      chains. Adding a rank's change to the newer average instead would add two iterations'
+      moves from the same starting point and overshoot (with many reference batches an
+      iteration, ``running_var`` could go negative). An update in which no rank trained a
+      sample leaves the buffers at the last average.
     * an integer buffer (a counter: ``num_batches_tracked``) is its last agreed value plus every
       rank's increase over the iteration the update applies (the ranks that trained samples in
       it): the count one process would reach training all the ranks' reference batches one
@@ -785,9 +789,11 @@ class _Group:
         """A flat copy of the values."""
         if self.native:
             return ops.flatten_scaled(self.tensors, 1.0)
-        return torch.cat(self.flat if self.flat is not None else [t.detach().reshape(-1) for t in self.tensors])
+        flat = self.flat if self.flat is not None else [t.detach().reshape(-1) for t in self.tensors]
+        return torch.cat(flat)
 
     def write(self, flat: torch.Tensor) -> None:
+        """Set the values from a flat tensor (in their dtype)."""
         if self.native:
             ops.unflatten_(flat, self.tensors, 1.0)
         elif self.flat is not None:
