@@ -306,6 +306,8 @@ def test_bad_input():
         hetlb.DelayedSync(net, opt, 0)
     with pytest.raises(ValueError, match='scale_lr=True scales by samples; it needs weighting="samples"'):
         hetlb.DelayedSync(net, opt, 4, weighting="none", scale_lr=True)
+    with pytest.raises(ValueError, match="sync_buffers must be True or False, got 'yes'"):
+        hetlb.DelayedSync(net, opt, 4, sync_buffers="yes")
     ds = hetlb.DelayedSync(net, opt, 4)
     for data in (float("nan"), -5.0, "3"):  # NaN made the parameters NaN, with no error
         net(torch.ones(4, 1)).sum().backward()
@@ -503,26 +505,169 @@ def test_after_a_flush_the_next_gradient_is_not_compensated():
     assert max(d for _, d in fresh_flushed) < 1e-12, fresh_flushed
 
 
-def broadcast_worker(rank, world):
+def _bn_net():
+    """Linear, BatchNorm (trained), Linear, BatchNorm (frozen: eval mode), Linear."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4),
+                              torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    net[3].eval()
+    return net
+
+
+def _buffers(net):
+    return {k: v.detach().clone() for k, v in net.named_buffers()}
+
+
+def _bn_train(rank, net, ds, updates, seed):
+    """Train until ``updates`` updates on this rank's own data (batches of ``4 + 2 * rank``
+    samples, mean ``rank``: each rank's statistics differ). Records the buffers each sent
+    iteration carried (those just before the step that sent it), the buffers right after each
+    step that completed an iteration, and the training forwards of each iteration."""
+    g = torch.Generator().manual_seed(seed + rank)
+    sent, after, forwards = {}, {}, {}
+    while ds.updates < updates:
+        m = 4 + 2 * rank
+        x = torch.randn(m, 3, generator=g) * (1 + rank) + rank
+        forwards[ds.iteration] = forwards.get(ds.iteration, 0) + 1
+        net(x).pow(2).mean().backward()
+        it, done = ds.iteration, len(ds.history)
+        before = _buffers(net)
+        ds.step(batch_size=m)
+        if ds.iteration > it:
+            sent[it] = before
+        if len(ds.history) > done:
+            after[ds.history[-1].iteration] = _buffers(net)
+    sent[ds.iteration] = _buffers(net)  # the flush's own send
+    ds.flush()
+    return {"sent": sent, "after": after, "forwards": forwards, "final": _buffers(net),
+            "batch": {r.iteration: r.batch.tolist() for r in ds.history}}
+
+
+def bn_worker(rank, world):
     torch.manual_seed(rank)  # no common seed: each rank builds other weights
-    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
+    net = _bn_net()
     net[1].running_mean.add_(rank)
     net.register_buffer("mask", torch.tensor([rank % 2 == 0, True]))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    hetlb.DelayedSync(net, opt, reference_batch=4)
-    return {k: v.clone() for k, v in net.state_dict().items()}
+    emu = Emulator.for_rank(rank, [1.0, 2.0, 4.0][:world], model=hetlb.LinearModel(0.004, 0.0), spin=0.0005)
+    ds = hetlb.DelayedSync(net, opt, reference_batch=4, emulator=emu)
+    out = {"initial": _buffers(net) | {k: v.detach().clone() for k, v in net.named_parameters()}}
+    out["run"] = _bn_train(rank, net, ds, 10, 0)
+    # A resume: a fresh model (other weights on each rank) and DelayedSync, the checkpoint loaded
+    state = {"model": net.state_dict(), "ds": ds.state_dict()}
+    torch.manual_seed(10 + rank)
+    net = _bn_net()
+    net.register_buffer("mask", torch.tensor([rank % 2 == 0, True]))
+    ds = hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.01), reference_batch=4, emulator=emu)
+    net.load_state_dict(state["model"])
+    ds.load_state_dict(state["ds"])
+    out["resumed"] = _bn_train(rank, net, ds, ds.updates + 6, 100)
+    return out
 
 
-def test_every_rank_starts_from_rank_0_s_parameters_and_buffers():
+@pytest.fixture(scope="module")
+def bn_runs():
+    """3 ranks at speeds 1:2:4, batches of 4, 6, 8 samples: one spawn for the tests below."""
+    return unwrap(run(bn_worker, 3))
+
+
+def test_every_rank_starts_from_rank_0_s_parameters_and_buffers(bn_runs):
     # As DDP does when it wraps a model. Before: replicas built without a common seed trained
     # apart for good, since the update averages gradients only (a user audit, session 25).
-    states = unwrap(run(broadcast_worker, 3))
     torch.manual_seed(0)
-    want = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
-    for state in states:
+    want = _bn_net()
+    for state in (r["initial"] for r in bn_runs):
         assert state["mask"].tolist() == [True, True]
-        for k, v in want.state_dict().items():
+        for k, v in list(want.state_dict().items()) + list(want.named_parameters()):
             assert torch.equal(state[k], v), k
+
+
+def _check_buffer_rule(runs, start_count):
+    """Every rank's buffers after each update, and at the end, are the same, and they are the
+    stated rule computed here from every rank's values: floating-point buffers the mean of the
+    values each rank sent with the iteration, weighted by its samples in it; the counter the
+    count it started from plus every rank's training forwards in the iterations applied."""
+    world = len(runs)
+    batch = runs[0]["batch"]
+    floats = [k for k, v in runs[0]["final"].items() if v.is_floating_point()]
+    completed = sorted(runs[0]["after"])
+    assert len(completed) >= 5 and all(sorted(r["after"]) == completed for r in runs)
+    for it in completed + ["final"]:
+        got = [r["after"][it] if it != "final" else r["final"] for r in runs]
+        for k in got[0]:
+            for r in range(1, world):
+                assert torch.equal(got[r][k], got[0][k]), (it, k, r, got[r][k], got[0][k])
+        last = it if it != "final" else max(i for i in batch if sum(batch[i]) > 0)
+        w = np.array(batch[last], float)
+        assert np.count_nonzero(w) >= 2, batch[last]
+        for k in floats:
+            want = sum(w[r] * runs[r]["sent"][last][k].double() for r in range(world)) / w.sum()
+            np.testing.assert_allclose(got[0][k].double().numpy(), want.numpy(), rtol=1e-6, atol=1e-7,
+                                       err_msg=f"iteration {it}, {k}")
+        applied = [i for i in batch if i <= last]
+        count = start_count + sum(r["forwards"].get(i, 0) for r in runs for i in applied)
+        assert int(got[0]["1.num_batches_tracked"]) == count, (it, count)
+
+
+def test_buffers_are_the_same_on_every_rank_after_every_update(bn_runs):
+    # Before: only the parameters were kept equal; after training, BatchNorm's running
+    # statistics differed by rank (running_mean by 0.17, num_batches_tracked by 4), so an
+    # evaluation depended on the rank it ran on.
+    first = [r["run"] for r in bn_runs]
+    _check_buffer_rule(first, 0)
+    # a frozen BatchNorm (eval mode) keeps rank 0's initial statistics bit for bit
+    for r in first:
+        for k in ("3.running_mean", "3.running_var", "3.num_batches_tracked"):
+            assert torch.equal(r["final"][k], bn_runs[0]["initial"][k]), k
+        assert r["final"]["mask"].tolist() == [True, True]
+    # A resume continues the rule from the checkpoint's buffers and count
+    resumed = [r["resumed"] for r in bn_runs]
+    _check_buffer_rule(resumed, int(first[0]["final"]["1.num_batches_tracked"]))
+
+
+def test_the_buffer_rule_over_dtypes_and_a_rank_that_trained_nothing():
+    # Three replicas in one process, the all-reduce a plain sum of their parts: float32, float64,
+    # bfloat16, non-contiguous and integer buffers. Rank 1 trains nothing (weight 0) and its
+    # statistics are NaN (an empty batch's): it must neither count nor spread them.
+    from hetlb.sync.delayed import _Buffers
+
+    def make():
+        m = torch.nn.Module()
+        for name, t in [("f32", torch.zeros(3)), ("f64", torch.zeros(2, dtype=torch.float64)),
+                        ("bf16", torch.zeros(2, dtype=torch.bfloat16)), ("t", torch.zeros(2, 3).t()),
+                        ("count", torch.tensor(5)), ("i32", torch.zeros(2, dtype=torch.int32)),
+                        ("mask", torch.tensor([True]))]:
+            m.register_buffer(name, t)
+        return m
+
+    models = [make() for _ in range(3)]
+    syncs = [_Buffers(m, torch.float32, torch.device("cpu")) for m in models]
+    weights = [2.0, 0.0, 6.0]
+    for it in range(3):
+        values, start = [], dict(models[0].named_buffers())
+        start = {k: v.clone() for k, v in start.items()}
+        with torch.no_grad():
+            for r, m in enumerate(models):
+                for name, b in m.named_buffers():
+                    if b.dtype == torch.bool:
+                        continue
+                    b.add_(r + 1 + it if b.is_floating_point() else r + 1)
+                    if r == 1 and b.is_floating_point():
+                        b.fill_(float("nan"))
+                values.append({k: v.clone() for k, v in m.named_buffers()})
+        parts = [s.own(w, w > 0) for s, w in zip(syncs, weights)]
+        summed = sum(p for p, _ in parts)
+        for s, (_, agreed) in zip(syncs, parts):
+            s.apply(summed, sum(weights), agreed)
+        for name, b in models[0].named_buffers():
+            for m in models[1:]:
+                assert torch.equal(dict(m.named_buffers())[name], b), (it, name)
+            if b.is_floating_point():
+                want = sum(w * v[name].double() for w, v in zip(weights, values) if w) / sum(weights)
+                tol = 1e-2 if b.dtype == torch.bfloat16 else 1e-6  # (bf16: its own rounding)
+                np.testing.assert_allclose(b.double().numpy(), want.numpy(), rtol=tol, err_msg=name)
+            elif b.dtype != torch.bool:
+                assert torch.equal(b, start[name] + 1 + 3), (it, name)  # ranks 0 and 2's increases
+    assert models[0].count.item() == 5 + 3 * 4
 
 
 def test_a_loop_left_on_a_round_s_last_update_goes_on_in_the_next_epoch():

@@ -423,6 +423,10 @@ def test_bad_usage_readings_and_arguments():
         LBBSP("gpu", reequilibrate=0)
     with pytest.raises(ValueError, match="NARX: warmup"):
         NARX(warmup=-1)
+    with pytest.raises(ValueError, match="NARX: fit_check"):
+        NARX(fit_check="yes")
+    with pytest.raises(ValueError, match="NARX: guard"):
+        NARX(guard=-1)
     with pytest.raises(RuntimeError, match="start"):
         LBBSP("gpu").decide(h)
     p = LBBSP("gpu")
@@ -492,21 +496,36 @@ def test_a_script_ending_during_a_background_narx_fit_exits_cleanly(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_narx_rejects_a_fit_biased_after_a_speed_change():
-    # Speed levels 2, 1, 3, 1.5, 4, 0.8 (x400 samples/s, 3 % noise) for 200 steps each, constant
-    # CPU and memory: the fit after step 1100 holds the 4 -> 0.8 drop among its held-out steps,
-    # where the EMA errs hugely for a few steps. A plain mean squared error let a fit through that
-    # predicted 383 samples/s for a true 320 on every later step; the trimmed gate refuses it.
+def _levels(p):
+    """Speed levels 2, 1, 3, 1.5, 4, 0.8 (x400 samples/s, 3 % noise) for 200 steps each, constant
+    CPU and memory: the fit after step 1100 holds the 4 -> 0.8 drop among its held-out steps,
+    where the EMA errs hugely for a few steps. Returns the prediction after the last fit."""
     rng = np.random.default_rng(0)
-    p = NARX(background=False).for_rank(0)
     for k in range(1100):
         v = 400 * (2, 1, 3, 1.5, 4, 0.8)[k // 200] * (1 + 0.03 * rng.uniform(-1, 1))
         p.observe(StepRecord(step=k, epoch=0, batch=np.array([100]), compute=np.array([100 / v]),
                              data=np.array([100.0]), memory=np.array([0.3]),
                              cpu=np.array([0.5 + 0.05 * rng.random()])), 0)
     assert p.fits == 7
-    pred = p.predict(0.3)
+    return p.predict(0.3)
+
+
+def test_narx_fit_check_rejects_a_fit_biased_after_a_speed_change():
+    # A plain mean squared error let a fit through that predicted 383 samples/s for a true 320 on
+    # every later step; the opt-in fit-time check's trimmed errors refuse it.
+    p = NARX(background=False, fit_check=True).for_rank(0)
+    pred = _levels(p)
     assert not p.use and np.isnan(pred) or abs(pred - 320) < 0.05 * 320, (p.use, pred)
+
+
+def test_the_default_narx_is_the_paper_s_no_fit_check_no_guard():
+    # LB-BSP: EMA for the first 500 iterations, NARX after, with no comparison against the EMA.
+    # Before, NARX() checked each fit against the EMA on held-out steps and guarded 5 steps.
+    for p in (NARX(), LBBSP("cpu").predictor, LBBSP("cpu").local_predictor(1)):
+        assert isinstance(p, NARX) and p.guard == 0 and p.fit_check is False and p.warmup == 500
+    p = NARX(background=False).for_rank(0)
+    pred = _levels(p)
+    assert p.use and abs(pred - 383) < 5, pred  # the biased fit the check refuses is used
 
 
 def test_a_fresh_cpu_mode_policy_loads_a_state_and_its_narx_copies():
@@ -539,18 +558,22 @@ def _steady_then_slow(p, seed=0, steps=560, change=520):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_narx_fitted_on_steady_speeds_hands_over_to_the_ema_after_a_change(seed):
+@pytest.mark.parametrize("fit_check", [False, True])
+def test_narx_guard_hands_over_to_the_ema_after_a_change(seed, fit_check):
     # A user audit, session 26: a network fitted on 500 steady steps ignores its inputs and kept
     # predicting the old speed until the next fit (100 steps; LB-BSP left a rank slowed 3x with
-    # 2.5x its batch). The fit-time rule (no better than the EMA: NaN, LB-BSP uses its EMA) now
-    # holds between fits too.
-    guarded = _steady_then_slow(NARX(background=False, retrain_every=1000).for_rank(0), seed)
+    # 2.5x its batch). The opt-in guard (no better than the EMA lately: NaN, LB-BSP uses its EMA)
+    # hands the rank over between fits, alone or with the fit-time check.
+    guarded = _steady_then_slow(NARX(background=False, retrain_every=1000, guard=5,
+                                     fit_check=fit_check).for_rank(0), seed)
     before, after = guarded[:30], guarded[30 + 12:]  # (predictions made at steps 490-519, 532-559)
     assert np.isnan(before[:10]).all()  # no network before the first fit, at step 500
     assert np.isfinite(before[11:]).all()  # steady: the network's own predictions, no flapping
     assert np.isnan(after).all()  # within 12 steps of the change, the EMA's
-    stale = _steady_then_slow(NARX(background=False, retrain_every=1000, guard=0).for_rank(0), seed)
-    assert (stale[30 + 12:] > 300).all()  # without the guard: the old speed, 400 against 133
+    if not fit_check:  # (once: the default does not depend on it)
+        paper = _steady_then_slow(NARX(background=False, retrain_every=1000).for_rank(0), seed)
+        assert np.isnan(paper[:10]).all() and np.isfinite(paper[10:]).all()  # EMA, then NARX
+        assert (paper[30 + 12:] > 300).all()  # the paper's: the old speed, 400 against 133
 
 
 def test_bench_narx_guard_runs():
@@ -558,25 +581,43 @@ def test_bench_narx_guard_runs():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_narx_guard.py")],
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_narx_guard.py"),
+                          "--trace-steps", "320"],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=root))
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
-            for r in out.stdout.splitlines() if r.startswith("| `")}
-    stale = rows["`NARX(guard=0)`"]
+    sizes, times, rmse = [{r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+                           for r in table.splitlines() if r.startswith("| `")}
+                          for table in out.stdout.strip().split("\n\n")]
+    rows = sizes
+    stale = rows["`NARX()` (paper)"]
     assert stale[3] == stale[6] != stale[7]  # unmoved from step 610 to 699, moved at the refit
-    assert rows["`NARX() (guard 5)`"][-1] == rows["`EMA()`"][-1]  # follows as the EMA does
+    assert rows["`NARX(fit_check=True)`"][3:7] == stale[3:7]  # the check acts at fits only
+    for guarded in ("`NARX(guard=5)`", "`NARX(guard=5, fit_check=True)`"):
+        assert rows[guarded][5] == rows["`EMA()`"][5]  # follows as the EMA does
+        assert float(times[guarded][1]) < 0.7 * float(times["`NARX()` (paper)"][1])  # 600-699 ms
+    assert len(rmse) == 5
 
 
-def test_a_checkpoint_from_before_the_narx_guard_still_resumes():
+def test_a_checkpoint_from_before_the_opt_in_guard_and_fit_check_resumes_as_it_ran():
+    # Checkpoints written before guard and fit_check were opt-in hold no such keys: they ran the
+    # guard over 5 steps and the fit check. They resume with those, and a policy with the
+    # paper's default is told the settings differ rather than silently changing predictor.
     import copy
     from hetlb.policies.base import check_same_policy, policy_settings
-    p = LBBSP("cpu")
-    saved = copy.deepcopy(policy_settings(p))
-    assert "guard" not in saved["predictor"]  # as checkpoints before it was written
-    check_same_policy(p, {"policy_type": "LBBSP", "policy_settings": saved}, "this Balancer")
-    with pytest.raises(ValueError, match="guard"):
-        check_same_policy(LBBSP("cpu", NARX(guard=0)),
-                          {"policy_type": "LBBSP", "policy_settings": saved}, "this Balancer")
-    assert NARX(guard=0).for_rank(1).guard == 0 and NARX().for_rank(1).guard == 5
+    old = LBBSP("cpu", NARX(guard=5, fit_check=True))
+    saved = copy.deepcopy(policy_settings(old))
+    assert "guard" not in saved["predictor"] and "fit_check" not in saved["predictor"]
+    ckpt = {"policy_type": "LBBSP", "policy_settings": saved}
+    check_same_policy(old, ckpt, "this Balancer")
+    with pytest.raises(ValueError, match="'guard': 0, 'fit_check': False"):
+        check_same_policy(LBBSP("cpu"), ckpt, "this Balancer")
+    q = LBBSP("cpu")
+    q.load_state_dict({**old.state_dict(), "predictor": {"type": "NARX", **NARX().config()}})
+    assert q.predictor.guard == 0 and q.predictor.fit_check is False
+    q.load_state_dict(old.state_dict())
+    assert q.predictor.guard == 5 and q.predictor.fit_check is True
+    for p in (NARX(), NARX(guard=5, fit_check=True), NARX(guard=3)):
+        assert NARX.from_config(p.config()).config() == p.config()
+        r = p.for_rank(1)
+        assert (r.guard, r.fit_check) == (p.guard, p.fit_check)

@@ -32,7 +32,9 @@ Two opt-in improvements, named, tested and benchmarked against the paper's algor
 ``x_i = v_i / sum(v) * X`` (:func:`hetlb.allocate_proportional`: largest remainder inside the
 bounds). The predictor (Table 3): :class:`NARX` (the paper's; default) runs on every rank over its
 own history and publishes its prediction in the telemetry table, the policy reading the shared
-numbers and using its own EMA (``alpha`` 0.2) of the shared speeds for a rank that has none yet;
+numbers and using its own EMA (``alpha`` 0.2) of the shared speeds for a rank that has none yet
+(the paper's: EMA for the first 500 iterations, NARX after; ``NARX(fit_check=True, guard=5)``
+opts into handing a rank back to the EMA where its network does worse);
 :class:`Memoryless` and :class:`EMA` run here, on the shared table. Speeds are measured per
 record, so this mode acts on every record whatever sizes it ran (lag-free).
 
@@ -213,7 +215,7 @@ class LBBSP(SizedPolicy):
         if pstate is None:
             self.predictor = None
         elif pstate.get("type") == "NARX":
-            self.predictor = NARX(**{k: v for k, v in pstate.items() if k != "type"})
+            self.predictor = NARX.from_config({k: v for k, v in pstate.items() if k != "type"})
         elif isinstance(self.predictor, SpeedPredictor) and pstate.get("type") == type(self.predictor).__name__:
             self.predictor.load_state_dict(pstate)
         else:

@@ -12,15 +12,24 @@ Alignment with hetlb's step: the row of step ``t`` is built when step ``t`` star
 it informs sizes step ``t + 1``. At that moment the rank has observed its records up to ``t - 1``
 (its speeds and the CPU load over those steps) and reads its memory now. So the network learns
 ``v_{t+1}`` from ``v_{t-1..t-d}``, ``c_{t-1..t-1-d}`` and ``m_{t..t-d}`` (``m_t``: memory at the
-start of step ``t``, as its record carries it). Until a fit succeeds, or where the network does
-worse than an EMA on held-out steps (mean squared error without the largest tenth of each one's
-errors: a speed change among them must not excuse a biased fit), the prediction is NaN and LB-BSP
-uses its own EMA of the shared speeds (the paper's warm-up fallback). The same rule holds between
-fits (``guard``, default 5): while the network's predictions of the latest ``guard`` steps erred
-more than twice as much, in sum, as the EMA's did, the prediction is NaN too (twice: on steady
-speeds the two err alike, and the network should not flap to the EMA on noise). A network fitted on steady speeds
-learns to ignore its inputs and would otherwise keep a rank's old speed until the next fit (up to
-``retrain_every`` steps: a rank slowed 3x kept 2.5x its batch for about 100 steps).
+start of step ``t``, as its record carries it).
+
+By default the predictor is the paper's: until the first fit (``warmup`` observations, 500) the
+prediction is NaN and LB-BSP uses its own EMA of the shared speeds ("within the first 500
+iterations, we can use EMA"); from the first fit on, the network's prediction, always (NaN only
+where a speed it needs is missing). Two opt-in safeguards, not in the paper, hand a rank back to
+the EMA (prediction NaN) where the network does worse than it (``bench/bench_narx_guard.py``
+compares the four combinations after a speed change):
+
+* ``fit_check=True``: at each fit, the network is kept only if it beat the EMA on the held-out
+  steps (mean squared error without the largest tenth of each one's errors: a speed change
+  among them must not excuse a biased fit);
+* ``guard=k`` (e.g. 5): between fits, while the network's predictions of the latest ``k`` steps
+  erred more than twice as much, in sum, as the EMA's did (twice: on steady speeds the two err
+  alike, and the network should not flap to the EMA on noise). A network fitted on steady speeds
+  learns to ignore its inputs and keeps a rank's old speed until the next fit (up to
+  ``retrain_every`` steps: a rank slowed 3x kept 2.5x its batch for about 100 steps); the guard
+  hands that rank to the EMA within about 8 steps.
 
 The fitted weights are not checkpointed: they are rebuilt from the telemetry history the
 Balancer saves (:meth:`NARX.rebuild`), which holds every rank's series.
@@ -43,8 +52,9 @@ __all__ = ["NARX"]
 
 log = logging.getLogger("hetlb.policies")
 
-#: Steps of the between-fits comparison with the EMA (``NARX(guard=...)``).
-_GUARD = 5
+#: What a checkpoint's NARX configuration without the key means: those written before the
+#: setting was recorded ran the guard over 5 steps and the fit-time check (the defaults then).
+_LEGACY = {"guard": 5, "fit_check": True}
 
 #: float32 halves a fit's cost; 1e-7 relative error is far below the noise of a measured speed.
 _DTYPE = torch.float32
@@ -70,14 +80,19 @@ class NARX:
         epochs, patience, lr: full-batch Adam epochs, early-stopping patience (on the newest
             ``val_fraction`` of the steps), learning rate.
         val_fraction: share of the (time-ordered) samples held out for early stopping.
-        alpha: weight of the latest observation in the EMA baseline the network must beat.
+        alpha: weight of the latest observation in the EMA baseline that ``fit_check`` and
+            ``guard`` compare the network with.
         seed: seed of the private generator that initialises the weights.
         background: fit in a background thread (default) rather than inside :meth:`observe`.
-        guard: steps over which the network's recent errors are compared with the EMA
-            baseline's between fits (the fit-time rule, kept up as steps come); 0: only at fits.
+        fit_check: opt-in, not in the paper (default False: the paper's): at each fit, use the
+            network only if it beat the EMA baseline on the held-out steps.
+        guard: opt-in, not in the paper (default 0: the paper's): steps over which the network's
+            recent errors are compared with the EMA baseline's between fits (e.g. 5); while they
+            are more than twice the EMA's, the prediction is NaN (LB-BSP's EMA decides).
 
     Attributes:
-        fits: completed fits; ``use``: whether the latest fit beat the EMA baseline.
+        fits: completed fits; ``use``: whether the latest fit is used (always, unless
+            ``fit_check`` refused it).
     """
 
     name = "narx"
@@ -85,7 +100,8 @@ class NARX:
     def __init__(self, lookback: int = 2, hidden: int = 16, warmup: int = 500,
                  retrain_every: int = 100, max_samples: int = 500, epochs: int = 300,
                  patience: int = 20, lr: float = 0.01, val_fraction: float = 0.2,
-                 alpha: float = 0.2, seed: int = 0, background: bool = True, guard: int = _GUARD) -> None:
+                 alpha: float = 0.2, seed: int = 0, background: bool = True, guard: int = 0,
+                 fit_check: bool = False) -> None:
         self.lookback = integer(lookback, "NARX: lookback", 1)
         self.hidden = integer(hidden, "NARX: hidden", 1)
         self.warmup = integer(warmup, "NARX: warmup", 0)
@@ -99,20 +115,33 @@ class NARX:
         self.alpha = number(alpha, "NARX: alpha", above=0.0, maximum=1.0)
         self.background = flag(background, "NARX: background")
         self.guard = integer(guard, "NARX: guard", 0)
+        self.fit_check = flag(fit_check, "NARX: fit_check")
         self._clear()
 
+    def _arguments(self) -> Dict[str, Any]:
+        """Every constructor argument, as this instance holds it."""
+        return {k: getattr(self, k) for k in ("lookback", "hidden", "warmup", "retrain_every",
+                                              "max_samples", "epochs", "patience", "lr",
+                                              "val_fraction", "alpha", "seed", "background",
+                                              "guard", "fit_check")}
+
     def config(self) -> Dict[str, Any]:
-        """The constructor arguments (plain values)."""
-        cfg = {k: getattr(self, k) for k in ("lookback", "hidden", "warmup", "retrain_every",
-                                             "max_samples", "epochs", "patience", "lr",
-                                             "val_fraction", "alpha", "seed", "background")}
-        if self.guard != _GUARD:  # (newer than the first checkpoints: there only when not the
-            cfg["guard"] = self.guard  # default, so theirs still match a default predictor)
-        return cfg
+        """The constructor arguments (plain values), as checkpoints and the ranks' start-up
+        comparison hold them: ``guard`` and ``fit_check`` only where they differ from what a
+        configuration without them meant (guard 5 and the fit check, the defaults until they
+        became opt-in), so an older checkpoint still reads as what it ran. Rebuild with
+        :meth:`from_config`."""
+        return {k: v for k, v in self._arguments().items() if k not in _LEGACY or v != _LEGACY[k]}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "NARX":
+        """The predictor of a :meth:`config` (also one written before ``guard`` and
+        ``fit_check`` were recorded)."""
+        return cls(**{**_LEGACY, **config})
 
     def for_rank(self, rank: int) -> "NARX":
         """A fresh predictor with this configuration, for one rank."""
-        p = NARX(**self.config())
+        p = NARX(**self._arguments())
         p.rank = int(rank)
         return p
 
@@ -175,7 +204,7 @@ class NARX:
         """Reset and re-observe ``rank``'s series from a history (after a checkpoint load); the
         next fit happens at the usual counts."""
         self.wait()
-        self.__init__(**self.config())  # type: ignore[misc]
+        self.__init__(**self._arguments())  # type: ignore[misc]
         self.rank = int(rank)
         warmup, self.warmup = self.warmup, math.inf  # no fit per replayed record
         try:
@@ -188,8 +217,8 @@ class NARX:
 
     def predict(self, memory: float) -> float:
         """This rank's predicted speed (samples/s) for the step after the one starting now, given
-        its memory usage now; NaN until a fit beat the EMA baseline (or without enough
-        history)."""
+        its memory usage now; NaN before the first fit (or without enough history), and where
+        an opted-in ``fit_check`` or ``guard`` hands the rank to the EMA."""
         with self._lock:
             net, norm, use, fits = self._net, self._norm, self.use, self.fits
         if fits != self._fits_seen:  # a new network: its record starts afresh
@@ -327,16 +356,19 @@ class NARX:
                     m1.mul_(b1).add_(gr, alpha=1.0 - b1)
                     m2.mul_(b2).addcmul_(gr, gr, value=1.0 - b2)
                     p.sub_(self.lr * (m1 / k1_) / ((m2 / k2_).sqrt() + eps))
-        # The gate trims the largest tenth of each predictor's held-out errors: a speed change
-        # among the held-out steps gives the EMA a few huge errors, and a plain mean then passed
-        # a fit with a bias on every step (bench/bench_soak.py: 18-20 % too fast for 100 steps).
-        with torch.no_grad():
-            W1, c1, W2, c2 = best
-            fit_val = _trimmed_mse((torch.tanh(x[va] @ W1 + c1) @ W2 + c2 - y[va]).double().numpy())
-        ema_val = _trimmed_mse(base[va] - ys[va]) if np.all(np.isfinite(base[va])) else math.inf
+        use = True  # the paper's: the network after the warm-up, whatever its held-out error
+        if self.fit_check:
+            # The check trims the largest tenth of each predictor's held-out errors: a speed change
+            # among the held-out steps gives the EMA a few huge errors, and a plain mean then passed
+            # a fit with a bias on every step (bench/bench_soak.py: 18-20 % too fast for 100 steps).
+            with torch.no_grad():
+                W1, c1, W2, c2 = best
+                fit_val = _trimmed_mse((torch.tanh(x[va] @ W1 + c1) @ W2 + c2 - y[va]).double().numpy())
+            ema_val = _trimmed_mse(base[va] - ys[va]) if np.all(np.isfinite(base[va])) else math.inf
+            use = fit_val < ema_val
         net = tuple(b.double().numpy().copy() for b in best)
         with self._lock:
             self._params = best
             self._net, self._norm = net, norm
-            self.use = fit_val < ema_val
+            self.use = use
             self.fits += 1

@@ -15,6 +15,8 @@ When the all-reduce completes the rank divides by the total batch, compensates t
 staleness (Eq. 6: ``G~ = G + lam * G * G * (x_t - x_{t-1})``, :func:`hetlb.ops.delay_compensate_`),
 steps the optimizer and starts the next iteration's all-reduce. Parameters stay identical on every
 rank (every rank applies the same update); no DDP is involved: hetlb owns the gradient buffers.
+The model's buffers (BatchNorm's running statistics) ride in the same all-reduce and are identical
+on every rank after every update (the rule: :class:`DelayedSync`, ``sync_buffers``).
 
 Delay compensation with momentum or Adam: the compensated gradient ``G~`` is what the optimizer
 receives as ``p.grad``; its own state (momentum, moment estimates) then runs on compensated,
@@ -41,7 +43,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -163,6 +165,9 @@ class DelayedSync:
             rule of Goyal et al.), so an iteration that trained ``k`` times the nominal batch
             moves ``k`` times as far. The paper's update (False) makes a large adaptive batch
             a less noisy step of the same length. Needs ``weighting="samples"``.
+        sync_buffers: keep the model's buffers identical on every rank (the default), carried in
+            the iteration's all-reduce (see *Buffers* below); False leaves each rank's buffers to
+            its own forward passes (after the start-up broadcast), as before.
         emulator: an :class:`hetlb.emulate.Emulator` that stretches each reference batch; with
             a ``bandwidth`` it also emulates the link: an all-reduce's result is there
             ``nbytes / bandwidth`` seconds after the collective completed (``history[i].link``
@@ -176,12 +181,46 @@ class DelayedSync:
 
     Gradients accumulate and travel in float32 buffers (float64 when a parameter is float64), so
     bf16 parameters are fine and the integer batch counts ride exactly.
+
+    Buffers (``sync_buffers=True``, on more than one rank): every floating-point and integer buffer
+    the model holds when DelayedSync is made (BatchNorm's ``running_mean``, ``running_var``,
+    ``num_batches_tracked``; a bool buffer is left as broadcast at start-up) rides in the
+    iteration's all-reduce, and every rank ends each update with the same values:
+
+    * a floating-point buffer is the mean of the values the ranks had when they sent the
+      iteration the update applies (after their reference batches of it), each weighted by its
+      gradient's weight in that iteration (its samples with ``weighting="samples"``, its data
+      amount with ``"sizes"``, 1 with ``"none"``); a rank that trained no sample in it counts
+      for nothing. This is the value synchronous data parallelism would average, and a buffer no
+      forward pass changed keeps its value bit for bit. The forward passes a rank runs while that
+      all-reduce is in flight (the next iteration's) update its own buffers, which it sends with
+      the next iteration before the update overwrites them. So each iteration's forward passes
+      start from the average of two iterations before (as its gradient is computed at
+      parameters one update old), and running statistics, an exponential average over recent
+      batches, average every other iteration's batches: iterations alternate between two such
+      chains. Adding a rank's change to the newer average instead would add two iterations'
+      moves from the same starting point and overshoot (with many reference batches an
+      iteration, ``running_var`` could go negative). An update in which no rank trained a
+      sample leaves the buffers at the last average.
+    * an integer buffer (a counter: ``num_batches_tracked``) is its last agreed value plus every
+      rank's increase over the iteration the update applies (the ranks that trained samples in
+      it): the count one process would reach training all the ranks' reference batches one
+      after another, each training forward pass counted once, exactly. The ranks run different
+      numbers of reference batches per iteration, so the maximum or rank 0's value would count
+      one rank's batches only; and since each update overwrites the values the next
+      iteration's forward passes started from, any rule on the values themselves (rather than
+      their increases) would count every other iteration only.
+
+    Counters count from the model's buffers at construction and at :meth:`load_state_dict`:
+    load a checkpoint's model state before ``ds.load_state_dict`` (or ``loader.load_state_dict``).
+    Between updates each rank's buffers move with its own forward passes: evaluate right after
+    an update (``ds.step()`` returned True) or a :meth:`flush`, where they are equal.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reference_batch: int,
                  lam: float = 0.5, weighting: str = "samples", group: Any = None, *,
                  batches_per_iteration: Optional[int] = None, emulator: Any = None,
-                 probe_batches: int = 4, scale_lr: bool = False,
+                 probe_batches: int = 4, scale_lr: bool = False, sync_buffers: bool = True,
                  watchdog: Optional[Watchdog] = None) -> None:
         # A rank refusing its arguments joins the start-up exchange with its refusal, so every
         # rank raises rather than waiting in the collective until its timeout.
@@ -210,6 +249,8 @@ class DelayedSync:
             if scale_lr and weighting != "samples":
                 raise ValueError(f'scale_lr=True scales by samples; it needs weighting="samples", got {weighting!r}')
             self.scale_lr = scale_lr
+            if not isinstance(sync_buffers, bool):
+                raise ValueError(f"sync_buffers must be True or False, got {sync_buffers!r}")
             on = dist.is_available() and dist.is_initialized()
             self.world = dist.get_world_size(group) if on else 1
             self.rank = dist.get_rank(group) if on else 0
@@ -248,13 +289,16 @@ class DelayedSync:
         # Ranks that differ here would weigh, scale or cut their shares differently: a silent
         # drift of the replicas, so one exchange at start-up compares them.
         self._agree({"reference_batch": self.reference_batch, "lam": self.lam, "weighting": weighting,
-                     "scale_lr": scale_lr, "batches_per_iteration": self.fixed,
+                     "scale_lr": scale_lr, "sync_buffers": sync_buffers, "batches_per_iteration": self.fixed,
                      "probe_batches": self.probe_batches, "dtype": str(self.dtype),
                      "parameters": (len(self.params), sum(p.numel() for p in self.params)),
                      "tensors": shapes_digest(list(model.parameters()) + list(model.buffers()))},
                     "DelayedSync")
         if self.world > 1:  # the update averages gradients: replicas that start apart stay apart
             broadcast_module_state(model, group)
+        # (after the broadcast: every rank's buffers are equal, the base of the first update's)
+        synced = _Buffers(model, self.dtype, self.device) if sync_buffers and self.world > 1 else None
+        self._buffers = synced if synced is not None and synced.numel else None
         if watchdog is not None and on:
             watchdog.attach_to(group)
 
@@ -333,12 +377,14 @@ class DelayedSync:
         if not force and self.fixed is not None and self._count < self.fixed:
             return False
         applied = False
+        own = None
         if self._flight is not None:
             if not wait and not self._flight.ready():
                 return False
+            own = self._own_buffers()  # taken before the update overwrites them
             applied = self._complete()
         if not self._round_over:
-            self._send()
+            self._send(own=own)
         else:
             self._rebase()
         return applied
@@ -393,6 +439,9 @@ class DelayedSync:
             total = float(rec.data.sum())
         else:
             total = float(np.count_nonzero(batch))
+        if self._buffers is not None:
+            end = buf.numel() - self.world * len(ROW)
+            self._buffers.apply(buf[end - self._buffers.numel:end], total, flight.agreed)
         if total <= 0:  # nobody had samples: no update; the next gradient is at these parameters
             self._prev_from_params()
             return False
@@ -442,10 +491,22 @@ class DelayedSync:
             + f", modulo 2**24) at this rank's iteration {iteration}: the ranks loaded "
             f"different checkpoints (or some ranks none). Load the same checkpoint on every rank")
 
-    def _send(self, flushing: bool = False) -> None:
-        """Pack this iteration's accumulated gradient and row, start its all-reduce, and begin the
-        next iteration (the parameters it was computed at are kept for the compensation).
-        ``flushing``: sent by :meth:`flush` (marked in the row, see :meth:`_check_matched`)."""
+    def _own_buffers(self) -> Optional[Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """This rank's buffers' part of the iteration it is about to send (see :class:`_Buffers`),
+        weighted as its gradient is; None without synced buffers."""
+        if self._buffers is None:
+            return None
+        weight = {"samples": float(self._batch), "sizes": self._data,
+                  "none": 1.0 if self._batch > 0 else 0.0}[self.weighting]
+        return self._buffers.own(weight, self._batch > 0)
+
+    def _send(self, flushing: bool = False,
+              own: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None) -> None:
+        """Pack this iteration's accumulated gradient, buffers and row, start its all-reduce, and
+        begin the next iteration (the parameters it was computed at are kept for the
+        compensation). ``flushing``: sent by :meth:`flush` (marked in the row, see
+        :meth:`_check_matched`). ``own``: the buffers' part, when taken before an update that
+        overwrote them (:meth:`_own_buffers`)."""
         row = torch.zeros(self.world * len(ROW), dtype=self.dtype, device=self.device)
         left = self._left()
         mine = [float(self._batch), self._data, self._compute, self._waited, self._link, float(left),
@@ -455,6 +516,10 @@ class DelayedSync:
         scale = 1.0
         if self.weighting == "none" and self._batch > 0:
             scale = 1.0 / self._batch
+        agreed = None
+        if self._buffers is not None:
+            part, agreed = own if own is not None else self._own_buffers()
+            row = torch.cat([part, row])
         buf = ops.flatten_scaled(self._acc, scale, extra=row)
         if self._prev is None:
             self._prev = [p.detach().to(self.dtype).clone() for p in self.params]
@@ -462,7 +527,9 @@ class DelayedSync:
         delay = 0.0
         if self.emulator is not None and getattr(self.emulator, "bandwidth", None):
             delay = self.emulator.comm_delay(buf.numel() * buf.element_size())
-        self._flight = _Flight(work, buf, self.iteration, delay, self._round_key())
+        self._flight = _Flight(work, buf, self.iteration, delay, self._round_key(), agreed)
+        if self._buffers is not None:
+            self._buffers.began()
         self.iteration += 1
         for a in self._acc:
             a.zero_()
@@ -475,9 +542,11 @@ class DelayedSync:
         :meth:`state_dict` calls it. A flush on some ranks only raises ``RuntimeError`` on every
         rank once the others' next all-reduce meets it (before any rank applies the mixed sum):
         take a checkpoint's state on every rank and save it on one."""
+        own = None
         if self._flight is not None:
+            own = self._own_buffers()
             self._complete()
-        self._send(flushing=True)
+        self._send(flushing=True, own=own)
         self._complete()
         self._rebase()
 
@@ -625,7 +694,8 @@ class DelayedSync:
         return np.maximum(shards - np.rint(self._table[:, _R["left"]]).astype(np.int64), 0)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (load the model and optimizer as saved with it)."""
+        """Restore :meth:`state_dict` (load the model and optimizer as saved with it, the model
+        first: its buffers are what the next updates' counters count from)."""
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             got = f"format={state.get('format')!r}" if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"not a {_FORMAT} checkpoint ({got})")
@@ -639,6 +709,8 @@ class DelayedSync:
         self.history = deque((IterationRecord.from_dict(d) for d in state["history"] if same_world),
                              maxlen=4096)
         self._flight, self._prev = None, None
+        if self._buffers is not None:  # the model's state, loaded first, is every rank's
+            self._buffers.capture()
         self._waited = self._link = 0.0
         for a in self._acc:
             a.zero_()
@@ -672,8 +744,9 @@ class _Flight:
     the work's future, so polling costs no collective."""
 
     def __init__(self, work: Any, buf: torch.Tensor, iteration: int, delay: float,
-                 round_key: Any = None) -> None:
+                 round_key: Any = None, agreed: Optional[List[torch.Tensor]] = None) -> None:
         self.buf, self.iteration, self.delay = buf, iteration, float(delay)
+        self.agreed = agreed  # the buffers' values the floating part was sent relative to
         self.round_key = round_key  # (epoch, first sample) of the round it was sent in
         self.sent = time.perf_counter()
         # One rank: nothing to reduce, complete at once.
@@ -695,6 +768,121 @@ class _Flight:
         ready = self._completed() + self.delay
         sleep_until(ready)
         return ready - self.sent
+
+
+class _Group:
+    """Buffers of one dtype and device, read and written as one flat tensor: by the native
+    multi-tensor copy where the dtype has one, else through flat views of the buffers (a few
+    calls for a model's BatchNorm statistics and counters, not a few per buffer)."""
+
+    def __init__(self, tensors: List[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.sizes = [t.numel() for t in tensors]
+        self.numel = sum(self.sizes)
+        self.native = tensors[0].dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        # 1-D views sharing the buffers' storage (valid while the module holds these tensors:
+        # load_state_dict copies into them; a DelayedSync.load_state_dict takes them again)
+        self.flat = None if self.native or not all(t.is_contiguous() for t in tensors) else \
+            [t.detach().view(-1) for t in tensors]
+
+    def read(self) -> torch.Tensor:
+        """A flat copy of the values."""
+        if self.native:
+            return ops.flatten_scaled(self.tensors, 1.0)
+        flat = self.flat if self.flat is not None else [t.detach().reshape(-1) for t in self.tensors]
+        return torch.cat(flat)
+
+    def write(self, flat: torch.Tensor) -> None:
+        """Set the values from a flat tensor (in their dtype)."""
+        if self.native:
+            ops.unflatten_(flat, self.tensors, 1.0)
+        elif self.flat is not None:
+            torch._foreach_copy_(self.flat, list(flat.split(self.sizes)))
+        else:
+            for t, v in zip(self.tensors, flat.split(self.sizes)):
+                t.detach().copy_(v.view(t.shape))
+
+
+def _groups(tensors: List[torch.Tensor]) -> List[_Group]:
+    by: Dict[Any, List[torch.Tensor]] = {}
+    for t in tensors:
+        by.setdefault((t.dtype, t.device), []).append(t)
+    return [_Group(ts) for ts in by.values()]
+
+
+class _Buffers:
+    """The model's floating-point and integer buffers, kept identical across ranks through the
+    iteration's all-reduce (the rule: :class:`DelayedSync`). A rank's part of an iteration is
+    ``weight * (value - agreed)`` of its floating-point buffers, relative to the last agreed
+    values (equal on every rank, so the sum over ranks divided by the total weight, added to
+    them, is the weighted mean of the values, and a buffer no rank changed stays exact), then
+    its counters' increase since its iteration began. The part travels in the gradients' dtype:
+    a counter's increase is exact below 2**24 an iteration."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.dtype, self.device = model, dtype, device
+        self.capture()
+
+    def capture(self) -> None:
+        """Take the model's buffers, as they are now, as the agreed values: equal on every rank
+        after the start-up broadcast and after a checkpoint's model state is loaded."""
+        buffers = [b for b in self.model.buffers() if b.numel()]
+        self.floats = _groups([b for b in buffers if b.is_floating_point()])
+        self.counters = _groups([b for b in buffers if not (b.is_floating_point() or b.is_complex()
+                                                             or b.dtype == torch.bool)])
+        self.numel = sum(g.numel for g in self.floats + self.counters)
+        self.agreed = [g.read() for g in self.floats]
+        self.counted = [g.read().to(torch.int64) for g in self.counters]  # agreed counts
+        self.began()
+
+    def began(self) -> None:
+        """The rank starts an iteration (sent one, or its buffers were just set): its counters'
+        increases count from here."""
+        self.start = [g.read().to(torch.int64) for g in self.counters]
+
+    def own(self, weight: float, trained: bool) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """This rank's part of the iteration it sends, and the agreed values the floating part is
+        relative to (kept by the flight: an update may replace them before it completes). A
+        rank that trained no sample in it sends zeros, whatever an empty batch's forward pass
+        left in its buffers."""
+        part = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        off = 0
+        with torch.no_grad():
+            for g, a in zip(self.floats, self.agreed):
+                if weight > 0:  # (in the wider dtype: a bf16 difference, or a float64 value cast
+                    # to float32 before the difference, would lose the change itself)
+                    wide = torch.promote_types(a.dtype, self.dtype)
+                    part[off:off + g.numel].copy_(g.read().to(wide).sub_(a).mul_(weight))
+                off += g.numel
+            for g, s in zip(self.counters, self.start):
+                if trained:
+                    part[off:off + g.numel].copy_(g.read().to(torch.int64) - s)
+                off += g.numel
+        return part, self.agreed
+
+    def apply(self, summed: torch.Tensor, total: float, agreed: List[torch.Tensor]) -> None:
+        """Set every rank's buffers from an iteration's sum (``agreed``: the values its floating
+        part was sent relative to; ``total``: the sum of the ranks' weights)."""
+        off = 0
+        with torch.no_grad():
+            if total > 0:  # else no rank trained a sample: the last agreed values stay
+                new = []
+                for g, a in zip(self.floats, agreed):
+                    mean = summed[off:off + g.numel].to(a.device)
+                    new.append(torch.add(a, mean, alpha=1.0 / total).to(a.dtype))
+                    off += g.numel
+                self.agreed = new
+            off = sum(g.numel for g in self.floats)
+            for g, v in zip(self.floats, self.agreed):
+                g.write(v)
+            counted = []
+            for g, c in zip(self.counters, self.counted):
+                c = c + torch.round(summed[off:off + g.numel]).to(device=c.device, dtype=torch.int64)
+                g.write(c.to(g.tensors[0].dtype))
+                counted.append(c)
+                off += g.numel
+            self.counted = counted
+        self.began()
 
 
 def _stamp(fut: Any) -> float:
