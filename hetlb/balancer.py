@@ -295,20 +295,16 @@ class _BackwardEnd:
 
 
 class _Unattached:
-    """Global forward pre-hook during the Balancer's first step: a DDP model that trains there
-    (training mode, gradients on, parameters that take them) and is neither the balanced model
-    nor attached would have its gradient averaged by DDP over the ranks' uneven batches,
-    unweighted. Every rank runs the same program, so every rank raises at the same forward.
-    Only the first step: a global hook sends every module of every forward through torch's slow
-    path (about half a forward of a small model)."""
-
-    def __init__(self, allowed: frozenset) -> None:
-        self.allowed = allowed  # ids of the balanced model and the attached ones
+    """Forward pre-hook, during the Balancer's first step, on every other DDP model of the
+    process: one that trains there (training mode, gradients on, parameters that take them)
+    would have its gradient averaged by DDP over the ranks' uneven batches, unweighted. Every
+    rank runs the same program, so every rank raises at the same forward. Only the first step,
+    and per model: a global forward hook sends every module of every forward through torch's
+    slow path (about half a forward of a small model) and makes ``torch.compile(module)`` warn."""
 
     @never_compiled
     def __call__(self, module: torch.nn.Module, args: tuple) -> None:
-        if not isinstance(module, DistributedDataParallel) or id(module) in self.allowed or \
-                not module.training or not torch.is_grad_enabled() or \
+        if not module.training or not torch.is_grad_enabled() or \
                 not any(p.requires_grad for p in module.parameters()):
             return
         other = any(isinstance(h, _StepGate) for h in module._forward_pre_hooks.values())
@@ -320,6 +316,16 @@ class _Unattached:
             f"bal.attach(model): its gradient is then weighted as the balanced model's"
             + (" (it has a Balancer of its own: one Balancer per set of batches, the other "
                "models attached to it)" if other else ""))
+
+    @classmethod
+    def watch(cls, known: List[torch.nn.Module]) -> List[Any]:
+        """The hooks' handles on every DDP model alive but ``known`` (found once, by the garbage
+        collector's list of objects: no registry of DDP models exists)."""
+        import gc
+        hook = cls()
+        # (by type: isinstance would ask a dead weak proxy among the objects, which raises)
+        return [o.register_forward_pre_hook(hook) for o in gc.get_objects()
+                if issubclass(type(o), DistributedDataParallel) and not any(o is m for m in known)]
 
 
 @dataclass(slots=True)  # (one a step)
@@ -658,7 +664,7 @@ class Balancer:
             self._attached: List[DistributedDataParallel] = []
             #: The first step looks for DDP models that train in it unattached (:class:`_Unattached`).
             self._check_models = is_ddp
-            self._unattached: Any = None  # its handle while that step is open
+            self._unattached: Optional[List[Any]] = None  # its hooks' handles while that step is open
             self._watch: Any = None  # the deferred hook's BackwardWatch handle (None: hooked)
             if is_ddp and deferred:
                 self._watch = self.telemetry.defer(model)
@@ -1003,9 +1009,7 @@ class Balancer:
                    sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship)
         self._open = _Open(plan, explicit, ship)
         if self._check_models and self._unattached is None:
-            allowed = frozenset(id(m) for m in [self.model] + self._attached)
-            self._unattached = torch.nn.modules.module.register_module_forward_pre_hook(
-                _Unattached(allowed))
+            self._unattached = _Unattached.watch([self.model] + self._attached)
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
         self._spent += time.perf_counter() - t
@@ -1229,7 +1233,8 @@ class Balancer:
 
     def _stop_model_check(self) -> None:
         if self._unattached is not None:
-            self._unattached.remove()
+            for handle in self._unattached:
+                handle.remove()
             self._unattached = None
 
     def _finish(self) -> None:
