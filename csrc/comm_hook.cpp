@@ -79,9 +79,10 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr const char* kOutsideStep =
     "hetlb: a backward pass of the DDP model ran outside a balanced step. Iterate the Balancer's "
     "loader (each batch it hands out is one step), or wrap forward and backward in `with "
-    "bal.step():`; with a plain DataLoader the gradient weights would be wrong. This DDP model "
-    "cannot be used again (its reducer stopped inside the backward pass): fix the loop and start "
-    "over";
+    "bal.step():`; with a plain DataLoader the gradient weights would be wrong. A second DDP "
+    "model trained on another Balancer's batches is attached to that Balancer (bal.attach(model)) "
+    "instead of given one of its own. This DDP model cannot be used again (its reducer stopped "
+    "inside the backward pass): fix the loop and start over";
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 double monotonic_seconds() {

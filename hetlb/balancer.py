@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import checks
 from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty, choose_transport,
                         defer_blocker, first_tensor, is_nccl, keep_groups, make_side_group,
-                        raise_refusals, refuse_everywhere, weights_for)
+                        raise_refusals, refuse_everywhere, tensors_in, weights_for)
 from .data import BalancedLoader, check_loader_config
 from .eager import never_compiled
 from .runlog import ENV_LOG_DIR, RunLog
@@ -295,37 +295,82 @@ class _BackwardEnd:
 
 
 class _Unattached:
-    """Forward pre-hook, during the Balancer's first step, on every other DDP model of the
-    process: one that trains there (training mode, gradients on, parameters that take them)
-    would have its gradient averaged by DDP over the ranks' uneven batches, unweighted. Every
-    rank runs the same program, so every rank raises at the same forward. Only the first step,
-    and per model: a global forward hook sends every module of every forward through torch's
-    slow path (about half a forward of a small model) and makes ``torch.compile(module)`` warn."""
+    """Forward pre-hook, during the Balancer's first step only, on the balanced model and on every
+    other DDP model alive then without a Balancer of its own (found once through gc): refuses
+    an other model that trains on the step's samples unattached, whose gradient DDP would
+    average over the ranks' uneven batches, unweighted.
 
-    @never_compiled
-    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
-        if not module.training or not torch.is_grad_enabled() or \
-                not any(p.requires_grad for p in module.parameters()):
-            return
-        other = any(isinstance(h, _StepGate) for h in module._forward_pre_hooks.values())
-        raise RuntimeError(
-            f"hetlb: a second DistributedDataParallel model ({type(module.module).__name__}) trains "
-            f"in this Balancer's step without being attached to it: DDP would average its "
-            f"gradient over the ranks' uneven batches unweighted, which is not the mean over the "
-            f"step's samples. Attach it to the Balancer on every rank before training, "
-            f"bal.attach(model): its gradient is then weighted as the balanced model's"
-            + (" (it has a Balancer of its own: one Balancer per set of batches, the other "
-               "models attached to it)" if other else ""))
+    "On the step's samples" is read off its forward's inputs against the balanced model's: a
+    tensor of the same storage (two branches on one batch: whichever runs first), or a gradient
+    path from one model's parameters into the other's inputs (an encoder and a head, a GAN's
+    generator and discriminator, either way round). Another DDP model trained on batches of its
+    own (a separate loop interleaved with this one) is left alone. Every rank runs the same
+    program, so every rank raises at the same forward. Per model and for one step: a hook every
+    step, or a global one, would cost forwards (a global forward hook sends every module through
+    torch's slow path, and ``torch.compile(module)`` warns of one)."""
+
+    def __init__(self, balanced: torch.nn.Module, others: List[torch.nn.Module]) -> None:
+        self.balanced = balanced
+        self.owner = {id(p): m for m in others for p in m.parameters()}
+        self.mine = {id(p) for p in balanced.parameters()}
+        # The inputs' storages, each with a tensor on it: held for the step, so no later tensor
+        # can be allocated at the same address and pass for the same samples.
+        self.storages: Dict[int, torch.Tensor] = {}  # the balanced model's inputs
+        self.seen: Dict[int, Tuple[torch.Tensor, torch.nn.Module]] = {}  # the other models'  
 
     @classmethod
-    def watch(cls, known: List[torch.nn.Module]) -> List[Any]:
-        """The hooks' handles on every DDP model alive but ``known`` (found once, by the garbage
-        collector's list of objects: no registry of DDP models exists)."""
+    def watch(cls, balanced: torch.nn.Module, known: List[torch.nn.Module]) -> List[Any]:
+        """The hooks' handles (removed when the step ends)."""
         import gc
-        hook = cls()
         # (by type: isinstance would ask a dead weak proxy among the objects, which raises)
-        return [o.register_forward_pre_hook(hook) for o in gc.get_objects()
-                if issubclass(type(o), DistributedDataParallel) and not any(o is m for m in known)]
+        others = [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)
+                  and not any(o is m for m in known)
+                  and not any(isinstance(h, _StepGate) for h in o._forward_pre_hooks.values())]
+        hook = cls(balanced, others)
+        return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in [balanced] + others]
+
+    @never_compiled
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        tensors = {t.untyped_storage().data_ptr(): t for t in tensors_in((args, kwargs)) if t.numel()}
+        upstream = _parameters_upstream(list(tensors.values()))
+        if module is self.balanced:
+            self.storages.update(tensors)
+            hit = [self.owner[p] for p in upstream if p in self.owner] + \
+                [self.seen[s][1] for s in tensors if s in self.seen]
+            if hit:
+                raise RuntimeError(_unattached_message(hit[0]))
+            return
+        if not any(p.requires_grad for p in module.parameters()):
+            return
+        if any(s in self.storages for s in tensors) or upstream & self.mine:
+            raise RuntimeError(_unattached_message(module))
+        for ptr, t in tensors.items():
+            self.seen[ptr] = (t, module)
+
+
+def _parameters_upstream(tensors: List[torch.Tensor]) -> set:
+    """Ids of the leaf tensors (parameters) whose gradients flow into ``tensors``."""
+    out, todo, done = set(), [t.grad_fn for t in tensors if t.grad_fn is not None], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in done:
+            continue
+        done.add(id(fn))
+        var = getattr(fn, "variable", None)  # an AccumulateGrad node: its parameter
+        if var is not None:
+            out.add(id(var))
+        todo.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+def _unattached_message(model: torch.nn.Module) -> str:
+    return (f"hetlb: a second DistributedDataParallel model ({type(model.module).__name__}) trains "
+            f"on this Balancer's samples without being attached to it: DDP would average its "
+            f"gradient over the ranks' uneven batches unweighted, which is not the mean over the "
+            f"step's samples. Attach it to the Balancer on every rank before training, "
+            f"bal.attach(model): its gradient is then weighted as the balanced model's")
 
 
 @dataclass(slots=True)  # (one a step)
@@ -1009,7 +1054,7 @@ class Balancer:
                    sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship)
         self._open = _Open(plan, explicit, ship)
         if self._check_models and self._unattached is None:
-            self._unattached = _Unattached.watch([self.model] + self._attached)
+            self._unattached = _Unattached.watch(self.model, [self.model] + self._attached)
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
         self._spent += time.perf_counter() - t

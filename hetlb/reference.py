@@ -365,6 +365,8 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
     core = state.core
     if not core.open:
         raise RuntimeError("hetlb: a backward pass of the DDP model ran outside a balanced step. "
+                           "A second DDP model trained on another Balancer's batches is attached "
+                           "to that Balancer (bal.attach(model)) instead of given one of its own. "
                            "This DDP model cannot be used again (its reducer stopped inside the "
                            "backward pass): fix the loop and start over")
     state.buckets += 1

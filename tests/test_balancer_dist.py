@@ -977,14 +977,18 @@ def attach_worker(rank, world, case):
     ds = torch.utils.data.TensorDataset(x, y, torch.arange(len(x)))
     enc, head = _two_part_net()
     denc, dhead = DDP(enc), DDP(head)
+    side = DDP(torch.nn.Linear(5, 2).double())  # "branches", "interleaved": a third model
     try:
-        if case == "unattached":
+        if case in ("unattached", "branches"):
             bal = hetlb.Balancer(denc, 8, policy=Fixed([3, 5]))
+        elif case == "reverse":  # the head balanced, the encoder before it unattached
+            bal = hetlb.Balancer(dhead, 8, policy=Fixed([3, 5]))
         elif case == "second_balancer":
             bal = hetlb.Balancer(denc, 8, policy=Fixed([3, 5]))
             hetlb.Balancer(dhead, 8, policy=Fixed([3, 5]))
         else:
             # "deferred": equal halves first (no hook yet), then uneven: both hooks come together
+            # ("interleaved": a third DDP model trains on batches of its own in the first step)
             policy = Scripted([[4, 4], [4, 4], [3, 5], [6, 2]]) if case in ("deferred", "backward") \
                 else Fixed([3, 5])
             bal = hetlb.Balancer(denc, 8, policy=policy, accumulate=2 if case == "accumulate" else 1)
@@ -997,7 +1001,15 @@ def attach_worker(rank, world, case):
             if step == 6:
                 break
             with bal.step():
-                loss = (dhead(denc(xb)) - yb).pow(2).sum(1).mean()
+                if case == "branches":  # a second model on the same batch, beside the first
+                    loss = denc(xb).pow(2).mean() + side(xb).mean()
+                elif case == "interleaved":  # a plain DDP model trained on batches of its own
+                    loss = (dhead(denc(xb)) - yb).pow(2).sum(1).mean()
+                    side(torch.randn(4, 5, dtype=torch.float64)).sum().backward()
+                    loss.backward()
+                    return {"ran": True}
+                else:
+                    loss = (dhead(denc(xb)) - yb).pow(2).sum(1).mean()
                 if case == "accumulate":
                     loss = loss / 2
                 bal.backward(loss) if case == "backward" else loss.backward()
@@ -1031,14 +1043,20 @@ def test_an_attached_model_is_weighted_as_the_balanced_one(case):
 
 
 @pytest.mark.parametrize("case, match", [
-    ("unattached", r"second DistributedDataParallel model \(Linear\) trains in this Balancer's "
-                   r"step without being attached.*bal\.attach\(model\)"),
-    ("second_balancer", r"without being attached.*has a Balancer of its own"),
+    ("unattached", r"second DistributedDataParallel model \(Linear\) trains on this Balancer's "
+                   r"samples without being attached.*bal\.attach\(model\)"),
+    ("reverse", r"second DistributedDataParallel model \(Sequential\) trains on this Balancer's"),
+    ("branches", r"second DistributedDataParallel model \(Linear\) trains on this Balancer's"),
+    ("second_balancer", r"outside a balanced step.*attached to that Balancer \(bal\.attach\(model\)\)"),
 ])
 def test_a_ddp_model_training_unattached_is_refused_on_every_rank(case, match):
     import re
     for r in unwrap(run(attach_worker, 2, case)):
-        assert re.search(match, r.get("error", "")), r
+        assert re.search(match, r.get("error", ""), re.S), r
+
+
+def test_a_ddp_model_trained_on_batches_of_its_own_in_the_first_step_is_left_alone():
+    assert unwrap(run(attach_worker, 2, "interleaved")) == [{"ran": True}] * 2
 
 
 def attach_refusals_worker(rank, world):
