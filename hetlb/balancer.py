@@ -304,54 +304,63 @@ class _Unattached:
     tensor of the same storage (two branches on one batch: whichever runs first), or a gradient
     path from one model's parameters into the other's inputs (an encoder and a head, a GAN's
     generator and discriminator, either way round). Another DDP model trained on batches of its
-    own (a separate loop interleaved with this one) is left alone. Every rank runs the same
-    program, so every rank raises at the same forward. Per model and for one step: a hook every
-    step, or a global one, would cost forwards (a global forward hook sends every module through
-    torch's slow path, and ``torch.compile(module)`` warns of one)."""
+    own (a separate loop interleaved with this one) is left alone. What it finds is kept
+    (:attr:`found`) and agreed between the ranks when the step ends, so every rank raises there
+    if any rank found one. Per model and for one step: a hook every step, or a global one, would
+    cost forwards (a global forward hook sends every module through torch's slow path, and
+    ``torch.compile(module)`` warns of one)."""
 
     def __init__(self, balanced: torch.nn.Module, others: List[torch.nn.Module]) -> None:
         self.balanced = balanced
-        self.owner = {id(p): m for m in others for p in m.parameters()}
-        self.mine = {id(p) for p in balanced.parameters()}
+        # Parameters by their storage: the graph's AccumulateGrad nodes may hand back another
+        # Python object for the same parameter, so ids would not match.
+        self.owner = {_address(p): m for m in others for p in m.parameters() if p.numel()}
+        self.mine = {_address(p) for p in balanced.parameters() if p.numel()}
         # The inputs' storages, each with a tensor on it: held for the step, so no later tensor
         # can be allocated at the same address and pass for the same samples.
         self.storages: Dict[int, torch.Tensor] = {}  # the balanced model's inputs
-        self.seen: Dict[int, Tuple[torch.Tensor, torch.nn.Module]] = {}  # the other models'  
+        self.seen: Dict[int, Tuple[torch.Tensor, torch.nn.Module]] = {}  # the other models'
+        #: The class of the first unattached model found training on the step's samples.
+        self.found: Optional[str] = None
 
     @classmethod
-    def watch(cls, balanced: torch.nn.Module, known: List[torch.nn.Module]) -> List[Any]:
-        """The hooks' handles (removed when the step ends)."""
+    def watch(cls, balanced: torch.nn.Module, known: List[torch.nn.Module]) -> Tuple["_Unattached", List[Any]]:
+        """The hook and its handles (removed when the step ends)."""
         import gc
         # (by type: isinstance would ask a dead weak proxy among the objects, which raises)
         others = [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)
                   and not any(o is m for m in known)
                   and not any(isinstance(h, _StepGate) for h in o._forward_pre_hooks.values())]
         hook = cls(balanced, others)
-        return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in [balanced] + others]
+        return hook, [m.register_forward_pre_hook(hook, with_kwargs=True) for m in [balanced] + others]
 
     @never_compiled
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not module.training or not torch.is_grad_enabled():
             return
-        tensors = {t.untyped_storage().data_ptr(): t for t in tensors_in((args, kwargs)) if t.numel()}
+        tensors = {_address(t): t for t in tensors_in((args, kwargs)) if t.numel()}
         upstream = _parameters_upstream(list(tensors.values()))
         if module is self.balanced:
             self.storages.update(tensors)
             hit = [self.owner[p] for p in upstream if p in self.owner] + \
                 [self.seen[s][1] for s in tensors if s in self.seen]
-            if hit:
-                raise RuntimeError(_unattached_message(hit[0]))
+            if hit and self.found is None:
+                self.found = type(hit[0].module).__name__
             return
         if not any(p.requires_grad for p in module.parameters()):
             return
-        if any(s in self.storages for s in tensors) or upstream & self.mine:
-            raise RuntimeError(_unattached_message(module))
+        if (any(s in self.storages for s in tensors) or upstream & self.mine) and self.found is None:
+            self.found = type(module.module).__name__
         for ptr, t in tensors.items():
             self.seen[ptr] = (t, module)
 
 
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 def _parameters_upstream(tensors: List[torch.Tensor]) -> set:
-    """Ids of the leaf tensors (parameters) whose gradients flow into ``tensors``."""
+    """Storage addresses of the leaf tensors (parameters) whose gradients flow into ``tensors``."""
     out, todo, done = set(), [t.grad_fn for t in tensors if t.grad_fn is not None], set()
     while todo:
         fn = todo.pop()
@@ -359,18 +368,19 @@ def _parameters_upstream(tensors: List[torch.Tensor]) -> set:
             continue
         done.add(id(fn))
         var = getattr(fn, "variable", None)  # an AccumulateGrad node: its parameter
-        if var is not None:
-            out.add(id(var))
+        if var is not None and var.numel():
+            out.add(_address(var))
         todo.extend(f for f, _ in fn.next_functions)
     return out
 
 
-def _unattached_message(model: torch.nn.Module) -> str:
-    return (f"hetlb: a second DistributedDataParallel model ({type(model.module).__name__}) trains "
-            f"on this Balancer's samples without being attached to it: DDP would average its "
-            f"gradient over the ranks' uneven batches unweighted, which is not the mean over the "
-            f"step's samples. Attach it to the Balancer on every rank before training, "
-            f"bal.attach(model): its gradient is then weighted as the balanced model's")
+def _unattached_message(name: str, ranks: List[int]) -> str:
+    return (f"hetlb: a second DistributedDataParallel model ({name}; seen on ranks {ranks}) trains "
+            f"on this Balancer's samples without being attached to it: DDP averaged its gradient "
+            f"over the ranks' uneven batches unweighted, which is not the mean over the step's "
+            f"samples (found in the first step, refused at its end). Attach it to the Balancer on "
+            f"every rank before training, bal.attach(model): its gradient is then weighted as the "
+            f"balanced model's")
 
 
 @dataclass(slots=True)  # (one a step)
@@ -709,7 +719,7 @@ class Balancer:
             self._attached: List[DistributedDataParallel] = []
             #: The first step looks for DDP models that train in it unattached (:class:`_Unattached`).
             self._check_models = is_ddp
-            self._unattached: Optional[List[Any]] = None  # its hooks' handles while that step is open
+            self._unattached: Optional[tuple] = None  # (hook, handles) while that step is open
             self._watch: Any = None  # the deferred hook's BackwardWatch handle (None: hooked)
             if is_ddp and deferred:
                 self._watch = self.telemetry.defer(model)
@@ -1278,7 +1288,7 @@ class Balancer:
 
     def _stop_model_check(self) -> None:
         if self._unattached is not None:
-            for handle in self._unattached:
+            for handle in self._unattached[1]:
                 handle.remove()
             self._unattached = None
 
@@ -1386,8 +1396,13 @@ class Balancer:
     def _advance(self, plan: StepPlan) -> None:
         """``plan``'s step is done: the position, the step count and the watchdog move on."""
         if self._unattached is not None:  # the first step ran with its models checked
+            found = self._unattached[0].found
             self._stop_model_check()
             self._check_models = False
+            everyone = self._all_gather({"found": found}, self._side)  # (once: the first step)
+            seen = [r for r, e in enumerate(everyone) if e["found"] is not None]
+            if seen:
+                raise RuntimeError(_unattached_message(everyone[seen[0]]["found"], seen))
         self.board.complete(plan)
         if self._loader_config is None:
             self._micro = 0

@@ -1043,10 +1043,11 @@ def test_an_attached_model_is_weighted_as_the_balanced_one(case):
 
 
 @pytest.mark.parametrize("case, match", [
-    ("unattached", r"second DistributedDataParallel model \(Linear\) trains on this Balancer's "
-                   r"samples without being attached.*bal\.attach\(model\)"),
-    ("reverse", r"second DistributedDataParallel model \(Sequential\) trains on this Balancer's"),
-    ("branches", r"second DistributedDataParallel model \(Linear\) trains on this Balancer's"),
+    ("unattached", r"second DistributedDataParallel model \(Linear; seen on ranks \[[0-9, ]+\]\) "
+                   r"trains on this Balancer's samples without being attached.*bal\.attach\(model\)"),
+    ("reverse", r"second DistributedDataParallel model \(Sequential; seen on ranks \[[0-9, ]+\]\) "
+                r"trains on this Balancer's"),
+    ("branches", r"second DistributedDataParallel model \(Linear; seen on ranks \[0, 1\]\) trains"),
     ("second_balancer", r"outside a balanced step.*attached to that Balancer \(bal\.attach\(model\)\)"),
 ])
 def test_a_ddp_model_training_unattached_is_refused_on_every_rank(case, match):
