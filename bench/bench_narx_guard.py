@@ -71,32 +71,13 @@ def main() -> None:
                           + " | ".join(f"{t / p:.2f}" for t, p in zip(step[1:], paper[1:])) + " |")
     rmse_lines = ["| predictor | RMSE, samples/s | / paper's | network's own prediction used |",
                   "|---|---:|---:|---:|"]
-    trace = _trace(args.trace_steps)
+    from hetlb.sim.scenario import shared_cpu_trace
+    trace = shared_cpu_trace(args.trace_steps)
     errs = [(label, *_trace_rmse(pred, trace)) for (label, *_), (_, pred) in zip(results, runs)]
     for label, rmse, used in errs:
         rmse_lines.append(f"| {label} | {rmse:.2f} | {rmse / errs[1][1]:.3f} | "
                           + ("-" if used is None else f"{used:.0%}") + " |")
     emit(sizes_lines + [""] + time_lines + [""] + rmse_lines, args.out)
-
-
-def _trace(steps: int = 1000, world: int = 4, seed: int = 0) -> tuple:
-    """Records and true speeds of a shared CPU cluster (tests/test_policies_lbbsp.py's trace)."""
-    from hetlb.telemetry import StepRecord
-    rng = np.random.default_rng(seed)
-    base = np.array([100.0, 80.0, 60.0, 120.0])[:world]
-    load = np.zeros((steps, world))
-    for r in range(world):
-        k = 0
-        while k < steps:
-            n = int(rng.integers(30, 80))
-            load[k:k + n, r] = rng.choice([0.0, 0.2, 0.4, 0.6])
-            k += n
-    cpu = np.clip(0.25 + 0.7 * load + rng.normal(0, 0.01, load.shape), 0, 1)
-    mem = 0.3 + 0.1 * load + rng.normal(0, 0.005, load.shape)
-    spikes = np.where(rng.random(load.shape) < 0.1, -rng.uniform(0.2, 0.5, load.shape), 0.0)
-    v = base * (1 - load) * (1 + spikes) * (1 + rng.normal(0, 0.02, load.shape))
-    b = np.full(world, 32, np.int64)
-    return [StepRecord(k, 0, b, b / v[k], b.astype(float), mem[k], cpu[k]) for k in range(steps)], v
 
 
 def _trace_rmse(template, trace: tuple, skip: int = 200) -> tuple:

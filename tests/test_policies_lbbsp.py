@@ -13,6 +13,7 @@ from hetlb.policies.base import Context, check_sizes
 from hetlb.policies.lbbsp import LBBSP
 from hetlb.policies.narx import NARX
 from hetlb.policies.predictors import EMA, Memoryless, predictor_from_state
+from hetlb.sim.scenario import shared_cpu_trace as speed_trace
 from hetlb.telemetry import History, StepRecord, UnusableTelemetry, straggler_effect
 
 
@@ -218,27 +219,6 @@ def test_cpu_mode_sizes_proportional_to_speed(predictor):
     assert (S[0] == np.array([200, 200, 199, 199, 199])).all()
     assert (np.abs(D[-1] - B * v / v.sum()) <= 1).all() and D[-1].sum() == B
     assert SE[-1] < 0.02
-
-
-def speed_trace(steps=1000, world=4, seed=0, spike_p=0.1):
-    """A shared CPU cluster: competing load per rank changes as a step function (and shows in
-    the CPU column), plus transient slowdowns of single steps that do not show in it."""
-    rng = np.random.default_rng(seed)
-    base = np.array([100.0, 80.0, 60.0, 120.0])[:world]
-    load = np.zeros((steps, world))
-    for r in range(world):
-        k = 0
-        while k < steps:
-            n = int(rng.integers(30, 80))
-            load[k:k + n, r] = rng.choice([0.0, 0.2, 0.4, 0.6])
-            k += n
-    cpu = np.clip(0.25 + 0.7 * load + rng.normal(0, 0.01, load.shape), 0, 1)
-    mem = 0.3 + 0.1 * load + rng.normal(0, 0.005, load.shape)
-    spikes = np.where(rng.random(load.shape) < spike_p, -rng.uniform(0.2, 0.5, load.shape), 0.0)
-    v = base * (1 - load) * (1 + spikes) * (1 + rng.normal(0, 0.02, load.shape))
-    b = np.full(world, 32, np.int64)
-    recs = [StepRecord(k, 0, b, b / v[k], b.astype(float), mem[k], cpu[k]) for k in range(steps)]
-    return recs, v
 
 
 def rmse_at_row_time(trace, skip):

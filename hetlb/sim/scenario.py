@@ -87,7 +87,7 @@ from ..models import LinearModel, PiecewiseModel, PolyModel, TimeModel, model_fr
 from ..plan import sample_work
 
 __all__ = ["ScenarioError", "WorkerSpec", "Event", "Network", "Samples", "Scenario", "load_scenario",
-           "builtin_scenarios", "generate_cluster", "WorkerModel", "EVENT_KINDS"]
+           "builtin_scenarios", "generate_cluster", "WorkerModel", "EVENT_KINDS", "shared_cpu_trace"]
 
 EVENT_KINDS = ("disturb", "speed", "load", "bandwidth", "leave", "join")
 
@@ -662,3 +662,30 @@ def generate_cluster(workers: int, global_batch: Optional[int] = None, seed: int
                     name=f"mixed-{workers}", seed=seed,
                     description=f"{workers} GPU-like workers of four generations (V100/M60/K80/K520-like), "
                                 f"noise {noise}")
+
+
+def shared_cpu_trace(steps: int = 1000, world: int = 4, seed: int = 0,
+                     spike_p: float = 0.1) -> tuple:
+    """Telemetry of a shared CPU cluster for speed predictors (LB-BSP's CPU mode): each rank's
+    competing load changes as a step function (held 30-80 steps, 0-60 %) and shows in the CPU
+    column (memory follows it a little), plus transient slowdowns of single steps (probability
+    ``spike_p``, 20-50 %) that do not show in it, and 2 % noise. Batches of 32.
+
+    Returns ``(records, speeds)``: a :class:`hetlb.telemetry.StepRecord` per step and the true
+    speeds, float64 ``[steps, world]`` (samples per second)."""
+    from ..telemetry import StepRecord
+    rng = np.random.default_rng(seed)
+    base = np.array([100.0, 80.0, 60.0, 120.0])[:world]
+    load = np.zeros((steps, world))
+    for r in range(world):
+        k = 0
+        while k < steps:
+            n = int(rng.integers(30, 80))
+            load[k:k + n, r] = rng.choice([0.0, 0.2, 0.4, 0.6])
+            k += n
+    cpu = np.clip(0.25 + 0.7 * load + rng.normal(0, 0.01, load.shape), 0, 1)
+    mem = 0.3 + 0.1 * load + rng.normal(0, 0.005, load.shape)
+    spikes = np.where(rng.random(load.shape) < spike_p, -rng.uniform(0.2, 0.5, load.shape), 0.0)
+    v = base * (1 - load) * (1 + spikes) * (1 + rng.normal(0, 0.02, load.shape))
+    b = np.full(world, 32, np.int64)
+    return [StepRecord(k, 0, b, b / v[k], b.astype(float), mem[k], cpu[k]) for k in range(steps)], v
