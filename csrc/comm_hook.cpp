@@ -21,9 +21,10 @@
 //   side:  a separate small float64 all-reduce on a Gloo side group. Under Gloo it is issued
 //          when the last bucket's all-reduce has finished (from that bucket's continuation):
 //          issued beside the gradient's transfer, its thread competed with that transfer for
-//          the core and cost a few per cent of the step on CPU (bench/RESULTS.md, session 12).
+//          the core and cost a few per cent of the step on CPU (bench/RESULTS.md, "Homogeneous
+//          overhead": where hetlb's 2-rank wall time goes).
 //          Under NCCL (the gradient on the device, nothing to compete with), when the side
-//          group is the gradient group, or with `side_first` (the earlier behaviour, kept for
+//          group is the gradient group, or with `side_first` (a switch for
 //          bench/bench_overhead.py's side-by-side comparison) it is issued just before the last
 //          bucket's. The step's end waits for it, normally long done.
 // With a block of k steps (Balancer(exchange_every=k)) each step's stamped row is kept in the
@@ -733,8 +734,8 @@ using row_array = py::array_t<double, py::array::c_style | py::array::forcecast>
 // compute, where pybind11's generic dispatcher (its function records, kwargs handling, a type
 // caster that looks `StepCore&` up by type_index, ProcessGroup's holder caster) touches several
 // hundred cache lines a call: callgrind put 4 such calls at about 570 of the ~1500 last-level
-// cache misses hetlb added to a step (bench/RESULTS.md, session 31). These parse their few
-// arguments directly. The pybind methods of the same names stay, for everything else.
+// cache misses hetlb added to a step (bench/RESULTS.md, "The step's misses counted by
+// callgrind"). These parse their few arguments directly. The pybind methods of the same names stay, for everything else.
 constexpr const char* kStepCalls = "hetlb.StepCalls";
 
 struct StepCalls {
@@ -1004,8 +1005,8 @@ void bind_comm_hook(py::module& m) {
            "Whether no watched parameter holds a gradient (all are None).")
       .def_readwrite("side_first", &StepCore::side_first,
                      "Side transport under Gloo: issue the table's all-reduce before the last "
-                     "bucket's instead of after it (the behaviour before session 12; for "
-                     "benchmarks). Kept across steps.")
+                     "bucket's instead of after it (it then competes with the gradient's "
+                     "transfer for the core; for benchmarks). Kept across steps.")
       .def_readwrite("prescaled", &StepCore::prescaled,
                      "The gradient of the backward in progress already carries this rank's weight "
                      "(the loss was scaled): the hook only sums. Reset by start().")

@@ -171,7 +171,8 @@ def carry_penalty(model: Any) -> Optional[str]:
     """Why carrying the table would cost this rank more than the side transport (None if it
     would not): with ``gradient_as_bucket_view=True`` DDP's gradients are views of its buckets,
     so the carried bucket (the last bucket in a buffer of its own, beside the table) is copied
-    back into them, a pass the side transport does not make (``bench/RESULTS.md``, session 18)."""
+    back into them, a pass the side transport does not make (``bench/RESULTS.md``, "The default
+    transport under gradient_as_bucket_view=True")."""
     if getattr(model, "gradient_as_bucket_view", False):
         return "DDP(gradient_as_bucket_view=True) would copy the carried bucket back"
     return None
@@ -343,7 +344,7 @@ class StepTelemetry:
         self.core.set_columns([COL[c] for c in ROW_VALUES])
         # The calls every step makes, as plain builtins bound to the core: at the step boundary
         # the caches are cold from the step's compute, and pybind11's dispatch costs several
-        # hundred cache misses a call there (bench/RESULTS.md, session 31).
+        # hundred cache misses a call there (bench/RESULTS.md, "The step's misses counted by callgrind").
         self._begin, self._end_kept, self._restart_clock, _ = _C.step_calls(self.core)
         if block != 1:
             self.core.set_block(int(block))

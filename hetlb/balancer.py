@@ -322,17 +322,25 @@ class _Unattached:
         self.seen: Dict[int, Tuple[torch.Tensor, torch.nn.Module]] = {}  # the other models'
         #: The class of the first unattached model found training on the step's samples.
         self.found: Optional[str] = None
+        self.handles: List[Any] = []
 
     @classmethod
-    def watch(cls, balanced: torch.nn.Module, known: List[torch.nn.Module]) -> Tuple["_Unattached", List[Any]]:
-        """The hook and its handles (removed when the step ends)."""
+    def watch(cls, balanced: torch.nn.Module, known: List[torch.nn.Module]) -> "_Unattached":
+        """The hook, registered on the balanced model and the other DDP models (:meth:`remove`
+        when the step ends)."""
         import gc
         # (by type: isinstance would ask a dead weak proxy among the objects, which raises)
         others = [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)
                   and not any(o is m for m in known)
                   and not any(isinstance(h, _StepGate) for h in o._forward_pre_hooks.values())]
         hook = cls(balanced, others)
-        return hook, [m.register_forward_pre_hook(hook, with_kwargs=True) for m in [balanced] + others]
+        hook.handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+                        for m in [balanced] + others]
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     @never_compiled
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -411,8 +419,9 @@ class Balancer:
         lower, upper: bounds on this rank's batch (integers, ``0 <= lower <= upper``; ``lower``
             1 when not given, 2 for a model with layers that refuse a one-sample batch in
             training, :func:`single_sample_layers`; for such a model ``lower=0`` lets a rank idle
-            but no split hands it exactly one sample, and ``lower=1`` says its inputs take one). ``upper`` is also capped by ``profile.limit`` when the profile ran
-            out of memory (a real memory bound). A size-aware policy (:class:`hetlb.Chronica`),
+            but no split hands it exactly one sample, and ``lower=1`` says its inputs take one).
+            ``upper`` is also capped by ``profile.limit`` when the profile ran out of memory (a
+            real memory bound). A size-aware policy (:class:`hetlb.Chronica`),
             which assigns each step's samples freely and may give a rank none, cannot honour
             them: a ``lower`` above 0 or an ``upper`` below ``global_batch`` is refused with it
             (bound its memory with ``Chronica(cap=...)``).
@@ -451,9 +460,10 @@ class Balancer:
             papers decide, for a policy that reads the telemetry; for one that does not
             (:attr:`Policy.reads_telemetry` False: :class:`~hetlb.Uniform`, whose split never
             changes) adaptive blocks of up to 16 steps (at most ``history``), which change none
-            of its decisions and save the per-step exchange (``bench/RESULTS.md``, session 27);
-            pass 1 for a record every step. With ``k > 1`` each step's row is kept and sent with the rows of
-            its block by the block's last step, so the other steps add no table copy or
+            of its decisions and save the per-step exchange (``bench/RESULTS.md``, "Uniform
+            exchanges in adaptive blocks"); pass 1 for a record every step. With ``k > 1`` each
+            step's row is kept and sent with the rows of its block by the block's last step, so
+            the other steps add no table copy or
             collective and no record or decision: the records of a block, their checks (every
             rank's step, decision and batch sizes) and one decision happen at its exchange.
             The sizes then change only at exchanges (policies that move a bounded
@@ -719,7 +729,7 @@ class Balancer:
             self._attached: List[DistributedDataParallel] = []
             #: The first step looks for DDP models that train in it unattached (:class:`_Unattached`).
             self._check_models = is_ddp
-            self._unattached: Optional[tuple] = None  # (hook, handles) while that step is open
+            self._unattached: Optional[_Unattached] = None  # its hooks while that step is open
             self._watch: Any = None  # the deferred hook's BackwardWatch handle (None: hooked)
             if is_ddp and deferred:
                 self._watch = self.telemetry.defer(model)
@@ -956,16 +966,13 @@ class Balancer:
         keep_groups(model, (pg,))
         if self._watch is None:  # the balanced model's hook is registered: this one's now too
             self.telemetry.register(model, native=self._native, attached=True)
+            self._attached.append(model)
         else:
+            self._attached.append(model)
             why = defer_blocker(model, self.group, native=True, emulator=self.emulator,
                                 accumulate=self.accumulate, transport=self.transport)
             if why is not None:  # it needs its hook now, and so the balanced model its own
-                self._attached.append(model)
                 self._register_hook(f"the attached model needs its hook at once ({why})")
-                self.telemetry.core.watch([p for m in [self.model] + self._attached
-                                           for p in m.parameters()])
-                return
-        self._attached.append(model)
         # bal.backward weighs the loss only where no parameter holds a gradient, of either model
         self.telemetry.core.watch([p for m in [self.model] + self._attached for p in m.parameters()])
 
@@ -1288,8 +1295,7 @@ class Balancer:
 
     def _stop_model_check(self) -> None:
         if self._unattached is not None:
-            for handle in self._unattached[1]:
-                handle.remove()
+            self._unattached.remove()
             self._unattached = None
 
     def _finish(self) -> None:
@@ -1396,7 +1402,7 @@ class Balancer:
     def _advance(self, plan: StepPlan) -> None:
         """``plan``'s step is done: the position, the step count and the watchdog move on."""
         if self._unattached is not None:  # the first step ran with its models checked
-            found = self._unattached[0].found
+            found = self._unattached.found
             self._stop_model_check()
             self._check_models = False
             everyone = self._all_gather({"found": found}, self._side)  # (once: the first step)

@@ -334,7 +334,7 @@ def _resolve_device(device: DeviceLike) -> torch.device:
     if dev.type == "cuda":
         # The allocator's statistics (reset_peak_memory_stats) do not initialise CUDA themselves:
         # on an H100 `device=0` (or "cuda:0") in a fresh process failed there with torch's
-        # "Invalid device argument" (session 28), while "cuda" worked through current_device().
+        # "Invalid device argument", while "cuda" worked through current_device().
         torch.cuda.init()
         n = torch.cuda.device_count()
         if dev.index is None:

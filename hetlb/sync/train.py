@@ -161,7 +161,7 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
                 opt.zero_grad()
                 updates += 1
         # The steps after the last periodic average left each rank its own parameters: one more
-        # average, so every rank returns the same model (a user audit, session 25).
+        # average, so every rank returns the same model.
         from torch.distributed.algorithms.model_averaging.utils import average_parameters
         average_parameters(model.parameters(), dist.group.WORLD)
         return {"mode": mode, "model": model, "seconds": time.perf_counter() - t0,
