@@ -30,7 +30,7 @@ the same number of updates for every method):
   An "update" of these three is one local step (the table's batch per update is per worker), and
   rank 0's model is evaluated after each average.
 
-Emulated hardware (an :class:`hetlb.emulate.Emulator` per rank, the same for every method): a
+Emulated hardware (an :class:`hetlb.sim.emulate.Emulator` per rank, the same for every method): a
 worker's compute for ``b`` samples takes ``(A0 + A1 * b) / speed`` seconds (15 ms for 32 samples
 at speed 1, about a ResNet18 CIFAR batch on the paper's RTX 2080Ti); ABS-SGD's three clusters:
 ``static`` iteration times 1:2:3:4, ``dynamic`` every step (reference batch) prolonged by a
@@ -79,7 +79,7 @@ PAPER = {"static": (450, 636, 577, 900, 890), "dynamic": (105, 123, 120, 265, 25
 
 def _emulator(rank: int, setting: str, link: float, nbytes: int):
     import hetlb
-    from hetlb.emulate import Emulator
+    from hetlb.sim.emulate import Emulator
     speeds, dynamic = SETTINGS[setting]
     # ABS-SGD's dynamic heterogeneity, "prolong by a random 0-50 %": x (1 + 0.5 v), v ~ U(0, 1),
     # written as the emulator's mean-preserving noise around 1.25: 1.25 (1 + 0.2 u), u ~ U(-1, 1).

@@ -1,7 +1,7 @@
 """Balanced training on an emulated heterogeneous cluster: per-step time of each policy vs ideal.
 
 ABS-SGD's static setting: ``world`` Gloo workers on this machine emulate speeds 1:2:3:4 with a
-linear time model ``T_r(b) = (a0 + a1 * b) / s_r`` (:class:`hetlb.emulate.Emulator`, applied when the
+linear time model ``T_r(b) = (a0 + a1 * b) / s_r`` (:class:`hetlb.sim.emulate.Emulator`, applied when the
 last gradient bucket is ready). The ideal step time, with every worker busy until the same moment,
 is ``(a1 * B + n * a0) / sum(s)``; the all-reduce itself, which no batch split removes, is measured
 separately (plain DDP step time minus its emulated compute on the homogeneous cluster) and
@@ -65,8 +65,8 @@ def make_policy(name: str, steps_per_epoch: int) -> Any:
 def balanced_run(rank: int, args: argparse.Namespace, policy: str, speeds: List[float],
                  model: tuple, every: str = "1") -> Dict[str, Any]:
     """One training run with the Balancer; per-step wall times, sizes and overheads."""
-    from hetlb.emulate import Emulator
-    from hetlb.models import LinearModel
+    from hetlb.sim.emulate import Emulator
+    from hetlb.core.models import LinearModel
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Linear(16, 4))
     steps = args.warmup + args.steps
@@ -103,8 +103,8 @@ def balanced_run(rank: int, args: argparse.Namespace, policy: str, speeds: List[
 
 def plain_run(rank: int, args: argparse.Namespace, speeds: List[float], model: tuple) -> Dict[str, Any]:
     """Plain DDP, DistributedSampler, equal batches; the same emulated compute per step."""
-    from hetlb.emulate import Emulator
-    from hetlb.models import LinearModel
+    from hetlb.sim.emulate import Emulator
+    from hetlb.core.models import LinearModel
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Linear(16, 4))
     world = dist.get_world_size()

@@ -14,7 +14,7 @@ on a homogeneous cluster (the paper's setting) and a 1:2:3:4 one (not in the pap
 epoch: time normalised by the epoch's total work (seconds per 1000 size units), its growth from
 DIF 0, and the median step-level straggler (max - min compute over ranks).
 
-Part ``real``: 4 real Gloo ranks, each an :class:`hetlb.emulate.Emulator` on its data amount
+Part ``real``: 4 real Gloo ranks, each an :class:`hetlb.sim.emulate.Emulator` on its data amount
 (``by="data"``), one process group for every setting; part ``sim``: the same settings in the
 simulator; part ``overhead``: the decision plus the assignment per step at 64 ranks and 4096
 samples per step (simulated ranks), against a 100 ms step; part ``collate``: the input bytes
@@ -69,7 +69,7 @@ def _real_worker(rank: int, world: int, steps: int, gb: int) -> Dict[str, Dict[s
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     import hetlb
-    from hetlb.emulate import Emulator
+    from hetlb.sim.emulate import Emulator
     from hetlb.sim import make_policy
     results: Dict[str, Dict[str, float]] = {}
     for cname, speeds in CLUSTERS.items():
@@ -96,7 +96,7 @@ def _sharded_worker(rank: int, world: int, steps: int, epochs: int, gb: int) -> 
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     import hetlb
-    from hetlb.emulate import Emulator
+    from hetlb.sim.emulate import Emulator
     from hetlb.sim import make_policy
     speeds = CLUSTERS["1:2:3:4"]
     results: Dict[str, List[Dict[str, float]]] = {}
@@ -152,7 +152,7 @@ def _quadratic_worker(rank: int, world: int, steps: int, gb: int) -> Dict[str, D
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     import hetlb
-    from hetlb.emulate import Emulator
+    from hetlb.sim.emulate import Emulator
     from hetlb.sim import make_policy
     results: Dict[str, Dict[str, float]] = {}
     lens = np.clip(np.random.default_rng(5).lognormal(4.5, 1.0, gb * steps), 16, 1024).round()
@@ -274,12 +274,12 @@ def part_overhead() -> List[str]:
 
 def part_collate(steps: int = 50) -> List[str]:
     """Bytes of the input batch per rank: padded to the step's longest sample (one shape for every
-    rank), to the rank's own longest (:func:`hetlb.collate.pad_collate`), or packed
-    (:func:`hetlb.collate.packed_collate`), for Chronica's assignment of long-tailed token lengths
+    rank), to the rank's own longest (:func:`hetlb.data.collate.pad_collate`), or packed
+    (:func:`hetlb.data.collate.packed_collate`), for Chronica's assignment of long-tailed token lengths
     (lognormal, 16 to 2048) on 1:2:3:4 ranks, width 64 float32."""
     import torch
     import hetlb
-    from hetlb.collate import pad_collate, packed_collate
+    from hetlb.data.collate import pad_collate, packed_collate
     rng = np.random.default_rng(0)
     slope = A1 / np.array([1.0, 2.0, 3.0, 4.0])
     tot = {"global max": np.zeros(4), "own max": np.zeros(4), "packed": np.zeros(4)}

@@ -1,7 +1,7 @@
 """DelayedSync (ABS-SGD): the wait for the all-reduce, how much of it is hidden, how batches follow speed.
 
 4 real Gloo ranks train an MLP (784-256-10, 0.2 M parameters) with :class:`hetlb.DelayedSync`;
-an :class:`hetlb.emulate.Emulator` holds each reference batch of 16 samples to
+an :class:`hetlb.sim.emulate.Emulator` holds each reference batch of 16 samples to
 ``(4 ms + 1 ms * 16) / speed``, and its link delivers each all-reduce ``--link`` seconds after the
 collective completed (0: only the real Gloo all-reduce). Clusters: speeds 1:1:1:1 and 1:2:3:4
 (static), and 1:2:3:4 with each batch's time also multiplied by a random factor in [0.5, 1.5]
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, iterations: int, speeds: list, noise: float, 
     import torch
     import torch.distributed as dist
     import hetlb
-    from hetlb.emulate import Emulator
+    from hetlb.sim.emulate import Emulator
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(784, 256), *([torch.nn.BatchNorm1d(256)] if bn else []),
                               torch.nn.ReLU(), torch.nn.Linear(256, 10))

@@ -3,7 +3,7 @@ standard FedAvg against LB-BSP's FL mode, side by side in one run.
 
 5 clients (5 real Gloo processes, :class:`hetlb.sync.fl.Federated`), emulated at the relative
 speeds of the paper's EC2 mix (m4.4xlarge, c4.2xlarge, c5.2xlarge, c4.xlarge, c5.xlarge ->
-about 1, 0.8, 0.7, 0.45, 0.4; an :class:`hetlb.emulate.Emulator` per client stretches each local
+about 1, 0.8, 0.7, 0.45, 0.4; an :class:`hetlb.sim.emulate.Emulator` per client stretches each local
 step to ``(A0 + A1 * B) / speed`` seconds: 8.5 ms for 32 samples at speed 1), train an MLP
 (64-64-10) on scikit-learn's handwritten digits (LeNet-5 on CIFAR-10 is not available offline).
 The data is bench_abs.py's: the 80 % training split with four one-pixel shifts of every image
@@ -59,7 +59,7 @@ def _run(rank: int, world: int, method: str, rounds: int, tau: int, batch: int, 
     import torch.nn.functional as F
 
     import hetlb
-    from hetlb.emulate import Emulator
+    from hetlb.sim.emulate import Emulator
     from hetlb.sync.fl import Federated, classes_split, dirichlet_split
     train, (xt, yt) = _digits()
     labels = train.tensors[1].numpy()

@@ -57,7 +57,7 @@ def run_cluster(policy, world: int, total: int, times: Callable[[int, int, int],
                 lower: int = 1, seed: int = 0, noise: float = 0.01, sizes: list = None):
     """The makespan of every step (``sizes``, if given, receives every step's sizes)."""
     from hetlb.policies.base import Context
-    from hetlb.telemetry import History, StepRecord
+    from hetlb.core.telemetry import History, StepRecord
     rng = np.random.default_rng(seed)
     ctx = Context.simple(world, total, lower=lower)
     h = History(world)
@@ -148,7 +148,7 @@ def part_options() -> List[str]:
 def part_narx(worlds=(4, 64), steps=700) -> List[str]:
     import hetlb
     from hetlb.policies.base import Context
-    from hetlb.telemetry import History, StepRecord
+    from hetlb.core.telemetry import History, StepRecord
     new = hasattr(hetlb.policies, "narx")
     lines = ["### LB-BSP CPU mode with NARX: time per decide() call", "",
              f"{'This change: each rank fits its own NARX in the background; decide() reads the published predictions.' if new else 'Before: decide() trains every rank network itself.'}",

@@ -6,7 +6,7 @@ runs; LB-BSP's CPU mode with per-rank NARX predictors (one network per rank, fit
 foreground as each rank would in the background) at smaller worlds, as seconds per step.
 
 Part ``agree``: one scenario run twice: on 4 real Gloo ranks on this machine (DDP, the Balancer,
-each rank an :class:`hetlb.emulate.Emulator` built from the scenario) and in the simulator, same
+each rank an :class:`hetlb.sim.emulate.Emulator` built from the scenario) and in the simulator, same
 policy and steps, the simulated network set to this machine's all-reduce time (measured by the
 ranks before training). Reported: final sizes of both, and the median step time per phase (before
 and after the disturbance) of both, with their ratio. The real step time is rank 0's wall time

@@ -5,7 +5,7 @@ synthetic classification set of 50,000 samples whose last column is the sample's
 :class:`hetlb.Balancer` and its loader (``bal.loader``), global batch 1024, for ``--steps`` steps
 over as many epochs as that takes (48 full steps and a short one of 848 samples per epoch).
 
-Emulated hardware (:class:`hetlb.emulate.Emulator`, the native step core holds each rank's last
+Emulated hardware (:class:`hetlb.sim.emulate.Emulator`, the native step core holds each rank's last
 gradient bucket): LBB's case-study worker, ``T(b) = 10 ms + 1 ms * b`` at speed 1, on a 1:2:3:4
 cluster (about 106 ms per balanced step: long enough that the few milliseconds by which a
 process on a loaded 2-core machine overruns its emulated time stay small beside it), plus
@@ -32,7 +32,7 @@ by one sample per 20 steps, which this soak would only measure as slow. ``--poli
 LBB's paper defaults for comparison.
 
 Measured per step: the straggler effect as hetlb defines it (LBB's Eq. 4, ``(max T - min T) /
-mean T`` over ranks with samples, :func:`hetlb.telemetry.straggler_effect`, on the step's record
+mean T`` over ranks with samples, :func:`hetlb.core.telemetry.straggler_effect`, on the step's record
 of every rank's emulated compute), every rank's batch size, every rank's RSS
 (``/proc/self/statm``), the wall time of the step on rank 0, and the sample indices each rank
 trained (into a buffer allocated and touched before the first step, so the benchmark's own
@@ -108,7 +108,7 @@ def slow_episodes(steps: int, seed: int) -> List[Tuple[int, int, int, float]]:
 
 def disturbances(rank: int, steps: int, seed: int) -> list:
     """This rank's Disturbances: the speed schedule (rank 1) and its slow episodes."""
-    from hetlb.emulate import Disturbance
+    from hetlb.sim.emulate import Disturbance
     out = []
     if rank == CHANGING:
         for start in range(0, steps, PERIOD):
@@ -149,8 +149,8 @@ def _worker(rank: int, world: int, steps: int, policy: str, seed: int, every: in
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hetlb
-    from hetlb.emulate import Emulator
-    from hetlb.telemetry import straggler_effect
+    from hetlb.sim.emulate import Emulator
+    from hetlb.core.telemetry import straggler_effect
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
     torch.manual_seed(0)
@@ -274,9 +274,9 @@ def analyse(res: Dict[str, Any], seed: int) -> Tuple[List[str], Dict[str, Any]]:
     short = (pos == spe - 1) if N_SAMPLES % GLOBAL_BATCH else np.zeros(steps, bool)  # an epoch's short last step
     # What each rank's compute was meant to take (the Emulator is a pure function of the step):
     # a measured time above it is real CPU time on the (shared) machine, not emulation.
-    from hetlb.emulate import Emulator
-    from hetlb.models import LinearModel
-    from hetlb.telemetry import straggler_effect
+    from hetlb.sim.emulate import Emulator
+    from hetlb.core.models import LinearModel
+    from hetlb.core.telemetry import straggler_effect
     emus = [Emulator.for_rank(r, SPEEDS, model=LinearModel(A0, A1), noise=NOISE, seed=seed,
                               disturbances=disturbances(r, steps, seed)) for r in range(WORLD)]
     compute = np.asarray(res["compute"])

@@ -2,7 +2,7 @@
 
 4 real Gloo ranks run a 2-layer causal transformer (width 64, 4 heads, vocabulary 256) on
 sequences whose lengths are lognormal(5, 1) clipped to 16-2048 tokens. Every rank computes for
-real; an :class:`hetlb.emulate.Emulator` with no time model stretches rank ``r``'s measured
+real; an :class:`hetlb.sim.emulate.Emulator` with no time model stretches rank ``r``'s measured
 compute by ``4 / (r + 1)``, so the ranks run at speeds 1:2:3:4. Attention is per sequence
 (a loop over ``cu_seqlens``, what a varlen attention kernel does), so a sequence costs linear
 work in its projections and quadratic work in its attention.
@@ -15,8 +15,8 @@ step, weighting by tokens, the loss a mean per token):
 * ``chronica``: :class:`hetlb.Chronica` (the paper's linear time model);
 * ``chronica quadratic='fit'``: work ``s + c s^2`` with ``c`` fitted;
 
-with padding-free collation (:func:`hetlb.collate.packed_collate`); and ``chronica`` with
-per-rank padding (:func:`hetlb.collate.pad_collate`, attention over the padded batch with a mask)
+with padding-free collation (:func:`hetlb.data.collate.packed_collate`); and ``chronica`` with
+per-rank padding (:func:`hetlb.data.collate.pad_collate`, attention over the padded batch with a mask)
 for the memory side. Reported for the timed epoch (after one warm-up epoch): tokens per second,
 the median step-level straggler (max - min compute), and per rank the peak over steps of the
 bytes autograd saved for backward (the activations: what grows with a rank's longest sequences;
@@ -88,7 +88,7 @@ def build_model() -> Any:
 
         def forward(self, batch: Any) -> torch.Tensor:
             """Mean next-token loss per predicted token of this rank's batch (0 for none)."""
-            from hetlb.collate import Packed
+            from hetlb.data.collate import Packed
             if isinstance(batch, Packed):
                 cu = batch.cu_seqlens.tolist()
                 x = self.emb(batch.data[:, 0])
@@ -139,8 +139,8 @@ def _worker(rank: int, world: int, gb: int, steps: int) -> Dict[str, Dict[str, A
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import hetlb
-    from hetlb.collate import packed_collate, pad_collate
-    from hetlb.emulate import Emulator
+    from hetlb.data.collate import packed_collate, pad_collate
+    from hetlb.sim.emulate import Emulator
     from hetlb.sim import make_policy
     results: Dict[str, Dict[str, Any]] = {}
     ds = Sequences(lengths(gb * steps))

@@ -1,7 +1,7 @@
 """Balanced data-parallel training on an emulated heterogeneous cluster.
 
 Each rank of a real DDP job (Gloo, CPU) behaves like a worker of speed ``s_r`` (default 1:2:3:4)
-with a linear time model ``T(b) = (a0 + a1 * b) / s_r`` (:class:`hetlb.emulate.Emulator`). The
+with a linear time model ``T(b) = (a0 + a1 * b) / s_r`` (:class:`hetlb.sim.emulate.Emulator`). The
 same model is trained twice from the same initial weights: first with equal batches
 (:class:`hetlb.Uniform`, i.e. plain synchronous SGD), then with a balancing policy (default
 :class:`hetlb.LBB`). Rank 0 prints the median step times and writes a plot of step time and
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetlb
-from hetlb.emulate import Emulator
+from hetlb.sim.emulate import Emulator
 
 log = logging.getLogger("train_balanced")
 

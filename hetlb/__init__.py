@@ -13,24 +13,37 @@ if torch.distributed.is_available():
     # Imported here, typically before the group exists, it binds None instead.
     import torch.distributed.nn  # noqa: F401
 
-from . import _C  # noqa: F401  (registers torch.ops.hetlb.*)
-from . import ops  # noqa: F401
-from .models import LinearModel, PiecewiseModel, PolyModel, TimeModel
-from .solve import allocate, allocate_proportional, rebalance, schedule
-from . import collate, emulate, policies, sim, telemetry  # noqa: F401
-from .balancer import Balancer, BatchSizeError, DecisionMismatchError
-from .data import BalancedLoader
-from .data import BalancedLoader as DataLoader
-from .plan import ScheduleRule
-from .policies import DBS, EMA, LBB, LBBSP, NARX, WLBS, Chronica, Memoryless, Uniform
-from .profile import Profile, profile
-from .telemetry import UnusableTelemetry
-from .sync import DelayedSync
-from .elastic import init_process_group
-from .checkpoint import Checkpointer
-from .watchdog import Watchdog
+import sys
+
+from hetlb import _C  # noqa: F401  (registers torch.ops.hetlb.*)
+from hetlb import ops  # noqa: F401
+from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel, TimeModel
+from hetlb.core.solve import allocate, allocate_proportional, rebalance, schedule
+from hetlb import policies, sim  # noqa: F401
+from hetlb.core import telemetry
+from hetlb.data import collate
+from hetlb.ranks import elastic
+from hetlb.sim import emulate
+from hetlb.train.balancer import Balancer, BatchSizeError, DecisionMismatchError
+from hetlb.data.loader import BalancedLoader
+from hetlb.data.loader import BalancedLoader as DataLoader
+from hetlb.data.board import ScheduleRule
+from hetlb.policies import DBS, EMA, LBB, LBBSP, NARX, WLBS, Chronica, Memoryless, Uniform
+from hetlb.train.profile import Profile, profile
+from hetlb.core.telemetry import UnusableTelemetry
+from hetlb.sync import DelayedSync
+from hetlb.ranks.elastic import init_process_group
+from hetlb.train.checkpoint import Checkpointer
+from hetlb.ranks.watchdog import Watchdog
 
 __version__ = "0.1.0"
+
+# The module names documented before the subpackages existed: ``import hetlb.emulate`` and
+# ``from hetlb.collate import pad_collate`` keep working.
+for _name, _module in (("telemetry", telemetry), ("collate", collate), ("emulate", emulate),
+                       ("elastic", elastic)):
+    sys.modules.setdefault(f"{__name__}.{_name}", _module)
+del _name, _module
 
 __all__ = [
     "LinearModel", "PolyModel", "PiecewiseModel", "TimeModel",

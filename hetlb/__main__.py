@@ -1,7 +1,7 @@
 """``python -m hetlb``: the ``hetlb`` command."""
 import sys
 
-from .cli import main
+from hetlb.cli.commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

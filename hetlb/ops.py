@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (registers torch.ops.hetlb.*)
+from hetlb import _C  # noqa: F401  (registers torch.ops.hetlb.*)
 
 __all__ = ["scale_", "flatten_scaled", "unflatten_", "delay_compensate_"]
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .models import TimeModel
+from hetlb.core.models import TimeModel
 
 __all__ = [
     "raw_time", "effective_times", "allocate", "proportional_shares", "allocate_proportional",

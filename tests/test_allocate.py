@@ -249,7 +249,7 @@ def test_fits_recover_models():
 @pytest.mark.parametrize("m", [hetlb.LinearModel(1, 2), hetlb.PolyModel([1, 2, 3]),
                                hetlb.PiecewiseModel([1, 5], [2, 3])])
 def test_model_roundtrip(m):
-    from hetlb.models import model_from_dict
+    from hetlb.core.models import model_from_dict
 
     again = model_from_dict(json.loads(json.dumps(m.to_dict())))
     assert again == m

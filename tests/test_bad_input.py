@@ -3,7 +3,7 @@ telemetry reaching the policies, checkpoints of another global batch.
 
 Every bad value gets a ``ValueError`` / ``TypeError`` (or :class:`hetlb.UnusableTelemetry`, a
 ``ValueError``) whose message names the field, or a documented recovery: a record the policies
-cannot use is refused by the :class:`hetlb.telemetry.History` and the Balancer keeps the previous
+cannot use is refused by the :class:`hetlb.core.telemetry.History` and the Balancer keeps the previous
 sizes; memory and CPU readings outside ``[0, 1]`` are clamped. Targeted tests first, then
 hypothesis fuzz tests over the public entry points.
 """
@@ -18,11 +18,11 @@ import torch
 from hypothesis import given, strategies as st
 
 import hetlb
-from hetlb.emulate import Disturbance, Emulator
-from hetlb.plan import ScheduleRule
+from hetlb.sim.emulate import Disturbance, Emulator
+from hetlb.data.board import ScheduleRule
 from hetlb.policies.base import Context, check_sizes
-from hetlb.profile import Profile
-from hetlb.telemetry import MAX_COMPUTE, MIN_COMPUTE, History, StepRecord, UnusableTelemetry
+from hetlb.train.profile import Profile
+from hetlb.core.telemetry import MAX_COMPUTE, MIN_COMPUTE, History, StepRecord, UnusableTelemetry
 
 import distributed
 
@@ -960,7 +960,7 @@ def test_a_history_beyond_a_deques_reach_is_a_named_error(history):
     with pytest.raises(ValueError, match=r"history must be an integer <= \d+"):
         hetlb.Balancer(torch.nn.Linear(2, 1), 8, history=history)
     with pytest.raises(ValueError, match=r"History: maxlen must be an integer <= \d+"):
-        hetlb.telemetry.History(2, maxlen=history)
+        hetlb.core.telemetry.History(2, maxlen=history)
 
 
 @pytest.mark.parametrize("make", [

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import hetlb
-from hetlb.aggregate import weights_for
-from hetlb.data import _empty_like
+from hetlb.comm.transport import weights_for
+from hetlb.data.loader import _empty_like
 
 from fixed_policy import Fixed
 
@@ -393,7 +393,7 @@ def test_checkpoints_load_with_weights_only(make):
     assert b.batch_sizes.tolist() == a.batch_sizes.tolist()
     # The restored policy decides as the original would on the same next record.
     rec = a.history[-1]
-    nxt = hetlb.telemetry.StepRecord(step=rec.step + 1, epoch=rec.epoch, batch=a.batch_sizes,
+    nxt = hetlb.core.telemetry.StepRecord(step=rec.step + 1, epoch=rec.epoch, batch=a.batch_sizes,
                                      compute=np.full(1, 0.01), data=a.batch_sizes.astype(float),
                                      memory=np.zeros(1), cpu=np.zeros(1))
     a.history.append(nxt)
@@ -476,8 +476,8 @@ def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds
     or plan checksum, step or epoch, including the NaN and infinities of a corrupt table (before, their
     message failed with ValueError/OverflowError from int())."""
     from types import SimpleNamespace
-    from hetlb.balancer import Balancer
-    from hetlb.telemetry import COL, NUM_FIELDS
+    from hetlb.train.balancer import Balancer
+    from hetlb.core.telemetry import COL, NUM_FIELDS
     sizes = np.asarray(data.draw(st.lists(st.integers(0, 2 ** 20), min_size=world, max_size=world)),
                        dtype=np.int64)
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))

@@ -496,7 +496,7 @@ def test_bad_input_errors_without_hanging():
 
 
 def no_progress_worker(rank, world, bad, max_bad):
-    from hetlb.emulate import Disturbance, Emulator
+    from hetlb.sim.emulate import Disturbance, Emulator
     ddp = DDP(torch.nn.Linear(2, 1).double())
     emu = Emulator.for_rank(rank, [1.0, 1.0], disturbances={1: [Disturbance(b, b + 1, fail=True) for b in bad]})
     bal = hetlb.Balancer(ddp, 8, policy=hetlb.LBB(), max_bad_steps=max_bad, emulator=emu)
@@ -526,8 +526,8 @@ def test_unusable_telemetry_is_skipped_then_raises():
 
 def emulated_worker(rank, world, speeds, steps, policy_name, disturb_at=None, num_workers=0,
                     fail=None, gb=48, model=(0.02, 0.004)):
-    from hetlb.emulate import Disturbance, Emulator
-    from hetlb.models import LinearModel
+    from hetlb.sim.emulate import Disturbance, Emulator
+    from hetlb.core.models import LinearModel
     net = torch.nn.Linear(4, 1)
     ddp = DDP(net)
     disturbances = {}
@@ -553,7 +553,7 @@ def emulated_worker(rank, world, speeds, steps, policy_name, disturb_at=None, nu
         for (xb,) in loader:
             ddp(xb).sum().backward()
     h = bal.history
-    out = {"se": [hetlb.telemetry.straggler_effect(r.compute, r.batch) for r in h],
+    out = {"se": [hetlb.core.telemetry.straggler_effect(r.compute, r.batch) for r in h],
            "sizes": [r.batch.tolist() for r in h], "compute": [r.compute.tolist() for r in h]}
     out["actions"] = list(getattr(policy, "actions", []))
     out["predicted"] = [r.predicted.tolist() for r in h]
@@ -624,7 +624,7 @@ def test_wlbs_redistributes_a_rank_that_makes_no_progress():
 
 def teardown_worker(rank, world, native, transport):
     import gc
-    from hetlb.emulate import Emulator
+    from hetlb.sim.emulate import Emulator
 
     def train():
         ddp = DDP(_net())
@@ -805,7 +805,7 @@ def test_a_checkpoint_of_another_policy_is_refused_unless_its_policy_state_is_dr
 
 def _partial_profile_worker(rank, world):
     import logging
-    from hetlb.profile import Profile
+    from hetlb.train.profile import Profile
     seen = []
 
     class Keep(logging.Handler):

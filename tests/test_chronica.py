@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hetlb
-from hetlb.data import dataset_sample_sizes
-from hetlb.emulate import Emulator
-from hetlb.plan import ScheduleRule
+from hetlb.data.loader import dataset_sample_sizes
+from hetlb.sim.emulate import Emulator
+from hetlb.data.board import ScheduleRule
 from hetlb.policies import Context, RuntimeProphet
-from hetlb.telemetry import History, StepRecord
+from hetlb.core.telemetry import History, StepRecord
 
 
 def feed(prophet, a, b, rng, steps, noise=0.0, world=None):
@@ -306,13 +306,13 @@ def test_datasets_declare_their_sample_sizes():
     assert dataset_sample_sizes([1, 2, 3]) is None  # list.__sizeof__() takes no index
     with pytest.raises(ValueError, match="size of sample 1 is 'big'"):
         dataset_sample_sizes(WithMethod([1, "big"]))
-    board = hetlb.plan.PlanBoard(1, 0, 2)
+    board = hetlb.data.board.PlanBoard(1, 0, 2)
     loader = hetlb.DataLoader(WithMethod([1.0, 2.0, 3.0, 4.0]), board=board)
     assert loader.sample_sizes.tolist() == [1.0, 2.0, 3.0, 4.0]
     with pytest.raises(ValueError, match="sample 2 has -1.0"):
-        hetlb.DataLoader(WithMethod([1.0, 2.0, -1.0, 4.0]), board=hetlb.plan.PlanBoard(1, 0, 2))
+        hetlb.DataLoader(WithMethod([1.0, 2.0, -1.0, 4.0]), board=hetlb.data.board.PlanBoard(1, 0, 2))
     with pytest.raises(ValueError, match="4 finite non-negative numbers"):
-        hetlb.DataLoader(WithMethod([1.0, 2.0, 3.0, 4.0]), board=hetlb.plan.PlanBoard(1, 0, 2),
+        hetlb.DataLoader(WithMethod([1.0, 2.0, 3.0, 4.0]), board=hetlb.data.board.PlanBoard(1, 0, 2),
                          sample_sizes=[1.0, 2.0])
 
 
@@ -442,7 +442,7 @@ def test_chronica_hold_with_adaptive_blocks_on_two_ranks_resumes_exactly_once():
 
 
 def test_rule_pivot_cap_checksum_and_checkpoint_form():
-    from hetlb.plan import PlanBoard, decision_checksum
+    from hetlb.data.board import PlanBoard, decision_checksum
     base = ScheduleRule([1.0, 2.0], [0.0, 0.0])
     piv = ScheduleRule([1.0, 2.0], [0.0, 0.0], pivot=True)
     cap = ScheduleRule([1.0, 2.0], [0.0, 0.0], cap=[100.0, 50.0])
@@ -607,7 +607,7 @@ def test_prophet_quadratic_bad_input_and_old_checkpoints():
 
 
 def test_rule_schedules_by_quadratic_work():
-    from hetlb.plan import PlanBoard, decision_checksum
+    from hetlb.data.board import PlanBoard, decision_checksum
     lin = ScheduleRule([1.0, 1.0], [0.0, 0.0])
     quad = ScheduleRule([1.0, 1.0], [0.0, 0.0], quadratic=0.5)
     assert decision_checksum(lin) != decision_checksum(quad)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hetlb
-from hetlb.cli import main
+from hetlb.cli.commands import main
 from hetlb.sim import compare_splits
 
 # LBB Table 2: a line through the two (batch, ms) points of each worker.

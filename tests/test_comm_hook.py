@@ -23,7 +23,7 @@ from distributed import run, unwrap
 from fixed_policy import Fixed
 
 from hetlb import _C
-from hetlb.telemetry import COL, NUM_FIELDS
+from hetlb.core.telemetry import COL, NUM_FIELDS
 
 
 def _wide_net(dtype):
@@ -189,7 +189,7 @@ def test_a_start_up_that_raises_leaves_the_reducer_no_last_owner_of_its_group():
 def test_transport_choice_over_the_ranks():
     # (Ranks of one DDP job cannot differ in parameter dtype, but can in device, e.g. CPU and
     # CUDA ranks in one Gloo job: the choice works from each rank's carry blocker.)
-    from hetlb.aggregate import carry_blocker, choose_transport
+    from hetlb.comm.transport import carry_blocker, choose_transport
     assert choose_transport([None, None], [None, None]) == "carry"
     assert choose_transport([None, None], [None, "the group uses NCCL"]) == "side"
     assert choose_transport(["side", None], [None, None]) == "side"
@@ -258,7 +258,7 @@ def test_step_core_checks_its_inputs():
     assert core.clock_depth == 0
     with pytest.raises(RuntimeError, match="a CPU step core has no device clock"):
         core.clock_depth = 2
-    tele = hetlb.aggregate.StepTelemetry(0, 1)
+    tele = hetlb.comm.transport.StepTelemetry(0, 1)
     assert tele.lag == 0
     with pytest.raises(ValueError, match="steps must be an integer >= 1, got 0"):
         tele.set_clock_lag(0)
@@ -302,7 +302,7 @@ def test_begin_with_numbers_opens_the_step_start_opens_with_their_row(values, ju
     """StepCore.begin (the step boundary's one call, the values of ROW_VALUES as numbers) leaves
     the same row, block position and clock state as start() with the row array: compute NaN and
     CPU 0 until stamped, whatever an earlier step left in the row."""
-    from hetlb.telemetry import ROW_VALUES
+    from hetlb.core.telemetry import ROW_VALUES
     row = np.zeros(NUM_FIELDS)
     row[COL["compute"]] = math.nan
     for name, v in zip(ROW_VALUES, values):
@@ -322,7 +322,7 @@ def test_begin_with_numbers_opens_the_step_start_opens_with_their_row(values, ju
 
 
 def test_end_kept_stamps_a_step_no_hook_ended_and_closes_it():
-    from hetlb.telemetry import ROW_VALUES
+    from hetlb.core.telemetry import ROW_VALUES
     core = _C.StepCore(0, 1, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
     with pytest.raises(RuntimeError, match="set_columns\\(\\) was never called"):
         core.begin(1.0, 0.0, True, 0, True, *range(8))
@@ -355,7 +355,7 @@ def test_step_calls_do_what_the_core_s_methods_do(values, weight, offset, pos, s
     """The per-step builtins of _C.step_calls (no pybind11 dispatch) leave a core as its pybind
     methods of the same names leave another: begin's row and state, end_kept's stamp and
     result, restart_clock's clock."""
-    from hetlb.telemetry import ROW_VALUES
+    from hetlb.core.telemetry import ROW_VALUES
     a, b = (_C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"]) for _ in range(2))
     begin, end_kept, restart_clock, _ = _C.step_calls(b)
     for core in (a, b):
@@ -378,7 +378,7 @@ def test_step_calls_do_what_the_core_s_methods_do(values, weight, offset, pos, s
 
 
 def test_step_calls_refuse_bad_arguments():
-    from hetlb.telemetry import ROW_VALUES
+    from hetlb.core.telemetry import ROW_VALUES
     core = _C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
     begin, end_kept, restart_clock, watch = _C.step_calls(core)
     with pytest.raises(RuntimeError, match="set_columns\\(\\) was never called"):
@@ -468,7 +468,7 @@ def test_native_clock_is_the_perf_counter_clock():
 
 
 def bandwidth_worker(rank, world, delay, native):
-    from hetlb.emulate import Emulator
+    from hetlb.sim.emulate import Emulator
     torch.manual_seed(0)
     net = torch.nn.Linear(40, 10).double()
     nbytes = sum(p.numel() for p in net.parameters()) * 8  # one bucket
@@ -500,8 +500,8 @@ def test_emulated_bandwidth_cap_delays_the_bucket_and_keeps_the_gradient():
 
 
 def hold_worker(rank, world, model_based):
-    from hetlb.emulate import Emulator
-    from hetlb.models import LinearModel
+    from hetlb.sim.emulate import Emulator
+    from hetlb.core.models import LinearModel
 
     class Counting(Emulator):
         calls = 0
@@ -545,7 +545,7 @@ TRANSPORTS = {"side-same-group": (False, False, False), "side-own-group": (False
 
 
 def reduce_worker(rank, world):
-    from hetlb.aggregate import make_side_group
+    from hetlb.comm.transport import make_side_group
     pg = dist.distributed_c10d._get_default_group()
     own = make_side_group(None, own=True)
     out = {}

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import hetlb
-from hetlb.data import BalancedLoader, GlobalOrderSampler, dataset_sample_sizes
-from hetlb.plan import PlanBoard
+from hetlb.data.loader import BalancedLoader, GlobalOrderSampler, dataset_sample_sizes
+from hetlb.data.board import PlanBoard
 
 
 class Indices(torch.utils.data.Dataset):

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hetlb  # before init_process_group in the spawned workers
 from distributed import run, unwrap
 from fixed_policy import Fixed
-from hetlb.aggregate import choose_transport
+from hetlb.comm.transport import choose_transport
 from test_balancer_dist import _data, _loss, _net, _reference
 
 
@@ -200,7 +200,7 @@ def test_ranks_must_agree_on_defer_hook():
 def blocked_worker(rank, world, kind):
     ddp = DDP(_net())
     kwargs = {"transport": "carry"} if kind == "carry" else {"native_hook": False} if kind == "python" \
-        else {"emulator": hetlb.emulate.Emulator.for_rank(rank, [1.0, 1.0])}
+        else {"emulator": hetlb.sim.emulate.Emulator.for_rank(rank, [1.0, 1.0])}
     bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform(), **kwargs)
     return bal._watch is None, bal.transport
 

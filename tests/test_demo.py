@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hetlb.cli import main
+from hetlb.cli.commands import main
 
 
 def test_shortened_demo_matches_uniform_and_balances(capsys, caplog, tmp_path):

@@ -240,7 +240,7 @@ def test_a_stuck_worker_is_named_and_the_job_restarts(tmp_path, reference):
     assert named, r.stderr[-3000:]
     assert all("behind (alive, not progressing): rank 2 (" in line and "at step 4 (compute)" in line
                for line in named), named
-    assert f"exitcode: {hetlb.watchdog.EXIT_CODE})" in r.stderr, r.stderr[-3000:]  # torchrun's log line
+    assert f"exitcode: {hetlb.ranks.watchdog.EXIT_CODE})" in r.stderr, r.stderr[-3000:]  # torchrun's log line
     epochs, restarts = committed(tmp_path, 3)
     assert restarts == 1
     for e, seen in enumerate(epochs):
@@ -252,7 +252,7 @@ def test_probing_a_dead_attempt_s_store_is_quick_and_quiet(capfd):
     # A restarted group probes the store address the failed attempt left; a TCPStore client
     # retried there until its timeout and logged each try with a C++ stack trace (a user audit,
     # session 26: about 40 lines and 4 s per restart).
-    from hetlb.elastic import _connect
+    from hetlb.ranks.elastic import _connect
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free once closed: nothing listens there

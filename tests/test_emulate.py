@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetlb.emulate import Disturbance, Emulator, sleep_until
-from hetlb.models import LinearModel, PolyModel
+from hetlb.sim.emulate import Disturbance, Emulator, sleep_until
+from hetlb.core.models import LinearModel, PolyModel
 
 
 def _plain_target(model, speed, noise, jitter, dist, seed, rank, step, batch, measured=0.0):
@@ -158,7 +158,7 @@ def test_an_emulator_of_a_scenario_worker_reloads_its_state():
     other.load_state_dict(emu.state_dict())
     assert other.state_dict() == emu.state_dict()
     assert [other.target(s, 37) for s in range(20)] == [emu.target(s, 37) for s in range(20)]
-    from hetlb.models import model_from_dict
+    from hetlb.core.models import model_from_dict
     with pytest.raises(ValueError, match=r"a linear model has no field\(s\) \['speed'\]"):
         model_from_dict({"kind": "linear", "a0": 0.01, "a1": 0.001, "speed": 4})
     for bad, shown in (({"kind": "worker"}, "needs ['model']"), ({"kind": ["x"]}, "unknown model kind"),

@@ -163,7 +163,7 @@ def test_a_block_ends_at_the_epochs_end():
         # Carry's buffer holds a whole block from the first exchange on: blocks of 1 and 5
         # steps reuse it (one bucket of 2 parameters, then k * world rows of the table).
         assert r["transport"] == "carry"
-        assert r["caps"] == [2 + k * 2 * hetlb.telemetry.NUM_FIELDS] * 14, r["caps"]
+        assert r["caps"] == [2 + k * 2 * hetlb.core.telemetry.NUM_FIELDS] * 14, r["caps"]
 
 
 def test_a_disagreement_inside_a_block_is_found_at_its_exchange():
@@ -329,7 +329,7 @@ class _Counting(Fixed):
 def test_a_block_whose_newest_step_is_refused_keeps_the_sizes(caplog):
     # As with k = 1: when the newest step's telemetry is unusable (NaN compute) the policy is not
     # asked, the sizes are kept, and the usable steps of the block are still recorded.
-    from hetlb.telemetry import COL
+    from hetlb.core.telemetry import COL
     net = torch.nn.Linear(3, 1)
     pol = _Counting([4])
     bal = hetlb.Balancer(net, 4, policy=pol, exchange_every=3)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hetlb
-from hetlb.emulate import Disturbance, Emulator
+from hetlb.sim.emulate import Disturbance, Emulator
 from hetlb.sync.fl import Federated, classes_split, dirichlet_split
 
 from distributed import run, unwrap

@@ -43,9 +43,9 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import hetlb
-from hetlb.data import BalancedLoader, check_loader_config
-from hetlb.plan import PlanBoard, ScheduleRule, split_last
-from hetlb.shard import Partition
+from hetlb.data.loader import BalancedLoader, check_loader_config
+from hetlb.data.board import PlanBoard, ScheduleRule, split_last
+from hetlb.data.shards import Partition
 
 
 class Indices(torch.utils.data.Dataset):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import hetlb
-from hetlb.collate import Packed, Padded, packed_collate, to_nested
-from hetlb.data import _EmptySafeCollate, _empty_like
-from hetlb.plan import PlanBoard, split_last
+from hetlb.data.collate import Packed, Padded, packed_collate, to_nested
+from hetlb.data.loader import _EmptySafeCollate, _empty_like
+from hetlb.data.board import PlanBoard, split_last
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -256,7 +256,7 @@ def test_an_empty_batch_holds_no_sample_whatever_the_collate_returns():
                         lambda b: Batch(torch.stack([s[1] for s in b]), [s[0] for s in b]))
     assert isinstance(e, Batch) and e.x.shape == (0, 2) and e.names == [] and e.tag == "train"
     # Padded and packed batches drop their per-sample strings too.
-    e = _collated_empty((torch.ones(4, 2), "t"), hetlb.collate.pad_collate)
+    e = _collated_empty((torch.ones(4, 2), "t"), hetlb.data.collate.pad_collate)
     assert isinstance(e, Padded) and e.data.shape[0] == 0 and len(e.rest[0]) == 0
     e = _collated_empty((torch.ones(4, 2), "t"), packed_collate)
     assert isinstance(e, Packed) and e.data.shape[0] == 0 and e.cu_seqlens.tolist() == [0]

@@ -21,7 +21,7 @@ from hetlb.policies.dbs import DBS
 from hetlb.policies.lbb import LBB
 from hetlb.policies.uniform import Uniform
 from hetlb.policies.wlbs import WLBS
-from hetlb.telemetry import History, StepRecord, UnusableTelemetry, straggler_effect
+from hetlb.core.telemetry import History, StepRecord, UnusableTelemetry, straggler_effect
 
 SPEEDS = np.array([1.0, 2.0, 3.0, 4.0])
 A0, A1 = 0.01, 0.001  # 10 ms start-up, 1 ms per sample on the slowest rank

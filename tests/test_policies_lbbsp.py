@@ -14,7 +14,7 @@ from hetlb.policies.lbbsp import LBBSP
 from hetlb.policies.narx import NARX
 from hetlb.policies.predictors import EMA, Memoryless, predictor_from_state
 from hetlb.sim.scenario import shared_cpu_trace as speed_trace
-from hetlb.telemetry import History, StepRecord, UnusableTelemetry, straggler_effect
+from hetlb.core.telemetry import History, StepRecord, UnusableTelemetry, straggler_effect
 
 
 # -- the emulated cluster -------------------------------------------------------------------
@@ -464,7 +464,7 @@ def test_a_script_ending_during_a_background_narx_fit_exits_cleanly(tmp_path):
     script.write_text(
         "import numpy as np\n"
         "from hetlb.policies.narx import NARX\n"
-        "from hetlb.telemetry import StepRecord\n"
+        "from hetlb.core.telemetry import StepRecord\n"
         "p = NARX(warmup=500).for_rank(0)\n"
         "rng = np.random.default_rng(0)\n"
         "for k in range(500):\n"

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hetlb.models import LinearModel, PiecewiseModel, PolyModel
-from hetlb.profile import Profile, profile
+from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel
+from hetlb.train.profile import Profile, profile
 
 
 def _busy(seconds):

@@ -50,7 +50,7 @@ def _ps(rank, world, init, mode, speeds, kw, die=None):
                 os._exit(3)  # a worker process killed mid-training
         return torch.nn.functional.mse_loss(out, y)
 
-    emu = None if rank == 0 else hetlb.emulate.Emulator(
+    emu = None if rank == 0 else hetlb.sim.emulate.Emulator(
         hetlb.LinearModel(0.004, 0.0005), speed=speeds[rank - 1])
     policy = kw.pop("policy", None)
     if policy is not None and rank == 0:
@@ -295,7 +295,7 @@ def test_in_process_checks_model_size_and_keeps_float64():
     with pytest.raises(ValueError, match="same model"):  # the server's error keeps its type
         ps._call(1, {"hello": True, "hardware": {}, "numel": 3}).wait()
     # The same element count in other shapes (a user audit, session 25: before, it trained).
-    from hetlb.aggregate import shapes_digest as _shapes_digest
+    from hetlb.comm.transport import shapes_digest as _shapes_digest
     other = [torch.zeros(DIM + 1, 1, dtype=torch.float64)]
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)
@@ -332,7 +332,7 @@ def test_worker_refuses_an_emulated_failure():
     Disturbance docstring said the rank reports +inf compute; a dead worker is emulated by a
     delay past the server's timeout instead."""
     import hetlb
-    from hetlb.emulate import Disturbance, Emulator
+    from hetlb.sim.emulate import Disturbance, Emulator
     from hetlb.sync.ps import Worker
     emu = Emulator(hetlb.LinearModel(0.0, 0.001), disturbances=[Disturbance(2, fail=True)])
     with pytest.raises(ValueError, match=r"fail=True is emulated by the Balancer only.*timeout"):
@@ -381,7 +381,7 @@ def test_running_statistics_reach_the_server(mode, kw):
 def test_in_process_buffer_checks():
     """A worker with other buffers is refused at its hello; a push without its buffers is
     malformed; a bool buffer stays the server's; a counter never goes back."""
-    from hetlb.aggregate import shapes_digest
+    from hetlb.comm.transport import shapes_digest
     from hetlb.sync.ps import ParameterServer
     model = _bn_model()
     model.register_buffer("mask", torch.ones(DIM, dtype=torch.bool))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hetlb
-from hetlb.cli import main
-from hetlb.runlog import read_run
+from hetlb.cli.commands import main
+from hetlb.train.runlog import read_run
 
 
 def train_steps(bal, model, steps):

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetlb
-from hetlb.emulate import Emulator
-from hetlb.plan import PlanBoard
-from hetlb.shard import Migration, Partition, epoch_rates, even_partition
-from hetlb.telemetry import History, StepRecord
+from hetlb.sim.emulate import Emulator
+from hetlb.data.board import PlanBoard
+from hetlb.data.shards import Migration, Partition, epoch_rates, even_partition
+from hetlb.core.telemetry import History, StepRecord
 
 from distributed import run, unwrap
 

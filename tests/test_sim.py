@@ -566,7 +566,7 @@ def test_a_policy_given_by_name_is_labelled_by_it():
 
 def test_compare_splits_refuses_a_worker_that_takes_no_time():
     # (hetlb plan printed "infx" speed-ups for such a worker)
-    from hetlb.models import LinearModel
+    from hetlb.core.models import LinearModel
     from hetlb.sim import compare_splits
     ok = compare_splits([LinearModel(0, 1), LinearModel(0, 2)], 8, lower=0)  # T(0) = 0 is no batch
     assert int(ok[1].sizes.sum()) == 8 and all(np.isfinite(s.speedup) for s in ok)
@@ -575,7 +575,7 @@ def test_compare_splits_refuses_a_worker_that_takes_no_time():
         compare_splits([LinearModel(1, 1), LinearModel(0, 0)], 8)
     # A profile's fit may dip below zero at batches no rule gives (its first segment extended
     # down to 1: -0.009 s here): the solvers' times clamp it, and it plans
-    from hetlb.models import PiecewiseModel
+    from hetlb.core.models import PiecewiseModel
     fit = PiecewiseModel([32, 64, 128], [0.010, 0.030, 0.070])
     assert float(fit.time(1)) < 0
     splits = compare_splits([fit, LinearModel(0.001, 0.001)], 256)

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetlb.plan import EXACT_INT, decision_checksum
-from hetlb.telemetry import (COL, NUM_FIELDS, History, Probe, StepRecord, UnusableTelemetry,
+from hetlb.data.board import EXACT_INT, decision_checksum
+from hetlb.core.telemetry import (COL, NUM_FIELDS, History, Probe, StepRecord, UnusableTelemetry,
                              hardware_info, meminfo, next_block_length, require_progress, straggler_effect,
                              validate_record)
 
@@ -171,7 +171,7 @@ def test_meminfo_parses_the_two_lines_and_refuses_the_rest(tmp_path):
 
 def test_probe_falls_back_to_psutil_without_proc_meminfo(monkeypatch):
     import psutil
-    import hetlb.telemetry as tm
+    import hetlb.core.telemetry as tm
     monkeypatch.setattr(tm, "meminfo", lambda path="/proc/meminfo": None)
     probe = Probe(torch.device("cpu"), interval=0.0)
     vm = psutil.virtual_memory()
@@ -193,13 +193,13 @@ _SPECIAL = st.sampled_from([0.0, -0.0, 1.0, 0.5, -1.0, 1e308, -1e308, float("inf
 def test_validate_fast_path_agrees_with_the_full_check(batch, values):
     """validate_record's per-step fast path (_looks_sound) only ever accepts what the full check
     accepts, and validate_record's verdict is the full check's on random awkward values."""
-    from hetlb.telemetry import _looks_sound
+    from hetlb.core.telemetry import _looks_sound
     n = len(batch)
     col = lambda: np.asarray(values.draw(st.lists(_SPECIAL, min_size=n, max_size=n)), dtype=np.float64)
     r = StepRecord(step=0, epoch=0, batch=np.asarray(batch, np.int64), compute=col(), data=col(),
                    memory=col(), cpu=col())
     b, t, d = r.batch, r.compute, r.data
-    from hetlb.telemetry import MAX_COMPUTE, MIN_COMPUTE
+    from hetlb.core.telemetry import MAX_COMPUTE, MIN_COMPUTE
     with np.errstate(invalid="ignore"):
         bad = ((b < 0) | np.isnan(t) | (t < 0) | ((b > 0) & (t < MIN_COMPUTE)) | ~np.isfinite(d)
                | (d < 0) | (np.isfinite(t) & (t > MAX_COMPUTE))
@@ -207,7 +207,7 @@ def test_validate_fast_path_agrees_with_the_full_check(batch, values):
     if _looks_sound(r):
         assert not bad
     # History.append's one-pass check: the same verdict, and the readings' range when sound.
-    from hetlb.telemetry import _quick_check, _readings_in_range
+    from hetlb.core.telemetry import _quick_check, _readings_in_range
     sound, in_range = _quick_check(r)
     if sound:
         assert not bad
@@ -221,7 +221,7 @@ def test_validate_fast_path_agrees_with_the_full_check(batch, values):
 
 
 def test_validate_fast_path_on_sound_records_of_any_world():
-    from hetlb.telemetry import _looks_sound
+    from hetlb.core.telemetry import _looks_sound
     for world in (1, 3, 64, 65, 500):
         r = record(0, np.full(world, 4), np.full(world, 0.1))
         assert _looks_sound(r)

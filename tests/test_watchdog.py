@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetlb
-from hetlb.watchdog import describe
+from hetlb.ranks.watchdog import describe
 
 from distributed import run, unwrap
 

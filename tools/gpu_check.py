@@ -32,8 +32,8 @@ from distributed import run, unwrap  # noqa: E402
 def nccl_premul_worker(rank, world):
     import torch.distributed as dist
     from hetlb import _C
-    from hetlb.aggregate import make_side_group
-    from hetlb.telemetry import COL, NUM_FIELDS
+    from hetlb.comm.transport import make_side_group
+    from hetlb.core.telemetry import COL, NUM_FIELDS
     pg = dist.distributed_c10d._get_default_group()
     side = make_side_group(None)  # NCCL: a Gloo group for the table
     out = {}
@@ -150,7 +150,7 @@ def check_profile_oom():
 
 
 def check_probe():
-    from hetlb.telemetry import Probe
+    from hetlb.core.telemetry import Probe
     probe = Probe(torch.device("cuda", 0), interval=0.0)
     before = probe.memory()
     block = torch.empty(int(torch.cuda.mem_get_info()[1] * 0.2), dtype=torch.uint8, device="cuda")

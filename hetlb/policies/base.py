@@ -3,7 +3,7 @@
 A policy is a pure function of the telemetry history plus its own state: ``start(ctx)`` gives the
 sizes of the first step, ``decide(history)`` the sizes of the next one. It never touches the
 network, so every rank computes the same decision from the same table. Records reach a policy
-through a :class:`hetlb.telemetry.History`, which refuses structurally unusable ones (one place
+through a :class:`hetlb.core.telemetry.History`, which refuses structurally unusable ones (one place
 for that check); a policy checks only what values *mean* to it (``+inf`` compute: a rank that made
 no progress, which only WLBS acts on).
 
@@ -23,11 +23,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from ..checks import integer, optional_integer
-from ..models import TimeModel
-from ..plan import ScheduleRule
-from ..solve import allocate_proportional
-from ..telemetry import History, StepRecord, require_progress
+from hetlb.core.checks import integer, optional_integer
+from hetlb.core.models import TimeModel
+from hetlb.data.board import ScheduleRule
+from hetlb.core.solve import allocate_proportional
+from hetlb.core.telemetry import History, StepRecord, require_progress
 
 __all__ = ["Context", "Policy", "SizedPolicy", "EpochMeter", "EpochPolicy", "check_sizes",
            "check_decision", "check_state", "to_state", "from_state", "plain_value",
@@ -52,7 +52,7 @@ class Context:
         global_batch: samples per step over all ranks (``sum(sizes) == global_batch``).
         lower, upper: int64 ``[world]`` bounds on each rank's batch (``upper`` from memory
             limits, e.g. ``Profile.limit`` when profiling ran out of memory).
-        hardware: per rank, the dict of :func:`hetlb.telemetry.hardware_info` (may be empty).
+        hardware: per rank, the dict of :func:`hetlb.core.telemetry.hardware_info` (may be empty).
         profiles: per rank, ``None`` or a dict with ``"model"`` (fitted cubic
             :class:`~hetlb.TimeModel`), ``"linear"`` (fitted :class:`~hetlb.LinearModel`) and
             ``"limit"`` (largest batch that was tried and fit).
@@ -309,7 +309,7 @@ class Policy:
 
     def decide(self, history: History) -> Any:
         """The decision for the next step from the history (latest record last): int64 sizes,
-        or a :class:`hetlb.plan.ScheduleRule` for size-aware scheduling."""
+        or a :class:`hetlb.data.board.ScheduleRule` for size-aware scheduling."""
         raise NotImplementedError
 
     def local_predictor(self, rank: int) -> Any:

@@ -10,9 +10,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..checks import optional_integer
-from ..telemetry import History
-from .base import Context, EpochPolicy
+from hetlb.core.checks import optional_integer
+from hetlb.core.telemetry import History
+from hetlb.policies.base import Context, EpochPolicy
 
 __all__ = ["DBS"]
 

@@ -53,11 +53,11 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from ..checks import integer, number
-from ..models import LinearModel
-from ..solve import allocate, allocate_proportional
-from ..telemetry import History, StepRecord, straggler_effect
-from .base import Context, SizedPolicy, records_after
+from hetlb.core.checks import integer, number
+from hetlb.core.models import LinearModel
+from hetlb.core.solve import allocate, allocate_proportional
+from hetlb.core.telemetry import History, StepRecord, straggler_effect
+from hetlb.policies.base import Context, SizedPolicy, records_after
 
 __all__ = ["LBB"]
 

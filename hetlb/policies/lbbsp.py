@@ -59,11 +59,11 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 import numpy as np
 
-from ..checks import choice, flag, integer, number
-from ..telemetry import History, StepRecord, straggler_effect
-from .base import Context, SizedPolicy, check_state, records_after
-from .narx import NARX
-from .predictors import EMA, SpeedPredictor, predictor_from_state
+from hetlb.core.checks import choice, flag, integer, number
+from hetlb.core.telemetry import History, StepRecord, straggler_effect
+from hetlb.policies.base import Context, SizedPolicy, check_state, records_after
+from hetlb.policies.narx import NARX
+from hetlb.policies.predictors import EMA, SpeedPredictor, predictor_from_state
 
 __all__ = ["LBBSP"]
 

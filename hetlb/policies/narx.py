@@ -45,8 +45,8 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ..checks import flag, integer, number
-from ..telemetry import History, StepRecord
+from hetlb.core.checks import flag, integer, number
+from hetlb.core.telemetry import History, StepRecord
 
 __all__ = ["NARX"]
 

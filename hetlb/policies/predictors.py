@@ -2,7 +2,7 @@
 table: every rank computes them from the same records, so they are part of the policy.
 
 A predictor observes one step at a time (:meth:`SpeedPredictor.update` with a
-:class:`~hetlb.telemetry.StepRecord`) and predicts every rank's sample processing speed
+:class:`~hetlb.core.telemetry.StepRecord`) and predicts every rank's sample processing speed
 ``v = batch / compute`` (samples/s) for the next step (:meth:`SpeedPredictor.predict`), one
 independent series per rank:
 
@@ -29,8 +29,8 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..checks import number
-from ..telemetry import StepRecord
+from hetlb.core.checks import number
+from hetlb.core.telemetry import StepRecord
 
 __all__ = ["SpeedPredictor", "Memoryless", "EMA", "predictor_from_state"]
 
@@ -78,7 +78,7 @@ class SpeedPredictor:
         """Observe one completed step.
 
         The record is assumed sound (records reach policies through a
-        :class:`hetlb.telemetry.History`, which checks them); a rank without samples or progress
+        :class:`hetlb.core.telemetry.History`, which checks them); a rank without samples or progress
         contributes no observation.
 
         Raises:

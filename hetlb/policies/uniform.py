@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..telemetry import History
-from .base import Context, SizedPolicy
+from hetlb.core.telemetry import History
+from hetlb.policies.base import Context, SizedPolicy
 
 __all__ = ["Uniform"]
 

@@ -4,13 +4,13 @@ Each simulated step is one synchronous (BSP) iteration: every active worker comp
 taking the time its model, speed, load, noise and events say, then the ring all-reduce runs;
 the step ends when the slowest worker's gradient has been reduced. The policy sees exactly what
 it sees in training: a :class:`hetlb.policies.Context` at start, then one
-:class:`hetlb.telemetry.StepRecord` per step appended to a :class:`hetlb.telemetry.History`,
+:class:`hetlb.core.telemetry.StepRecord` per step appended to a :class:`hetlb.core.telemetry.History`,
 and its decision takes effect ``scenario.lag`` steps later (0: the next step, as on CPU).
 Per-rank predictors (LB-BSP's NARX) run as each rank runs its own and publish their prediction
 in the record, as :class:`hetlb.Balancer` does. A worker leaving or joining restarts the policy
 on the new world, as a resumed elastic job does.
 
-Noise follows :class:`hetlb.emulate.Emulator`'s form (``time * (1 + noise * u) + jitter * v``,
+Noise follows :class:`hetlb.sim.emulate.Emulator`'s form (``time * (1 + noise * u) + jitter * v``,
 ``u ~ U(-1, 1)``, ``v ~ U(0, 1)``) drawn from one generator per run, so a simulated run is
 reproducible from ``scenario.seed`` but does not replay an emulated run's draws one by one.
 """
@@ -24,14 +24,14 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from ..models import LinearModel, PiecewiseModel, PolyModel
-from ..plan import ScheduleRule, decision_checksum
-from ..policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
-from ..solve import schedule
-from ..policies.base import Context, Policy, check_decision
-from ..telemetry import (History, StepRecord, UnusableTelemetry, exchange_settings,
+from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel
+from hetlb.data.board import ScheduleRule, decision_checksum
+from hetlb.policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
+from hetlb.core.solve import schedule
+from hetlb.policies.base import Context, Policy, check_decision
+from hetlb.core.telemetry import (History, StepRecord, UnusableTelemetry, exchange_settings,
                          next_block_length, straggler_effect)
-from .scenario import Scenario, load_scenario
+from hetlb.sim.scenario import Scenario, load_scenario
 
 __all__ = ["simulate", "SimResult", "make_policy", "unknown_policies", "POLICY_NAMES"]
 
@@ -326,7 +326,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     error: Optional[str] = None
     bar = None
     if progress:
-        from ..progress import progress_bar
+        from hetlb.core.progress import progress_bar
         bar = progress_bar(total=steps, desc=f"simulate {sc.name or 'scenario'} / {name}", unit="step",
                            leave=False, disable=None)
     error = start_policy(0)

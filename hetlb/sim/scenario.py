@@ -5,7 +5,7 @@ speed, GPU saturation below a batch threshold, launch overhead, memory limit, pe
 the all-reduce network, and events in step time (disturbances, speed or CPU-load changes, a
 worker leaving or joining, bandwidth changes). The same description drives the simulator
 (:func:`hetlb.sim.simulate`) and real emulated runs (:meth:`Scenario.emulator` gives each rank an
-:class:`hetlb.emulate.Emulator` with the same time model and disturbances).
+:class:`hetlb.sim.emulate.Emulator` with the same time model and disturbances).
 
 Schema (JSON object; unknown keys are errors, which name the field)::
 
@@ -82,9 +82,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ..emulate import Disturbance, Emulator
-from ..models import LinearModel, PiecewiseModel, PolyModel, TimeModel, model_from_dict
-from ..plan import sample_work
+from hetlb.sim.emulate import Disturbance, Emulator
+from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel, TimeModel, WorkerModel, model_from_dict
+from hetlb.data.board import sample_work
 
 __all__ = ["ScenarioError", "WorkerSpec", "Event", "Network", "Samples", "Scenario", "load_scenario",
            "builtin_scenarios", "generate_cluster", "WorkerModel", "EVENT_KINDS", "shared_cpu_trace"]
@@ -165,47 +165,6 @@ def _model(v: Any, where: str) -> TimeModel:
         raise
     except (ValueError, TypeError, KeyError) as e:
         raise ScenarioError(f"{where}: not a usable time model ({type(e).__name__}: {e}); got {v!r}") from None
-
-
-class WorkerModel(TimeModel):
-    """A worker's seconds at batch ``b``: ``overhead + max(base(max(b, saturation)), 0)`` for
-    ``b > 0`` and 0 for ``b = 0``, divided by ``speed``: the papers' launch overhead and GPU
-    saturation (LB-BSP Sec. 3.3) around any :class:`hetlb.TimeModel`."""
-
-    def __init__(self, base: TimeModel, speed: float = 1.0, saturation: float = 0.0,
-                 overhead: float = 0.0) -> None:
-        self.base, self.speed, self.saturation, self.overhead = base, float(speed), float(saturation), float(overhead)
-
-    def time(self, b: Any) -> np.ndarray:
-        b = np.asarray(b, dtype=np.float64)
-        t = np.maximum(np.asarray(self.base.time(np.maximum(b, self.saturation)), np.float64), 0.0)
-        return np.where(b > 0, (t + self.overhead) / self.speed, 0.0)
-
-    @property
-    def _native(self):  # type: ignore[override]
-        raise TypeError("a WorkerModel has no native form; pass as_piecewise(upper) to the solvers")
-
-    def effective_time(self, b: Any) -> np.ndarray:
-        """0 at 0, else the running maximum of :meth:`time` over ``1..b`` (as the solvers see a model)."""
-        arr = np.asarray(b)
-        if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0):
-            raise ValueError(f"batch sizes must be non-negative integers, got {arr!r}")
-        top = int(arr.max()) if arr.size else 0
-        run = np.maximum.accumulate(self.time(np.arange(top + 1)))
-        return run[arr.astype(np.int64)]
-
-    def as_piecewise(self, upper: int) -> PiecewiseModel:
-        """The model sampled at every batch size ``1..upper`` (what :func:`hetlb.allocate` takes)."""
-        b = np.arange(1, max(int(upper), 2) + 1)
-        return PiecewiseModel(b, self.time(b))
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"kind": "worker", "model": self.base.to_dict(), "speed": self.speed,
-                "saturation": self.saturation, "overhead": self.overhead}
-
-    def __repr__(self) -> str:
-        return (f"WorkerModel({self.base!r}, speed={self.speed}, saturation={self.saturation}, "
-                f"overhead={self.overhead})")
 
 
 _WORKER_KEYS = ("model", "speed", "saturation", "overhead", "limit", "noise", "jitter", "memory",
@@ -575,14 +534,14 @@ class Scenario:
             json.dump(self.to_dict(), f, indent=1)
 
     def emulator(self, rank: int, **kw: Any) -> Emulator:
-        """An :class:`hetlb.emulate.Emulator` that makes real rank ``rank`` behave as worker
+        """An :class:`hetlb.sim.emulate.Emulator` that makes real rank ``rank`` behave as worker
         ``rank`` of this scenario: the same time model (speed, saturation, overhead), noise,
         jitter and ``disturb`` events: the compute side only. Other event kinds (speed, load,
         bandwidth, leave, join) and late joiners are simulator-only and refused here. The
         network (``latency``, ``bandwidth``, ``model_bytes``, ``overlap``) and a worker's own
         ``bandwidth`` and ``limit`` are not emulated: the real run communicates over its real
         process group and runs out of its real memory (pass ``bandwidth=`` here to cap the
-        rank's emulated link, see :class:`~hetlb.emulate.Emulator`)."""
+        rank's emulated link, see :class:`~hetlb.sim.emulate.Emulator`)."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside the scenario's {self.world} workers")
         other = sorted({e.kind for e in self.events if e.kind != "disturb"})
@@ -671,9 +630,9 @@ def shared_cpu_trace(steps: int = 1000, world: int = 4, seed: int = 0,
     column (memory follows it a little), plus transient slowdowns of single steps (probability
     ``spike_p``, 20-50 %) that do not show in it, and 2 % noise. Batches of 32.
 
-    Returns ``(records, speeds)``: a :class:`hetlb.telemetry.StepRecord` per step and the true
+    Returns ``(records, speeds)``: a :class:`hetlb.core.telemetry.StepRecord` per step and the true
     speeds, float64 ``[steps, world]`` (samples per second)."""
-    from ..telemetry import StepRecord
+    from hetlb.core.telemetry import StepRecord
     rng = np.random.default_rng(seed)
     base = np.array([100.0, 80.0, 60.0, 120.0])[:world]
     load = np.zeros((steps, world))

@@ -14,9 +14,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..models import TimeModel
-from ..solve import allocate, allocate_proportional
-from ..telemetry import straggler_effect
+from hetlb.core.models import TimeModel
+from hetlb.core.solve import allocate, allocate_proportional
+from hetlb.core.telemetry import straggler_effect
 
 __all__ = ["Split", "compare_splits"]
 

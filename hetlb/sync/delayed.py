@@ -49,15 +49,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import ops
-from ..aggregate import (broadcast_module_state, make_side_group, raise_refusals, refuse_everywhere,
+from hetlb import ops
+from hetlb.comm.transport import (broadcast_module_state, make_side_group, raise_refusals, refuse_everywhere,
                          shapes_digest)
-from ..checks import agree, choice, instance, integer, number
-from ..data import BalancedLoader
-from ..emulate import sleep_until
-from ..plan import PlanBoard, StreamPlan
-from ..telemetry import MAX_COMPUTE, MIN_COMPUTE
-from ..watchdog import COMPUTING, WAITING, Watchdog
+from hetlb.core.checks import agree, choice, instance, integer, number
+from hetlb.data.loader import BalancedLoader
+from hetlb.sim.emulate import sleep_until
+from hetlb.data.board import PlanBoard, StreamPlan
+from hetlb.core.telemetry import MAX_COMPUTE, MIN_COMPUTE
+from hetlb.ranks.watchdog import COMPUTING, WAITING, Watchdog
 
 __all__ = ["DelayedSync", "IterationRecord", "measured_speeds"]
 
@@ -168,7 +168,7 @@ class DelayedSync:
         sync_buffers: keep the model's buffers identical on every rank (the default), carried in
             the iteration's all-reduce (see *Buffers* below); False leaves each rank's buffers to
             its own forward passes (after the start-up broadcast), as before.
-        emulator: an :class:`hetlb.emulate.Emulator` that stretches each reference batch; with
+        emulator: an :class:`hetlb.sim.emulate.Emulator` that stretches each reference batch; with
             a ``bandwidth`` it also emulates the link: an all-reduce's result is there
             ``nbytes / bandwidth`` seconds after the collective completed (``history[i].link``
             and ``wait`` then show how much of it was hidden behind computation).
@@ -232,8 +232,8 @@ class DelayedSync:
             instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer over the model's parameters")
             choice(weighting, "weighting", WEIGHTINGS)
             if emulator is not None:
-                from ..emulate import Emulator
-                instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
+                from hetlb.sim.emulate import Emulator
+                instance(emulator, "emulator", Emulator, "a hetlb.sim.emulate.Emulator or None")
             if watchdog is not None:
                 instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
             self.model, self.optimizer = model, optimizer
@@ -365,7 +365,7 @@ class DelayedSync:
 
     def _beat(self, stage: Any) -> None:
         """Tell the watchdog where this rank is: ``None`` between reference batches, else
-        :data:`hetlb.watchdog.COMPUTING` or :data:`hetlb.watchdog.WAITING` (at an all-reduce or barrier)."""
+        :data:`hetlb.ranks.watchdog.COMPUTING` or :data:`hetlb.ranks.watchdog.WAITING` (at an all-reduce or barrier)."""
         if self.watchdog is not None:
             self.watchdog.beat(self.iteration, stage)
             if stage is None:
@@ -602,7 +602,7 @@ class DelayedSync:
         rounded; the round is the rest of the epoch. While some rank's speed is unknown the round
         is a short probe of ``probe_batches`` reference batches per rank, equal shares. Every rank
         computes the same from the shared history."""
-        from ..solve import allocate_proportional
+        from hetlb.core.solve import allocate_proportional
         b = self.board
         n = self._loader.sampler.epoch_length - b.base
         speed = measured_speeds(list(self.history)[-256:], self.world)
@@ -612,7 +612,7 @@ class DelayedSync:
                 n = min(n, self.world * self.reference_batch * self.probe_batches)
         return allocate_proportional(speed, n)
 
-    # the loader's hooks (see hetlb.data._Iteration)
+    # the loader's hooks (see hetlb.data.loader._Iteration)
     def _iteration_starts(self) -> None:
         if self.world > 1 and self._flight is None:
             self._beat(WAITING)

@@ -67,12 +67,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..aggregate import broadcast_module_state, make_side_group, refuse_everywhere, shapes_digest
-from ..checks import agree, choice, flag, instance, integer, number, optional_integer
-from ..policies.predictors import EMA
-from ..solve import allocate_proportional
-from ..telemetry import StepRecord
-from ..watchdog import COMPUTING, WAITING, Watchdog
+from hetlb.comm.transport import broadcast_module_state, make_side_group, refuse_everywhere, shapes_digest
+from hetlb.core.checks import agree, choice, flag, instance, integer, number, optional_integer
+from hetlb.policies.predictors import EMA
+from hetlb.core.solve import allocate_proportional
+from hetlb.core.telemetry import StepRecord
+from hetlb.ranks.watchdog import COMPUTING, WAITING, Watchdog
 
 __all__ = ["Federated", "RoundRecord", "ClientLoader", "classes_split", "dirichlet_split"]
 
@@ -149,7 +149,7 @@ class Federated:
             process group the single process is the only client.
         data_size: this client's dataset size, for ``average="data"`` when the data does not
             come through :meth:`loader`.
-        emulator: an :class:`hetlb.emulate.Emulator` stretching each local step to an emulated
+        emulator: an :class:`hetlb.sim.emulate.Emulator` stretching each local step to an emulated
             client's time (benchmarks, tests); one with a ``fail=True`` disturbance is refused
             (on every client): a round needs every client.
         watchdog: a :class:`hetlb.Watchdog`: a client blocked in the round's average while no
@@ -190,8 +190,8 @@ class Federated:
                 raise ValueError(f"max_batch must be >= batch={self.batch} (or None), got {max_batch!r}")
             self.data_size = optional_integer(data_size, "data_size", 1)
             if emulator is not None:
-                from ..emulate import Emulator
-                instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
+                from hetlb.sim.emulate import Emulator
+                instance(emulator, "emulator", Emulator, "a hetlb.sim.emulate.Emulator or None")
             self.emulator = emulator
             refused: Optional[str] = None
             if emulator is not None and emulator.failures:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checks import flag, instance, integer
+from hetlb.core.checks import flag, instance, integer
 
 __all__ = ["local_sgd"]
 

@@ -77,16 +77,16 @@ import torch.distributed.rpc as rpc
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import default_collate
 
-from ..aggregate import shapes_digest
-from ..checkpoint import Checkpointer
-from ..checks import choice, flag, instance, integer, number, optional_integer
-from ..elastic import rpc_init_method
-from ..emulate import Emulator, sleep_until
-from ..policies.base import (Context, SizedPolicy, check_same_policy, from_state, policy_settings,
+from hetlb.comm.transport import shapes_digest
+from hetlb.train.checkpoint import Checkpointer
+from hetlb.core.checks import choice, flag, instance, integer, number, optional_integer
+from hetlb.ranks.elastic import rpc_init_method
+from hetlb.sim.emulate import Emulator, sleep_until
+from hetlb.policies.base import (Context, SizedPolicy, check_same_policy, from_state, policy_settings,
                              to_state)
-from ..policies.uniform import Uniform
-from ..policies.wlbs import WLBS
-from ..telemetry import History, StepRecord, UnusableTelemetry, hardware_info
+from hetlb.policies.uniform import Uniform
+from hetlb.policies.wlbs import WLBS
+from hetlb.core.telemetry import History, StepRecord, UnusableTelemetry, hardware_info
 
 __all__ = ["ParameterServer", "Worker", "MODES", "SERVER", "worker_name", "run_ps"]
 
@@ -736,7 +736,7 @@ class Worker:
             raise ValueError(f"Worker: loss_fn must be callable, got {loss_fn!r}")
         self.rank = integer(rank, "Worker: rank", 1)
         if emulator is not None:
-            instance(emulator, "Worker: emulator", Emulator, "a hetlb.emulate.Emulator")
+            instance(emulator, "Worker: emulator", Emulator, "a hetlb.sim.emulate.Emulator")
             if emulator.failures:
                 # A push carries a finite compute time (the server refuses others): a worker
                 # cannot report a step without progress. The server's own failure path is the

@@ -37,8 +37,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..checks import choice, integer
-from ..emulate import Emulator
+from hetlb.core.checks import choice, integer
+from hetlb.sim.emulate import Emulator
 
 __all__ = ["train", "TRAIN_MODES"]
 
@@ -110,7 +110,7 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
     loader_kw = {} if collate_fn is None else {"collate_fn": collate_fn}
     t0 = time.perf_counter()
     if mode in ("lsp", "ssp", "asp"):
-        from .ps import run_ps
+        from hetlb.sync.ps import run_ps
         if policy is not None:
             options["policy"] = policy
         out = run_ps(mode, model, dataset, loss_fn, optimizer=make, global_batch=global_batch,
@@ -122,8 +122,8 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
         raise RuntimeError(f"train(mode={mode!r}) needs a process group: call "
                            f"hetlb.init_process_group(...) first (under torchrun)")
     if mode == "bsp":
-        from ..balancer import Balancer
-        from ..policies import LBB
+        from hetlb.train.balancer import Balancer
+        from hetlb.policies import LBB
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         bal = Balancer(ddp, global_batch, policy=policy if policy is not None else LBB(),
                        emulator=emulator, **options)
@@ -141,7 +141,7 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
         return {"mode": mode, "model": model, "seconds": time.perf_counter() - t0,
                 "updates": updates, "balancer": bal}
     if mode == "localsgd":
-        from .local import local_sgd
+        from hetlb.sync.local import local_sgd
         world, rank = dist.get_world_size(), dist.get_rank()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         period = options.pop("period", 4)
@@ -169,7 +169,7 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
     if mode == "fl":
         import math
 
-        from .fl import Federated
+        from hetlb.sync.fl import Federated
         world, rank = dist.get_world_size(), dist.get_rank()
         indices = options.pop("indices", None)
         if indices is None:
@@ -192,7 +192,7 @@ def train(mode: str, model: torch.nn.Module, dataset: Any, loss_fn: Callable, *,
         return {"mode": mode, "model": model, "seconds": time.perf_counter() - t0,
                 "updates": fed.steps, "federated": fed}
     # delayed
-    from .delayed import DelayedSync
+    from hetlb.sync.delayed import DelayedSync
     world = dist.get_world_size()
     ref = max(global_batch // world, 1)
     opt = make(model.parameters())

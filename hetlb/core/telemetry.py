@@ -44,7 +44,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .checks import flag, integer, number
+from hetlb.core.checks import flag, integer, number
 
 log = logging.getLogger("hetlb.telemetry")
 

@@ -77,7 +77,7 @@ class TimeModel:
 
         ``b``: integer array-like, any shape, values >= 0. Computed by the native core.
         """
-        from . import _C
+        from hetlb import _C
 
         arr = np.asarray(b)
         if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0):
@@ -212,7 +212,48 @@ class PiecewiseModel(TimeModel):
         return f"PiecewiseModel({self.batch_sizes.tolist()!r}, {self.times.tolist()!r})"
 
 
-#: The fields of each ``to_dict`` kind (``worker``: :class:`hetlb.sim.scenario.WorkerModel`).
+class WorkerModel(TimeModel):
+    """A worker's seconds at batch ``b``: ``overhead + max(base(max(b, saturation)), 0)`` for
+    ``b > 0`` and 0 for ``b = 0``, divided by ``speed``: the papers' launch overhead and GPU
+    saturation (LB-BSP Sec. 3.3) around any :class:`hetlb.TimeModel`."""
+
+    def __init__(self, base: TimeModel, speed: float = 1.0, saturation: float = 0.0,
+                 overhead: float = 0.0) -> None:
+        self.base, self.speed, self.saturation, self.overhead = base, float(speed), float(saturation), float(overhead)
+
+    def time(self, b: Any) -> np.ndarray:
+        b = np.asarray(b, dtype=np.float64)
+        t = np.maximum(np.asarray(self.base.time(np.maximum(b, self.saturation)), np.float64), 0.0)
+        return np.where(b > 0, (t + self.overhead) / self.speed, 0.0)
+
+    @property
+    def _native(self):  # type: ignore[override]
+        raise TypeError("a WorkerModel has no native form; pass as_piecewise(upper) to the solvers")
+
+    def effective_time(self, b: Any) -> np.ndarray:
+        """0 at 0, else the running maximum of :meth:`time` over ``1..b`` (as the solvers see a model)."""
+        arr = np.asarray(b)
+        if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0):
+            raise ValueError(f"batch sizes must be non-negative integers, got {arr!r}")
+        top = int(arr.max()) if arr.size else 0
+        run = np.maximum.accumulate(self.time(np.arange(top + 1)))
+        return run[arr.astype(np.int64)]
+
+    def as_piecewise(self, upper: int) -> PiecewiseModel:
+        """The model sampled at every batch size ``1..upper`` (what :func:`hetlb.allocate` takes)."""
+        b = np.arange(1, max(int(upper), 2) + 1)
+        return PiecewiseModel(b, self.time(b))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"kind": "worker", "model": self.base.to_dict(), "speed": self.speed,
+                "saturation": self.saturation, "overhead": self.overhead}
+
+    def __repr__(self) -> str:
+        return (f"WorkerModel({self.base!r}, speed={self.speed}, saturation={self.saturation}, "
+                f"overhead={self.overhead})")
+
+
+#: The fields of each ``to_dict`` kind (``worker``: :class:`WorkerModel`).
 _MODEL_FIELDS = {"linear": ("a0", "a1"), "poly": ("coeffs",), "piecewise": ("batch_sizes", "times"),
                  "worker": ("model", "speed", "saturation", "overhead")}
 
@@ -234,7 +275,6 @@ def model_from_dict(d: Dict[str, Any]) -> TimeModel:
     if missing:
         raise ValueError(f"a {kind} model needs {missing}")
     if kind == "worker":
-        from .sim.scenario import WorkerModel  # (the simulator imports this module)
         return WorkerModel(model_from_dict(d["model"]), d.get("speed", 1.0),
                            d.get("saturation", 0.0), d.get("overhead", 0.0))
     if kind == "linear":

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .checks import integer
+from hetlb.core.checks import integer
 
 __all__ = ["Checkpointer"]
 

@@ -52,11 +52,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .checks import integer
-from .eager import never_compiled
-from .plan import EXACT_INT
-from .telemetry import COL, NUM_FIELDS, ROW_VALUES, Probe
+from hetlb import _C
+from hetlb.core.checks import integer
+from hetlb.comm.eager import never_compiled
+from hetlb.data.board import EXACT_INT
+from hetlb.core.telemetry import COL, NUM_FIELDS, ROW_VALUES, Probe
 
 log = logging.getLogger("hetlb.aggregate")
 
@@ -324,7 +324,7 @@ class StepTelemetry:
         side_group: the group of the side transport and of :meth:`exchange` (a Gloo group).
         nccl: whether ``group`` is NCCL (weighting rides in PREMUL_SUM).
         device: the model's device; CUDA compute times come from device events, one step late.
-        emulator: an :class:`hetlb.emulate.Emulator` for this rank, or None.
+        emulator: an :class:`hetlb.sim.emulate.Emulator` for this rank, or None.
         probe: the memory probe (default: one for ``device``).
         block: steps whose rows one table carries (see the module docstring; 1: every step).
     """
@@ -375,7 +375,7 @@ class StepTelemetry:
         if native:
             _C.register_comm_hook(model.reducer, self.core, pg, side, attached)
         else:
-            from .reference import ReferenceHookState, weighted_allreduce_hook
+            from hetlb.reference import ReferenceHookState, weighted_allreduce_hook
             model.register_comm_hook(ReferenceHookState(self.core, self.group, self.side_group,
                                                         attached=attached),
                                      weighted_allreduce_hook)

@@ -35,20 +35,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import checks
-from .aggregate import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty, choose_transport,
+from hetlb.core import checks
+from hetlb.comm.transport import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty, choose_transport,
                         defer_blocker, first_tensor, is_nccl, keep_groups, make_side_group,
                         raise_refusals, refuse_everywhere, tensors_in, weights_for)
-from .data import BalancedLoader, check_loader_config
-from .eager import never_compiled
-from .runlog import ENV_LOG_DIR, RunLog
-from .plan import (EXACT_INT, PlanBoard, ScheduleRule, SingleSampleError, StepPlan, avoid_single,
+from hetlb.data.loader import BalancedLoader, check_loader_config
+from hetlb.comm.eager import never_compiled
+from hetlb.train.runlog import ENV_LOG_DIR, RunLog
+from hetlb.data.board import (EXACT_INT, PlanBoard, ScheduleRule, SingleSampleError, StepPlan, avoid_single,
                    decision_checksum, rescale_position)
-from .shard import Partition, epoch_rates
-from .policies.base import (Context, Policy, SizedPolicy, check_decision, check_same_policy,
+from hetlb.data.shards import Partition, epoch_rates
+from hetlb.policies.base import (Context, Policy, SizedPolicy, check_decision, check_same_policy,
                             from_state, policy_settings, to_state)
-from .watchdog import FLUSHING, Watchdog
-from .telemetry import (COL, FIELDS, RECORD_ARRAYS, History, StepRecord,
+from hetlb.ranks.watchdog import FLUSHING, Watchdog
+from hetlb.core.telemetry import (COL, FIELDS, RECORD_ARRAYS, History, StepRecord,
                         UnusableTelemetry, exchange_settings, hardware_info,
                         next_block_length)
 
@@ -425,9 +425,9 @@ class Balancer:
             which assigns each step's samples freely and may give a rank none, cannot honour
             them: a ``lower`` above 0 or an ``upper`` below ``global_batch`` is refused with it
             (bound its memory with ``Chronica(cap=...)``).
-        profile: this rank's :class:`hetlb.profile.Profile` (LBB starts from the fitted models);
-            checked with :meth:`~hetlb.profile.Profile.validate`.
-        emulator: an :class:`hetlb.emulate.Emulator` that stretches this rank's compute.
+        profile: this rank's :class:`hetlb.train.profile.Profile` (LBB starts from the fitted models);
+            checked with :meth:`~hetlb.train.profile.Profile.validate`.
+        emulator: an :class:`hetlb.sim.emulate.Emulator` that stretches this rank's compute.
         watchdog: a :class:`hetlb.Watchdog` (one per Balancer): heartbeats to the group's store;
             a job stalled for its ``stall`` seconds is diagnosed (which rank, which host) and,
             by default, this worker exits for torchrun to restart the group.
@@ -499,7 +499,7 @@ class Balancer:
             DDP's own averaging, which it fuses into its copy into buckets, is then the weighted
             mean, so the gradient costs what plain DDP's costs. The table travels by the side
             transport, issued once DDP has reduced the gradient, and the compute time is taken
-            when the backward's compute ends (:class:`hetlb.aggregate.BackwardWatch`). Before the
+            when the backward's compute ends (:class:`hetlb.comm.transport.BackwardWatch`). Before the
             first step whose weights differ (an uneven split, an idle rank, a short last step
             that does not split evenly) the weighted hook is registered, on every rank at the
             same step, and stays (DDP cannot remove a hook). Applies where every rank has a
@@ -509,7 +509,7 @@ class Balancer:
             first decision splits evenly; elsewhere the hook is registered at once, as with False.
             The watch sees a backward through the model's outputs; one that reaches the
             parameters only otherwise (a loss of parameters alone) counts as trained only when
-            its step ends (see :class:`~hetlb.aggregate.BackwardWatch`). The same on every rank.
+            its step ends (see :class:`~hetlb.comm.transport.BackwardWatch`). The same on every rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -519,7 +519,7 @@ class Balancer:
 
     Attributes:
         rank, world: this rank and the number of ranks of ``group``.
-        history: :class:`hetlb.telemetry.History` of the world's telemetry, one record per step
+        history: :class:`hetlb.core.telemetry.History` of the world's telemetry, one record per step
             (on CUDA a step's record completes one step later: compute times come from events
             read without a host synchronisation; with ``exchange_every > 1``, Uniform's default,
             the records of a block arrive at its exchange).
@@ -572,13 +572,13 @@ class Balancer:
                 raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got "
                                 f"{type(log_dir).__name__} {log_dir!r}")
             if profile is not None:
-                from .profile import Profile
-                checks.instance(profile, "profile", Profile, "a hetlb.Profile (from hetlb.profile(...) "
+                from hetlb.train.profile import Profile
+                checks.instance(profile, "profile", Profile, "a hetlb.Profile (from hetlb.train.profile(...) "
                                 "or Profile.load) or None")
                 profile.validate()
             if emulator is not None:
-                from .emulate import Emulator
-                checks.instance(emulator, "emulator", Emulator, "a hetlb.emulate.Emulator or None")
+                from hetlb.sim.emulate import Emulator
+                checks.instance(emulator, "emulator", Emulator, "a hetlb.sim.emulate.Emulator or None")
             if watchdog is not None:
                 checks.instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
             self.accumulate = checks.integer(accumulate, "accumulate", 1)
@@ -643,7 +643,7 @@ class Balancer:
                                  f"ranks times lower={lower}{why}; every rank needs at least {lower} "
                                  f"sample(s) per step (pass lower=0 to let ranks idle)")
             if policy is None:
-                from .policies.lbb import LBB
+                from hetlb.policies.lbb import LBB
                 policy = LBB()
             history = checks.integer(history, "history", 1, sys.maxsize)  # (a deque's maxlen)
             self.exchange_every, self.adaptive_exchange, history = exchange_settings(
@@ -1078,7 +1078,7 @@ class Balancer:
 
     def _two_or_none(self, decision: Any) -> Any:
         """A sizes decision with no rank at exactly one sample for a model that refuses one
-        (:func:`hetlb.plan.avoid_single` within the upper bounds; only ``lower=0`` lets a
+        (:func:`hetlb.data.board.avoid_single` within the upper bounds; only ``lower=0`` lets a
         policy decide 1); anything else as it is."""
         if not self._single or not isinstance(decision, np.ndarray):
             return decision

@@ -45,7 +45,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from .models import TimeModel, model_from_dict
+from hetlb.core.models import TimeModel, model_from_dict
 
 __all__ = ["Disturbance", "Emulator", "sleep_until"]
 

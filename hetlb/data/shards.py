@@ -38,8 +38,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .checks import integer
-from .solve import rebalance
+from hetlb.core.checks import integer
+from hetlb.core.solve import rebalance
 
 __all__ = ["Migration", "Partition", "even_partition", "epoch_rates"]
 
@@ -125,7 +125,7 @@ def epoch_rates(history: Any, epoch: int, world: int) -> Optional[np.ndarray]:
 
 class Partition:
     """Which rank holds each sample, the epoch's per-rank orders and steps, and the migration
-    pending for the next epoch. Owned by :class:`hetlb.plan.PlanBoard`.
+    pending for the next epoch. Owned by :class:`hetlb.data.board.PlanBoard`.
 
     Args:
         home: int64 ``[N]`` rank holding each sample.

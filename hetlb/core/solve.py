@@ -12,8 +12,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import _C
-from .models import TimeModel
+from hetlb import _C
+from hetlb.core.models import TimeModel
 
 __all__ = ["allocate", "allocate_proportional", "schedule", "rebalance"]
 

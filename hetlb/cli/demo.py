@@ -65,7 +65,7 @@ class DemoResult:
 def ideal_speedup(scenario: Any) -> float:
     """The emulated cluster's best possible speed-up over the equal split: the equal split's
     step over the best integer split's (LBB's exact solver on the true models)."""
-    from .sim import compare_splits
+    from hetlb.sim import compare_splits
     models = [w.time_model.as_piecewise(scenario.global_batch) for w in scenario.workers]
     uni, best, _ = compare_splits(models, scenario.global_batch, lower=scenario.lower)
     return uni.step / best.step
@@ -94,8 +94,8 @@ def _worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hetlb
-    from .sim import load_scenario, make_policy
-    from .telemetry import straggler_effect
+    from hetlb.sim import load_scenario, make_policy
+    from hetlb.core.telemetry import straggler_effect
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
@@ -108,7 +108,7 @@ def _worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         runs: Dict[str, Dict[str, Any]] = {}
         bar = None
         if rank == 0 and cfg["progress"]:
-            from .progress import progress_bar
+            from hetlb.core.progress import progress_bar
             bar = progress_bar(total=len(cfg["policies"]) * cfg["epochs"] * (len(train) // gb), unit="step",
                                desc="hetlb demo", leave=False, disable=None)
         for name in cfg["policies"]:
@@ -172,7 +172,7 @@ def run_demo(cluster: str = "abs-sgd-1234", policies: Sequence[str] = DEFAULT_PO
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .sim import POLICY_NAMES, load_scenario, unknown_policies
+    from hetlb.sim import POLICY_NAMES, load_scenario, unknown_policies
     sc = load_scenario(cluster)
     if sc.world > MAX_WORKERS:
         raise ValueError(f"scenario {cluster!r} has {sc.world} workers; the demo runs each as a "

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from .telemetry import StepRecord, straggler_effect
+from hetlb.core.telemetry import StepRecord, straggler_effect
 
 __all__ = ["RunLog", "read_run", "LOG_NAME", "ENV_LOG_DIR"]
 

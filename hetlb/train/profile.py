@@ -12,7 +12,7 @@ Out of memory means: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``
 ``memory_limit``, a measured peak above the limit (how it is measured: :func:`profile`).
 
 Note: ``hetlb.profile`` (the package attribute) is the function; import the module's other names
-with ``from hetlb.profile import Profile``.
+with ``from hetlb.train.profile import Profile``.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from .checks import integer, number
-from .models import LinearModel, PiecewiseModel, PolyModel, TimeModel
+from hetlb.core.checks import integer, number
+from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel, TimeModel
 
 __all__ = ["Profile", "profile", "DEFAULT_MAX_BATCH"]
 

@@ -82,8 +82,8 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], align: str = ""
 
 
 def _describe(m: Any) -> str:
-    from .models import LinearModel, PiecewiseModel, PolyModel
-    from .sim import WorkerModel
+    from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel
+    from hetlb.sim import WorkerModel
     if isinstance(m, WorkerModel):
         d = _describe(m.base)
         extra = [f"/{m.speed:g}" if m.speed != 1 else "", f" sat {m.saturation:g}" if m.saturation else "",
@@ -102,9 +102,9 @@ def _describe(m: Any) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .models import LinearModel
-    from .profile import Profile
-    from .sim import compare_splits, load_scenario
+    from hetlb.core.models import LinearModel
+    from hetlb.train.profile import Profile
+    from hetlb.sim import compare_splits, load_scenario
 
     models: List[Any] = []
     names: List[str] = []
@@ -116,7 +116,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise CLIError("give the workers one way: profile JSON files, --linear A0,A1 (one per "
                        "worker), or --scenario NAME|FILE")
     global_batch = args.global_batch
-    from .plan import EXACT_INT
+    from hetlb.data.board import EXACT_INT
     if global_batch is not None and not 1 <= global_batch < EXACT_INT:
         raise CLIError(f"--global-batch must be in [1, {EXACT_INT}) (the Balancer's range), got "
                        f"{global_batch}")
@@ -208,9 +208,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .sim import (POLICY_NAMES, builtin_scenarios, generate_cluster, load_scenario, make_policy,
+    from hetlb.sim import (POLICY_NAMES, builtin_scenarios, generate_cluster, load_scenario, make_policy,
                       simulate, unknown_policies)
-    from .sim.engine import _policy_key
+    from hetlb.sim.engine import _policy_key
 
     if args.list:
         for name, make in sorted(builtin_scenarios().items()):
@@ -343,7 +343,7 @@ def _plot_sim(results: List[Any], path: str, sc: Any) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import plot_demo, run_demo
+    from hetlb.cli.demo import plot_demo, run_demo
     policies = [p for p in args.policy.split(",") if p.strip()]
     for flag, value, low in (("--epochs", args.epochs, 1), ("--min-steps", args.min_steps, 0)):
         if value is not None and value < low:
@@ -387,7 +387,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _load_factory(spec: str) -> Any:
     import importlib
-    from .zoo import ZOO
+    from hetlb.cli.zoo import ZOO
     if spec in ZOO:
         return ZOO[spec]
     if ":" not in spec:
@@ -407,7 +407,7 @@ def _load_factory(spec: str) -> Any:
 
 def _profile(args: argparse.Namespace) -> int:
     import torch
-    from .profile import profile
+    from hetlb.train.profile import profile
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -435,7 +435,7 @@ def _profile(args: argparse.Namespace) -> int:
     planned = sizes or [2 ** k for k in range(1, 31) if 2 ** k <= args.max_batch]
     bar = None
     if not args.json:
-        from .progress import progress_bar
+        from hetlb.core.progress import progress_bar
         # every size runs one warm-up call and the timed repeats; it stops early at out of memory
         bar = progress_bar(total=len(planned) * (1 + args.repeats), desc=f"profile {args.workload}",
                            unit="step", leave=False, disable=None)
@@ -477,7 +477,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .runlog import read_run
+    from hetlb.train.runlog import read_run
     _writable(args.plot, "--plot", plot=True)
     try:
         steps = read_run(args.log)
@@ -669,7 +669,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from .sim import ScenarioError
+    from hetlb.sim import ScenarioError
     try:
         return int(args.func(args) or 0)
     except (CLIError, ScenarioError) as e:

@@ -36,9 +36,9 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from .checks import integer
-from .shard import Partition
-from .solve import allocate_proportional, schedule
+from hetlb.core.checks import integer
+from hetlb.data.shards import Partition
+from hetlb.core.solve import allocate_proportional, schedule
 
 __all__ = ["StepPlan", "StreamPlan", "ScheduleRule", "PlanBoard", "decision_checksum", "split_last",
            "EXACT_INT"]
@@ -107,7 +107,7 @@ def split_last(shares: np.ndarray, count: int, lower: Optional[np.ndarray] = Non
 
 class SingleSampleError(ValueError):
     """A split cannot avoid handing some rank exactly one sample, which the model's layers refuse
-    in training (see :func:`hetlb.checks.single_sample_layers`)."""
+    in training (see :func:`hetlb.core.checks.single_sample_layers`)."""
 
 
 def avoid_single(sizes: np.ndarray, room: np.ndarray) -> np.ndarray:
@@ -584,7 +584,7 @@ class PlanBoard:
 
     def draw_sharded(self, epoch: int, step: int) -> StepPlan:
         """Plan step ``step`` of ``epoch`` in sharded mode: every rank's samples come from its own
-        shard (:meth:`hetlb.shard.Partition.layout`); the checksum covers the partition."""
+        shard (:meth:`hetlb.data.shards.Partition.layout`); the checksum covers the partition."""
         _, counts, data, crc = self.partition.layout(epoch)
         sizes = counts[:, step].copy()
         amounts = data[:, step].copy()
@@ -694,7 +694,7 @@ class PlanBoard:
     # ------------------------------------------------------------------ epochs and checkpoints
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch to iterate (see :meth:`hetlb.data.BalancedLoader.set_epoch`)."""
+        """Select the epoch to iterate (see :meth:`hetlb.data.loader.BalancedLoader.set_epoch`)."""
         e = integer(epoch, "epoch", 0)
         spe = self.steps_per_epoch
         finished = self.epoch_finished()

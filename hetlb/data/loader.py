@@ -7,7 +7,7 @@ samples the step's schedule assigns it). So each sample is seen exactly once per
 the sizes do, and every rank runs ``ceil(N / global_batch)`` steps (``floor`` with ``drop_last``):
 uneven inputs never hang DDP. The short last step is split by the current shares.
 
-The sizes of a step are fixed when its indices are drawn (:class:`hetlb.plan.PlanBoard`). A
+The sizes of a step are fixed when its indices are drawn (:class:`hetlb.data.board.PlanBoard`). A
 DataLoader with workers draws ``num_workers * prefetch_factor`` batches ahead, so a decision made at
 the end of step ``t`` is used from step ``t + 1 + lag`` on, with ``lag`` that prefetch depth (0
 without workers). The draw happens at the same point of the program on every rank, so every rank
@@ -38,10 +38,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from .checks import flag, integer
-from .collate import Packed, Padded
-from .plan import PlanBoard, StepPlan
-from .shard import Migration, Partition, even_partition
+from hetlb.core.checks import flag, integer
+from hetlb.data.collate import Packed, Padded
+from hetlb.data.board import PlanBoard, StepPlan
+from hetlb.data.shards import Migration, Partition, even_partition
 
 __all__ = ["GlobalOrderSampler", "BalancedLoader"]
 

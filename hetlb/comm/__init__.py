@@ -1,0 +1,1 @@
+"""How a rank's weighted gradient and telemetry reach the others: weights, transports, the hook."""

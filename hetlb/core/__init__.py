@@ -1,0 +1,1 @@
+"""Pure parts (numpy and the extension): time models, solvers, telemetry records, decisions."""

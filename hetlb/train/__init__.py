@@ -1,0 +1,1 @@
+"""The Balancer and its parts: configuration, step driver, model hooks, checkpoints, profiling."""
