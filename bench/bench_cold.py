@@ -167,7 +167,7 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0,
                                 world_size=1, timeout=datetime.timedelta(seconds=60))
         try:
-            from hetlb.comm.transport import weights_for
+            from hetlb.comm.weights import weights_for
             big = np.ones(int(args.evict_mb * 2 ** 20 / 8))
             cold, warm = (lambda: big.sum()), (lambda: None)
             b, d = np.array([64, 64], dtype=np.int64), np.array([64.0, 64.0])

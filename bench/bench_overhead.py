@@ -182,7 +182,7 @@ def setup_variant(variant: str, model_name: str, args: argparse.Namespace, world
             bal.telemetry.probe._proc = False
         if flag == "nocheck":  # (diagnostic) the forward gate without its batch-size check
             for h in ddp._forward_pre_hooks.values():
-                if type(h).__name__ == "_StepGate":
+                if type(h).__name__ == "StepGate":
                     h.batch_dim = None
         if flag == "nogate":  # (diagnostic, wrong timing) no forward gate at all
             ddp._forward_pre_hooks.clear()

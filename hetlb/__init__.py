@@ -24,10 +24,11 @@ from hetlb.core import telemetry
 from hetlb.data import collate
 from hetlb.ranks import elastic
 from hetlb.sim import emulate
-from hetlb.train.balancer import Balancer, BatchSizeError, DecisionMismatchError
+from hetlb.train.balancer import Balancer
+from hetlb.train.errors import BatchSizeError, DecisionMismatchError
 from hetlb.data.loader import BalancedLoader
 from hetlb.data.loader import BalancedLoader as DataLoader
-from hetlb.data.board import ScheduleRule
+from hetlb.core.decisions import ScheduleRule
 from hetlb.policies import DBS, EMA, LBB, LBBSP, NARX, WLBS, Chronica, Memoryless, Uniform
 from hetlb.train.profile import Profile, profile
 from hetlb.core.telemetry import UnusableTelemetry

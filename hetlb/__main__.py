@@ -3,5 +3,6 @@ import sys
 
 from hetlb.cli.commands import main
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from hetlb import _C  # noqa: F401  (registers torch.ops.hetlb.*)
 
+
 __all__ = ["scale_", "flatten_scaled", "unflatten_", "delay_compensate_"]
 
 

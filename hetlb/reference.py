@@ -11,7 +11,6 @@ process groups (tests/test_comm_hook.py) and even mixed across ranks.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, List, Optional, Sequence
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 
 from hetlb.core.models import TimeModel
+
 
 __all__ = [
     "raw_time", "effective_times", "allocate", "proportional_shares", "allocate_proportional",

@@ -19,7 +19,7 @@ from hypothesis import given, strategies as st
 
 import hetlb
 from hetlb.sim.emulate import Disturbance, Emulator
-from hetlb.data.board import ScheduleRule
+from hetlb.core.decisions import ScheduleRule
 from hetlb.policies.base import Context, check_sizes
 from hetlb.train.profile import Profile
 from hetlb.core.telemetry import MAX_COMPUTE, MIN_COMPUTE, History, StepRecord, UnusableTelemetry

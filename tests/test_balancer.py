@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import hetlb
-from hetlb.comm.transport import weights_for
-from hetlb.data.loader import _empty_like
+from hetlb.comm.weights import weights_for
+from hetlb.data.collate import _empty_like
 
 from fixed_policy import Fixed
 

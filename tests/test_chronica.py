@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hetlb
-from hetlb.data.loader import dataset_sample_sizes
+from hetlb.data.sampler import dataset_sample_sizes
 from hetlb.sim.emulate import Emulator
-from hetlb.data.board import ScheduleRule
+from hetlb.core.decisions import ScheduleRule
 from hetlb.policies import Context, RuntimeProphet
 from hetlb.core.telemetry import History, StepRecord
 
@@ -442,7 +442,8 @@ def test_chronica_hold_with_adaptive_blocks_on_two_ranks_resumes_exactly_once():
 
 
 def test_rule_pivot_cap_checksum_and_checkpoint_form():
-    from hetlb.data.board import PlanBoard, decision_checksum
+    from hetlb.data.board import PlanBoard
+    from hetlb.core.decisions import decision_checksum
     base = ScheduleRule([1.0, 2.0], [0.0, 0.0])
     piv = ScheduleRule([1.0, 2.0], [0.0, 0.0], pivot=True)
     cap = ScheduleRule([1.0, 2.0], [0.0, 0.0], cap=[100.0, 50.0])
@@ -607,7 +608,8 @@ def test_prophet_quadratic_bad_input_and_old_checkpoints():
 
 
 def test_rule_schedules_by_quadratic_work():
-    from hetlb.data.board import PlanBoard, decision_checksum
+    from hetlb.data.board import PlanBoard
+    from hetlb.core.decisions import decision_checksum
     lin = ScheduleRule([1.0, 1.0], [0.0, 0.0])
     quad = ScheduleRule([1.0, 1.0], [0.0, 0.0], quadratic=0.5)
     assert decision_checksum(lin) != decision_checksum(quad)

@@ -87,7 +87,7 @@ def test_collate_fn_through_the_balanced_loader():
 
 
 def test_a_rank_given_no_samples_gets_an_empty_batch_of_the_right_kind():
-    from hetlb.data.loader import _EmptySafeCollate
+    from hetlb.data.collate import _EmptySafeCollate
     ds = [(torch.arange(n + 1), torch.tensor(n)) for n in (3, 5)]
     for fn in (packed_collate, pad_collate):
         e = _EmptySafeCollate(ds, fn)([])

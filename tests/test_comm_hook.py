@@ -258,7 +258,7 @@ def test_step_core_checks_its_inputs():
     assert core.clock_depth == 0
     with pytest.raises(RuntimeError, match="a CPU step core has no device clock"):
         core.clock_depth = 2
-    tele = hetlb.comm.transport.StepTelemetry(0, 1)
+    tele = hetlb.comm.hook.StepTelemetry(0, 1)
     assert tele.lag == 0
     with pytest.raises(ValueError, match="steps must be an integer >= 1, got 0"):
         tele.set_clock_lag(0)
@@ -545,7 +545,7 @@ TRANSPORTS = {"side-same-group": (False, False, False), "side-own-group": (False
 
 
 def reduce_worker(rank, world):
-    from hetlb.comm.transport import make_side_group
+    from hetlb.ranks.agreement import make_side_group
     pg = dist.distributed_c10d._get_default_group()
     own = make_side_group(None, own=True)
     out = {}

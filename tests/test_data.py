@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from hetlb.data.loader import GlobalOrderSampler
-from hetlb.data.board import PlanBoard, ScheduleRule, decision_checksum, split_last
+from hetlb.data.sampler import GlobalOrderSampler
+from hetlb.data.board import PlanBoard
+from hetlb.core.decisions import ScheduleRule, decision_checksum, split_last
 
 
 def ranks(n, B, world, seed=0, drop_last=False, shuffle=True, accumulate=1, sample_sizes=None):
@@ -436,7 +437,7 @@ def _no_single_brute(sizes, room):
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=4))
 def test_avoid_single_finds_a_split_whenever_one_exists(pairs):
-    from hetlb.data.board import SingleSampleError, avoid_single
+    from hetlb.core.decisions import SingleSampleError, avoid_single
     room = np.array([max(a, b) for a, b in pairs], np.int64)
     sizes = np.array([min(a, b) for a, b in pairs], np.int64)
     brute = _no_single_brute(sizes.tolist(), room.tolist())
@@ -453,7 +454,7 @@ def test_avoid_single_finds_a_split_whenever_one_exists(pairs):
 
 
 def test_no_split_of_a_board_gives_one_sample_when_refused():
-    from hetlb.data.board import SingleSampleError
+    from hetlb.core.decisions import SingleSampleError
     # the short last step: 3 samples by shares [4, 4] with lower 2 would be [2, 1]
     boards, samplers = ranks(19, 8, 2, shuffle=False)
     for b in boards:
@@ -481,7 +482,7 @@ def test_no_split_of_a_board_gives_one_sample_when_refused():
        windows=st.integers(0, 20), tail=st.integers(0, 3), end=st.booleans())
 def test_a_position_rescales_to_another_global_batch_with_the_same_samples_per_update(
         gb, acc, acc2, windows, tail, end):
-    from hetlb.data.board import rescale_position
+    from hetlb.core.decisions import rescale_position
     per = gb * acc
     if per % acc2:
         return

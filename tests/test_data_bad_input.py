@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hetlb
-from hetlb.data.loader import BalancedLoader, GlobalOrderSampler, dataset_sample_sizes
+from hetlb.data.loader import BalancedLoader
+from hetlb.data.sampler import GlobalOrderSampler, dataset_sample_sizes
 from hetlb.data.board import PlanBoard
 
 

@@ -704,7 +704,7 @@ def test_a_loop_left_on_a_round_s_last_update_goes_on_in_the_next_epoch():
 
 def subgroup_broadcast_worker(rank, world):
     import torch.distributed as dist
-    from hetlb.comm.transport import broadcast_module_state
+    from hetlb.ranks.agreement import broadcast_module_state
     group = dist.new_group([1, 2])  # its rank 0 is global rank 1
     torch.manual_seed(rank)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()

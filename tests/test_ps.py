@@ -295,7 +295,7 @@ def test_in_process_checks_model_size_and_keeps_float64():
     with pytest.raises(ValueError, match="same model"):  # the server's error keeps its type
         ps._call(1, {"hello": True, "hardware": {}, "numel": 3}).wait()
     # The same element count in other shapes (a user audit, session 25: before, it trained).
-    from hetlb.comm.transport import shapes_digest as _shapes_digest
+    from hetlb.comm.hook import shapes_digest as _shapes_digest
     other = [torch.zeros(DIM + 1, 1, dtype=torch.float64)]
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)
@@ -381,7 +381,7 @@ def test_running_statistics_reach_the_server(mode, kw):
 def test_in_process_buffer_checks():
     """A worker with other buffers is refused at its hello; a push without its buffers is
     malformed; a bool buffer stays the server's; a counter never goes back."""
-    from hetlb.comm.transport import shapes_digest
+    from hetlb.comm.hook import shapes_digest
     from hetlb.sync.ps import ParameterServer
     model = _bn_model()
     model.register_buffer("mask", torch.ones(DIM, dtype=torch.bool))

@@ -140,7 +140,7 @@ def test_profile_command_writes_a_profile_plan_reads(tmp_path, capsys):
 
 @pytest.mark.parametrize("spec, message", [
     ("nosuchmodule_xyz:make", "cannot import"),
-    ("hetlb.zoo:nothing", "has no 'nothing'"),
+    ("hetlb.cli.zoo:nothing", "has no 'nothing'"),
     ("resnet", "expected MODULE:FACTORY"),
 ])
 def test_profile_errors(capsys, spec, message):

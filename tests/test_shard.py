@@ -1,4 +1,4 @@
-"""Sharded loading (hetlb.shard): each rank reads its own partition, rebalanced per epoch."""
+"""Sharded loading (hetlb.data.shards): each rank reads its own partition, rebalanced per epoch."""
 import numpy as np
 import pytest
 import torch

@@ -8,10 +8,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetlb.data.board import EXACT_INT, decision_checksum
-from hetlb.core.telemetry import (COL, NUM_FIELDS, History, Probe, StepRecord, UnusableTelemetry,
-                             hardware_info, meminfo, next_block_length, require_progress, straggler_effect,
-                             validate_record)
+from hetlb.core.decisions import EXACT_INT, decision_checksum
+from hetlb.core.telemetry import (COL, NUM_FIELDS, History, StepRecord, UnusableTelemetry,
+                                  require_progress, straggler_effect, validate_record)
+from hetlb.core.exchange import next_block_length
+from hetlb.comm.probes import Probe, hardware_info, meminfo
 
 
 def record(step, batch, compute, epoch=0):

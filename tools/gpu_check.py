@@ -32,7 +32,7 @@ from distributed import run, unwrap  # noqa: E402
 def nccl_premul_worker(rank, world):
     import torch.distributed as dist
     from hetlb import _C
-    from hetlb.comm.transport import make_side_group
+    from hetlb.ranks.agreement import make_side_group
     from hetlb.core.telemetry import COL, NUM_FIELDS
     pg = dist.distributed_c10d._get_default_group()
     side = make_side_group(None)  # NCCL: a Gloo group for the table
@@ -150,7 +150,7 @@ def check_profile_oom():
 
 
 def check_probe():
-    from hetlb.core.telemetry import Probe
+    from hetlb.comm.probes import Probe
     probe = Probe(torch.device("cuda", 0), interval=0.0)
     before = probe.memory()
     block = torch.empty(int(torch.cuda.mem_get_info()[1] * 0.2), dtype=torch.uint8, device="cuda")

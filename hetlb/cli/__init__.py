@@ -1,4 +1,5 @@
 """The ``hetlb`` command: demo, profile, plan, simulate, report."""
 from hetlb.cli.commands import main
 
+
 __all__ = ["main"]

@@ -2,7 +2,7 @@
 
 Subcommands:
 
-* ``demo``: the main job (:mod:`hetlb.demo`): balanced training on an emulated paper cluster,
+* ``demo``: the main job (:mod:`hetlb.cli.demo`): balanced training on an emulated paper cluster,
   every policy against uniform, from the same initial weights.
 * ``profile``: LBB's profiling phase for a model (built-in or ``MODULE:FACTORY``) on this machine.
 * ``plan``: the split of a global batch over workers described by time models (profile JSON
@@ -25,6 +25,7 @@ from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+
 
 __all__ = ["main", "build_parser"]
 
@@ -116,7 +117,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise CLIError("give the workers one way: profile JSON files, --linear A0,A1 (one per "
                        "worker), or --scenario NAME|FILE")
     global_batch = args.global_batch
-    from hetlb.data.board import EXACT_INT
+    from hetlb.core.decisions import EXACT_INT
     if global_batch is not None and not 1 <= global_batch < EXACT_INT:
         raise CLIError(f"--global-batch must be in [1, {EXACT_INT}) (the Balancer's range), got "
                        f"{global_batch}")
@@ -208,8 +209,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from hetlb.sim import (POLICY_NAMES, builtin_scenarios, generate_cluster, load_scenario, make_policy,
-                      simulate, unknown_policies)
+    from hetlb.sim import (POLICY_NAMES, builtin_scenarios, generate_cluster, load_scenario,
+                           make_policy, simulate, unknown_policies)
     from hetlb.sim.engine import _policy_key
 
     if args.list:

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+
 __all__ = ["DemoResult", "run_demo", "ideal_speedup", "DEFAULT_POLICIES"]
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ from typing import Callable, Tuple
 
 import torch
 
+
 __all__ = ["mlp", "cnn", "transformer", "ZOO"]
 
 Workload = Tuple[torch.nn.Module, Callable[..., torch.Tensor], Callable[[int], tuple]]

@@ -15,6 +15,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+
 F = TypeVar("F", bound=Callable)
 
 try:  # (the C module: importing torch._dynamo itself takes about a second)

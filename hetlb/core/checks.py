@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 
+
 __all__ = ["ArgumentTypeError", "integer", "number", "optional_integer", "flag", "choice", "instance",
            "agree"]
 

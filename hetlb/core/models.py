@@ -12,6 +12,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import numpy as np
 
+
 __all__ = ["TimeModel", "LinearModel", "PolyModel", "PiecewiseModel", "model_from_dict"]
 
 _KIND_LINEAR, _KIND_POLY, _KIND_PIECEWISE = 0, 1, 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+
 __all__ = ["progress_bar"]
 
 

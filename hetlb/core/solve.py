@@ -15,6 +15,7 @@ import numpy as np
 from hetlb import _C
 from hetlb.core.models import TimeModel
 
+
 __all__ = ["allocate", "allocate_proportional", "schedule", "rebalance"]
 
 

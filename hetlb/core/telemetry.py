@@ -1,7 +1,7 @@
 """Per-step telemetry: the world table every rank sees, its history, and the probes that fill a row.
 
 A row is ``FIELDS`` as float64 on the host. Each rank fills its own row; the rows of all ranks
-reach every rank with the gradient all-reduce (see :mod:`hetlb.aggregate`), so the table a policy
+reach every rank with the gradient all-reduce (see :mod:`hetlb.comm.hook`), so the table a policy
 reads is bit-identical on every rank and decisions can be replicated.
 
 What the columns mean (one row per rank and step):
@@ -34,17 +34,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
-import torch
 
-from hetlb.core.checks import flag, integer, number
+from hetlb.core.checks import integer
+
 
 log = logging.getLogger("hetlb.telemetry")
 
@@ -336,138 +334,7 @@ def straggler_effect(compute: Sequence[float], batch: Optional[Sequence[int]] = 
 # Probes: memory in use and static hardware indicators of this rank.
 # ---------------------------------------------------------------------------------------------
 
-def meminfo(path: str = "/proc/meminfo") -> Optional[Tuple[int, int]]:
-    """``(available, total)`` bytes of RAM from Linux's ``/proc/meminfo`` (``MemAvailable`` and
-    ``MemTotal``, the figures ``psutil.virtual_memory()`` reports there), or None where the file
-    or either line is missing (another OS, a kernel older than 3.14)."""
-    try:
-        with open(path, "rb", buffering=0) as f:
-            text = f.read(4096)
-    except OSError:
-        return None
-    found = {}
-    for line in text.split(b"\n"):
-        key, _, rest = line.partition(b":")
-        if key in (b"MemTotal", b"MemAvailable"):
-            parts = rest.split()
-            if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
-                return None
-            found[key] = int(parts[0]) * 1024
-            if len(found) == 2:
-                return found[b"MemAvailable"], found[b"MemTotal"]
-    return None
+
+__all__ = ["FIELDS", "NUM_FIELDS", "COL", "RECORD_ARRAYS", "MIN_COMPUTE", "MAX_COMPUTE", "UnusableTelemetry", "StepRecord", "History", "validate_record", "require_progress", "straggler_effect"]
 
 
-class Probe:
-    """Reads the memory fraction in use for this rank's telemetry row.
-
-    CUDA: ``1 - free / total`` of the device from ``torch.cuda.mem_get_info`` (every process's
-    allocations, as LB-BSP's memory guard needs). CPU: ``1 - available / total`` RAM, read from
-    ``/proc/meminfo`` on Linux (:func:`meminfo`; psutil's figure, at a sixth of psutil's cost),
-    elsewhere through psutil. Readings are refreshed at most every ``interval`` seconds and reused
-    in between (memory does not change meaningfully within milliseconds).
-    """
-
-    def __init__(self, device: Optional[torch.device] = None, interval: float = 0.2) -> None:
-        import psutil
-        self.device = torch.device("cpu") if device is None else torch.device(device)
-        self.interval = number(interval, "Probe: interval", minimum=0.0)
-        self._psutil = psutil
-        self._at = -math.inf
-        self._last = 0.0
-        # psutil parses all of /proc/meminfo in Python (~90 µs, several times that with cold
-        # caches, every `interval` inside the training loop's step boundary); the two numbers it
-        # reports are the file's first and third lines.
-        self._proc = self.device.type != "cuda" and meminfo() is not None
-
-    def memory(self) -> float:
-        """Fraction of the device's memory (CUDA) or of RAM (CPU) in use, in [0, 1]."""
-        now = time.monotonic()
-        if now - self._at >= self.interval:
-            self._at = now
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-            else:
-                got = meminfo() if self._proc else None
-                if got is None:
-                    vm = self._psutil.virtual_memory()
-                    got = (vm.available, vm.total)
-                free, total = got
-            self._last = min(max(1.0 - float(free) / float(total), 0.0), 1.0) if total else 0.0
-        return self._last
-
-
-def hardware_info(device: Optional[torch.device] = None) -> Dict[str, float]:
-    """Static indicators of this rank's hardware, for policies that start from them (WLBS).
-
-    Keys: ``cpus`` (logical CPUs this process may use), ``cores`` (physical cores of the machine),
-    ``memory`` (bytes of RAM), and on CUDA ``gpu_sms`` (multiprocessors), ``gpu_clock`` (kHz, 0
-    if unknown), ``gpu_memory`` (bytes).
-    """
-    import psutil
-    try:
-        cpus = float(len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        cpus = float(os.cpu_count() or 1)
-    cores = float(psutil.cpu_count(logical=False) or cpus)
-    info: Dict[str, float] = {"cpus": cpus, "cores": cores, "memory": float(psutil.virtual_memory().total)}
-    if device is not None and torch.device(device).type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        info["gpu_sms"] = float(p.multi_processor_count)
-        info["gpu_clock"] = float(getattr(p, "clock_rate", 0) or 0)
-        info["gpu_memory"] = float(p.total_memory)
-    return info
-
-
-__all__ = ["FIELDS", "NUM_FIELDS", "COL", "RECORD_ARRAYS", "MIN_COMPUTE", "MAX_COMPUTE",
-           "UnusableTelemetry", "StepRecord",
-           "History", "validate_record", "require_progress", "straggler_effect", "Probe",
-           "hardware_info", "meminfo", "next_block_length", "block_history"]
-
-
-def next_block_length(length: int, steady: bool, largest: int) -> int:
-    """Steps of the next telemetry block under ``adaptive_exchange``: 1 after an exchange whose
-    decision moved the sizes (or whose newest step was refused: ``steady`` False), else twice
-    ``length``, capped at ``largest`` (``exchange_every``). Shared by the Balancer and the
-    simulator, so both ship at the same steps."""
-    return min(2 * length, largest) if steady else 1
-
-
-#: The largest telemetry block by default for a policy that does not read the telemetry
-#: (``Policy.reads_telemetry`` False: Uniform), with adaptive blocks.
-STATIC_BLOCK = 16
-
-
-def exchange_settings(reads_telemetry: bool, every: Any, adaptive: Any,
-                      history: Any) -> Tuple[int, bool, Optional[int]]:
-    """``(exchange_every, adaptive_exchange, history)`` from the Balancer's (or the simulator's)
-    arguments, None meaning the default, each checked: every step for a policy that reads the
-    telemetry (the papers decide every step); adaptive blocks of up to :data:`STATIC_BLOCK`
-    steps (at most ``history``) for one that does not, whose decisions blocks cannot change.
-    ``adaptive`` left None is True exactly where the blocks are that default. ``history`` None
-    (the simulator's default: it keeps enough for any block) bounds nothing and stays None."""
-    defaulted = every is None
-    if defaulted:
-        bound = STATIC_BLOCK if history is None else integer(history, "history", 1, sys.maxsize)
-        every = 1 if reads_telemetry else min(STATIC_BLOCK, bound)
-    else:
-        every = integer(every, "exchange_every", 1)
-    adaptive = (defaulted and every > 1) if adaptive is None else flag(adaptive, "adaptive_exchange")
-    if history is not None:
-        history = block_history(history, every)
-    if adaptive and every == 1:
-        raise ValueError("adaptive_exchange=True grows blocks up to exchange_every steps; with "
-                         "exchange_every=1 every step is exchanged anyway: pass exchange_every=k "
-                         "> 1 (e.g. 16)")
-    return every, adaptive, history
-
-
-def block_history(history: Any, exchange_every: int) -> int:
-    """``history`` (records kept) checked to hold a whole block of ``exchange_every`` steps: a
-    policy learns from every record of a block, and a shorter history would drop some."""
-    history = integer(history, "history", 1, sys.maxsize)  # (a deque's maxlen)
-    if history < exchange_every:
-        raise ValueError(f"history={history} keeps fewer records than a block of "
-                         f"exchange_every={exchange_every} steps, and a policy learns from "
-                         f"every record of a block: pass history >= exchange_every")
-    return history

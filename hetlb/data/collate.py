@@ -18,11 +18,16 @@ the batch the model gets against the plan; for these batches tell it how to coun
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate
+
 
 __all__ = ["Padded", "Packed", "pad_collate", "packed_collate", "block_diagonal_mask", "to_nested"]
 
@@ -145,3 +150,95 @@ def to_nested(packed: Packed) -> torch.Tensor:
             "size-aware one such as Chronica may give a rank no sample in any step)")
     parts = list(torch.split(packed.data, lengths, dim=0))
     return torch.nested.nested_tensor(parts, layout=torch.jagged)
+
+
+def _is_leaf(v: Any) -> bool:
+    """A value that is neither an array nor a container (a string, a number, None, ...)."""
+    return not isinstance(v, (torch.Tensor, np.ndarray, Mapping, list, tuple, Padded, Packed)) \
+        and not (dataclasses.is_dataclass(v) and not isinstance(v, type))
+
+
+def _mapped(batch: Mapping, f: Callable[[Any, Any], Any]) -> Any:
+    """``batch`` (any mapping: dict, UserDict, BatchEncoding...) with each value ``f(key, value)``."""
+    try:
+        out = copy.copy(batch)
+        for k in batch:
+            out[k] = f(k, batch[k])
+        return out
+    except TypeError:  # an immutable mapping: a dict of the same items
+        return {k: f(k, batch[k]) for k in batch}
+
+
+def _empty_like(batch: Any) -> Any:
+    """``batch`` with zero rows: tensors and arrays sliced ``[:0]``, a list or tuple of plain
+    values (strings, numbers: one per sample) emptied, mappings, dataclasses and other
+    containers recursed, and :mod:`hetlb.collate`'s batches emptied."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return batch[:0]
+    if isinstance(batch, (Padded, Packed)):
+        return batch.empty()
+    if isinstance(batch, Mapping):
+        return _mapped(batch, lambda k, v: _empty_like(v))
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_empty_like(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        if batch and all(_is_leaf(v) for v in batch):
+            return type(batch)()
+        return type(batch)(_empty_like(v) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: _empty_like(getattr(batch, f.name))
+                                             for f in dataclasses.fields(batch) if f.init})
+    return batch
+
+
+def _empty_of(one: Any, two: Any) -> Any:
+    """The batch of no samples with the structure of ``one``, the collated batch of one sample,
+    read against ``two``, the same sample collated twice: a list or tuple that grew holds one
+    item per sample and is emptied, a tensor is cut to 0 along every dimension that grew and
+    kept whole when none did (a mask or position table shared by the batch's samples: cut, an
+    attention layer would refuse it), mappings, dataclasses and namedtuples are rebuilt, and any
+    other value is kept (a number that counts the samples becomes 0). Never raises: an idle rank
+    that failed here would leave the others waiting in the all-reduce."""
+    if isinstance(one, (Padded, Packed)):
+        empty = one.empty()
+        empty.rest = _empty_of(one.rest, two.rest)
+        return empty
+    if isinstance(one, (torch.Tensor, np.ndarray)):
+        if not isinstance(two, (torch.Tensor, np.ndarray)) or one.ndim != two.ndim:
+            return _empty_like(one)
+        grew = [d for d, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
+        if not grew:
+            return one
+        return one[tuple(slice(0, 0) if d in grew else slice(None) for d in range(one.ndim))]
+    if isinstance(one, Mapping):
+        if not isinstance(two, Mapping) or set(one) != set(two):
+            return _empty_like(one)
+        return _mapped(one, lambda k, v: _empty_of(v, two[k]))
+    if isinstance(one, tuple) and hasattr(one, "_fields"):  # namedtuple: fields, not samples
+        return type(one)(*(_empty_of(a, b) for a, b in zip(one, two)))
+    if isinstance(one, (list, tuple)):
+        if not isinstance(two, (list, tuple)) or len(one) != len(two):  # one item per sample
+            return type(one)()
+        return type(one)(_empty_of(a, b) for a, b in zip(one, two))
+    if dataclasses.is_dataclass(one) and not isinstance(one, type):
+        return dataclasses.replace(one, **{f.name: _empty_of(getattr(one, f.name), getattr(two, f.name))
+                                           for f in dataclasses.fields(one) if f.init})
+    if isinstance(one, (int, float)) and not isinstance(one, bool) and type(one) is type(two) \
+            and one != two and two == 2 * one:
+        return type(one)(0)  # a count of the batch's samples (or of something per sample)
+    return one
+
+
+class _EmptySafeCollate:
+    """Collate that also handles a step where this rank has no samples (``lower=0``): it
+    collates one sample and returns the result with zero rows, so the training loop sees
+    correctly shaped empty tensors instead of a collate error. Picklable for DataLoader workers."""
+
+    def __init__(self, dataset: Any, collate: Callable[[List[Any]], Any]) -> None:
+        self.dataset, self.collate = dataset, collate
+
+    def __call__(self, samples: List[Any]) -> Any:
+        if len(samples) == 0:
+            first = self.dataset[0]
+            return _empty_of(self.collate([first]), self.collate([first, first]))
+        return self.collate(samples)

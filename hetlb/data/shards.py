@@ -41,6 +41,7 @@ import torch
 from hetlb.core.checks import integer
 from hetlb.core.solve import rebalance
 
+
 __all__ = ["Migration", "Partition", "even_partition", "epoch_rates"]
 
 

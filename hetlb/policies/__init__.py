@@ -5,7 +5,7 @@ Every policy is shared by :class:`hetlb.Balancer` and offline simulation: it see
 network, and checkpoints its state with ``state_dict`` / ``load_state_dict``. The kit every
 policy builds on is in :mod:`hetlb.policies.base`.
 """
-from hetlb.data.board import ScheduleRule
+from hetlb.core.decisions import ScheduleRule
 from hetlb.policies.base import Context, EpochMeter, Policy, SizedPolicy, check_decision, check_sizes
 from hetlb.policies.chronica import Chronica, RuntimeProphet
 from hetlb.policies.dbs import DBS
@@ -15,6 +15,7 @@ from hetlb.policies.narx import NARX
 from hetlb.policies.predictors import EMA, Memoryless, SpeedPredictor
 from hetlb.policies.uniform import Uniform
 from hetlb.policies.wlbs import WLBS
+
 
 __all__ = [
     "Context", "Policy", "SizedPolicy", "EpochMeter", "check_sizes", "check_decision",

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from hetlb.core.checks import integer, optional_integer
+from hetlb.core.decisions import ScheduleRule
 from hetlb.core.models import TimeModel
-from hetlb.data.board import ScheduleRule
 from hetlb.core.solve import allocate_proportional
 from hetlb.core.telemetry import History, StepRecord, require_progress
+
 
 __all__ = ["Context", "Policy", "SizedPolicy", "EpochMeter", "EpochPolicy", "check_sizes",
            "check_decision", "check_state", "to_state", "from_state", "plain_value",
@@ -52,7 +53,7 @@ class Context:
         global_batch: samples per step over all ranks (``sum(sizes) == global_batch``).
         lower, upper: int64 ``[world]`` bounds on each rank's batch (``upper`` from memory
             limits, e.g. ``Profile.limit`` when profiling ran out of memory).
-        hardware: per rank, the dict of :func:`hetlb.core.telemetry.hardware_info` (may be empty).
+        hardware: per rank, the dict of :func:`hetlb.comm.probes.hardware_info` (may be empty).
         profiles: per rank, ``None`` or a dict with ``"model"`` (fitted cubic
             :class:`~hetlb.TimeModel`), ``"linear"`` (fitted :class:`~hetlb.LinearModel`) and
             ``"limit"`` (largest batch that was tried and fit).
@@ -309,7 +310,7 @@ class Policy:
 
     def decide(self, history: History) -> Any:
         """The decision for the next step from the history (latest record last): int64 sizes,
-        or a :class:`hetlb.data.board.ScheduleRule` for size-aware scheduling."""
+        or a :class:`hetlb.core.decisions.ScheduleRule` for size-aware scheduling."""
         raise NotImplementedError
 
     def local_predictor(self, rank: int) -> Any:

@@ -11,7 +11,7 @@ Two pieces (CHRONICA Sec. V-A, V-B):
   given or fitted; the squared sizes come from the step's plan, which every rank knows.
 * :class:`Chronica`, the policy: every step's samples are the next global batch of the global
   order (so coverage, checkpoints and resume are those of every policy); it returns a
-  :class:`hetlb.data.board.ScheduleRule` with the prophet's models, and the loader assigns the step's
+  :class:`hetlb.core.decisions.ScheduleRule` with the prophet's models, and the loader assigns the step's
   samples with :func:`hetlb.schedule` (largest first, each to the rank that would finish first)
   so the ranks' estimated training times (ETT) are equal. Per-rank sample counts differ freely,
   so a rank (a slow one, or any in a step of few large samples) may get no sample; its gradient
@@ -29,9 +29,10 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from hetlb.core.checks import flag, integer, number, optional_integer
-from hetlb.data.board import ScheduleRule
+from hetlb.core.decisions import ScheduleRule
 from hetlb.core.telemetry import History, require_progress
 from hetlb.policies.base import Context, Policy, check_state, records_after
+
 
 __all__ = ["RuntimeProphet", "Chronica"]
 

@@ -14,6 +14,7 @@ from hetlb.core.checks import optional_integer
 from hetlb.core.telemetry import History
 from hetlb.policies.base import Context, EpochPolicy
 
+
 __all__ = ["DBS"]
 
 

@@ -59,6 +59,7 @@ from hetlb.core.solve import allocate, allocate_proportional
 from hetlb.core.telemetry import History, StepRecord, straggler_effect
 from hetlb.policies.base import Context, SizedPolicy, records_after
 
+
 __all__ = ["LBB"]
 
 

@@ -65,6 +65,7 @@ from hetlb.policies.base import Context, SizedPolicy, check_state, records_after
 from hetlb.policies.narx import NARX
 from hetlb.policies.predictors import EMA, SpeedPredictor, predictor_from_state
 
+
 __all__ = ["LBBSP"]
 
 log = logging.getLogger("hetlb.policies")

@@ -48,6 +48,7 @@ import torch
 from hetlb.core.checks import flag, integer, number
 from hetlb.core.telemetry import History, StepRecord
 
+
 __all__ = ["NARX"]
 
 log = logging.getLogger("hetlb.policies")

@@ -32,6 +32,7 @@ import numpy as np
 from hetlb.core.checks import number
 from hetlb.core.telemetry import StepRecord
 
+
 __all__ = ["SpeedPredictor", "Memoryless", "EMA", "predictor_from_state"]
 
 

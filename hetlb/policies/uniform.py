@@ -6,6 +6,7 @@ import numpy as np
 from hetlb.core.telemetry import History
 from hetlb.policies.base import Context, SizedPolicy
 
+
 __all__ = ["Uniform"]
 
 

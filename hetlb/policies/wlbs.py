@@ -4,7 +4,7 @@ Section 3.2 of the WLBS paper, on a synchronous data-parallel step:
 
 * **Initial division**: sizes proportional to a performance-indicator ratio aggregated from each
   rank's hardware indicators, the paper's "number of CPUs, number of cores, and memory size"
-  (:func:`hetlb.core.telemetry.hardware_info`): each normalised by its largest value over the ranks
+  (:func:`hetlb.comm.probes.hardware_info`): each normalised by its largest value over the ranks
   and averaged, with equal weights unless ``indicators`` says otherwise (GPU indicators such as
   ``gpu_sms`` or ``gpu_memory`` can be weighted in too).
 * **Small adjustment** (every step): while the step times of the best and the worst rank of the
@@ -45,6 +45,7 @@ import numpy as np
 from hetlb.core.checks import flag, number, optional_integer
 from hetlb.core.telemetry import History, StepRecord, UnusableTelemetry
 from hetlb.policies.base import Context, EpochPolicy
+
 
 log = logging.getLogger("hetlb.policies")
 

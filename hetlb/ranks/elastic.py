@@ -34,6 +34,7 @@ from urllib.parse import parse_qsl, urlparse
 
 import torch.distributed as dist
 
+
 __all__ = ["init_process_group"]
 
 log = logging.getLogger("hetlb")

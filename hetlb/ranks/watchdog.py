@@ -44,6 +44,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+
 __all__ = ["Watchdog", "EXIT_CODE", "Stage", "COMPUTING", "WAITING", "FLUSHING"]
 
 log = logging.getLogger("hetlb")
@@ -60,7 +61,7 @@ _PREFIX = "hetlb/watchdog/"
 
 class Stage:
     """Where a worker is inside a step, for :meth:`Watchdog.beat` from loops that have no
-    :class:`hetlb.comm.transport.StepTelemetry` (DelayedSync, Federated): ``hooked`` is whether it
+    :class:`hetlb.comm.hook.StepTelemetry` (DelayedSync, Federated): ``hooked`` is whether it
     waits for the others (its part handed to a collective); ``code`` indexes the stage names
     (compute, sent; or another stage's, such as :data:`FLUSHING`'s)."""
 

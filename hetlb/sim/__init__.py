@@ -5,9 +5,10 @@ network and its events; see :mod:`hetlb.sim.scenario` for the schema) and return
 :class:`SimResult`; :func:`compare_splits` is the static plan ``hetlb plan`` prints.
 """
 from hetlb.sim.engine import POLICY_NAMES, SimResult, make_policy, simulate, unknown_policies
-from hetlb.sim.scenario import (EVENT_KINDS, Event, Network, Scenario, ScenarioError, WorkerModel, WorkerSpec,
-                       builtin_scenarios, generate_cluster, load_scenario)
+from hetlb.sim.scenario import (EVENT_KINDS, Event, Network, Scenario, ScenarioError, WorkerModel,
+                                WorkerSpec, builtin_scenarios, generate_cluster, load_scenario)
 from hetlb.sim.static import Split, compare_splits
+
 
 __all__ = ["simulate", "SimResult", "make_policy", "unknown_policies", "POLICY_NAMES", "Scenario", "ScenarioError",
            "WorkerSpec", "WorkerModel", "Event", "Network", "EVENT_KINDS", "load_scenario",

@@ -47,6 +47,7 @@ import numpy as np
 
 from hetlb.core.models import TimeModel, model_from_dict
 
+
 __all__ = ["Disturbance", "Emulator", "sleep_until"]
 
 #: The last stretch of a wait is spun rather than slept: ``time.sleep`` can overshoot by

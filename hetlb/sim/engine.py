@@ -24,14 +24,16 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel
-from hetlb.data.board import ScheduleRule, decision_checksum
-from hetlb.policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
+from hetlb.core.decisions import ScheduleRule, decision_checksum
+from hetlb.core.exchange import exchange_settings, next_block_length
+from hetlb.core.models import LinearModel, PolyModel
 from hetlb.core.solve import schedule
-from hetlb.policies.base import Context, Policy, check_decision
-from hetlb.core.telemetry import (History, StepRecord, UnusableTelemetry, exchange_settings,
-                         next_block_length, straggler_effect)
+from hetlb.core.telemetry import StepRecord, straggler_effect
+from hetlb.policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
+from hetlb.policies.base import Context, Policy
+from hetlb.policies.loop import DecisionLoop
 from hetlb.sim.scenario import Scenario, load_scenario
+
 
 __all__ = ["simulate", "SimResult", "make_policy", "unknown_policies", "POLICY_NAMES"]
 
@@ -282,7 +284,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
 
     def start_policy(k: int) -> Optional[str]:
         """(Re)start the policy on the active workers; the error that stops the run, or None."""
-        nonlocal idx, hist, pending, local, spent, block, started, length
+        nonlocal idx, loop, pending, spent, block, started, length
         started = k
         length = 1 if adaptive else every
         idx = np.flatnonzero(active)
@@ -299,25 +301,17 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         ctx = Context(world=n, global_batch=sc.global_batch, lower=np.full(n, sc.lower),
                       upper=upper, hardware=[{} for _ in range(n)], profiles=profs)
         t0 = time.perf_counter()
-        first = check_decision(pol.start(ctx), ctx, name)
+        loop = DecisionLoop(pol, n, history=history, ranks=range(n), background=False,
+                            refusal_level=logging.DEBUG)
+        first = loop.start(ctx)
         spent += time.perf_counter() - t0
-        hist = History(n, maxlen=history)
         block = []  # records not exchanged yet (exchange_every > 1)
         pending = [first] * (sc.lag + 1)
-        local = []
-        for r in range(n):
-            p = pol.local_predictor(r)
-            if p is not None and hasattr(p, "background"):
-                p.background = False  # deterministic: the fit finishes before the next step
-            local.append(p)
-        if all(p is None for p in local):
-            local = []
         return None
 
     idx = np.flatnonzero(active)
-    hist: History = History(1)
+    loop: Optional[DecisionLoop] = None
     pending: List[Any] = []
-    local: List[Any] = []
     block: List[StepRecord] = []
     started = 0  # the step the policy (re)started at: an exchange of its own
     length = every  # steps of the current block
@@ -417,10 +411,8 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         rec_mem = np.minimum(mem, 1.0)
         cpu = np.minimum(cl.cpu[idx] + load[idx], 1.0)
         pred = np.full(n, np.nan)
-        if local:
-            for r, p in enumerate(local):
-                if p is not None:
-                    pred[r] = p.predict(float(rec_mem[r]))
+        for r in loop.predictors:
+            pred[r] = loop.predict(r, float(rec_mem[r]))
         rec = StepRecord(step=k, epoch=k // sc.steps_per_epoch,
                          epoch_end=(k + 1) % sc.steps_per_epoch == 0, batch=b.copy(),
                          compute=reported, data=data, memory=rec_mem, cpu=cpu,
@@ -430,24 +422,11 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         nxt = pending[-1]  # inside a block the sizes are kept
         if len(block) >= length or rec.epoch_end or k == started or k % sc.steps_per_epoch == 0:
             exchanges.append(k)
-            steady = newest = False
-            for rec in block:
-                try:
-                    hist.append(rec)
-                    for r, p in enumerate(local):
-                        if p is not None:
-                            p.observe(rec, r)
-                    newest = True
-                except UnusableTelemetry as ex:  # the Balancer keeps the previous sizes
-                    log.debug("step %d: %s", rec.step, ex)
-                    newest = False
+            decided = loop.advance(block)  # None: the previous sizes are kept, as in the Balancer
             block = []
-            if newest:  # as the Balancer: no decision when the newest step was refused
-                try:
-                    nxt = pol.decide(hist)
-                    steady = decision_checksum(nxt) == decision_checksum(pending[-1])
-                except UnusableTelemetry as ex:
-                    log.debug("step %d: %s", k, ex)
+            steady = decided is not None and decision_checksum(decided) == decision_checksum(pending[-1])
+            if decided is not None:
+                nxt = decided
             if adaptive:
                 length = next_block_length(length, steady, every)
         spent += time.perf_counter() - t0

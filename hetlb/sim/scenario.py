@@ -82,9 +82,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from hetlb.core.decisions import sample_work
+from hetlb.core.models import LinearModel, PolyModel, TimeModel, WorkerModel, model_from_dict
 from hetlb.sim.emulate import Disturbance, Emulator
-from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel, TimeModel, WorkerModel, model_from_dict
-from hetlb.data.board import sample_work
+
 
 __all__ = ["ScenarioError", "WorkerSpec", "Event", "Network", "Samples", "Scenario", "load_scenario",
            "builtin_scenarios", "generate_cluster", "WorkerModel", "EVENT_KINDS", "shared_cpu_trace"]

@@ -18,6 +18,7 @@ from hetlb.core.models import TimeModel
 from hetlb.core.solve import allocate, allocate_proportional
 from hetlb.core.telemetry import straggler_effect
 
+
 __all__ = ["Split", "compare_splits"]
 
 

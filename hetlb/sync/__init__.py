@@ -7,6 +7,7 @@ from hetlb.sync.local import local_sgd
 from hetlb.sync.ps import ParameterServer, Worker, run_ps
 from hetlb.sync.train import TRAIN_MODES, train
 
+
 __all__ = ["DelayedSync", "IterationRecord", "ParameterServer", "Worker", "run_ps", "train",
            "TRAIN_MODES", "Federated", "RoundRecord", "ClientLoader", "classes_split",
            "dirichlet_split", "local_sgd"]

@@ -50,14 +50,16 @@ import torch
 import torch.distributed as dist
 
 from hetlb import ops
-from hetlb.comm.transport import (broadcast_module_state, make_side_group, raise_refusals, refuse_everywhere,
-                         shapes_digest)
+from hetlb.comm.hook import shapes_digest
 from hetlb.core.checks import agree, choice, instance, integer, number
-from hetlb.data.loader import BalancedLoader
-from hetlb.sim.emulate import sleep_until
-from hetlb.data.board import PlanBoard, StreamPlan
 from hetlb.core.telemetry import MAX_COMPUTE, MIN_COMPUTE
+from hetlb.data.board import PlanBoard, StreamPlan
+from hetlb.data.loader import BalancedLoader
+from hetlb.ranks.agreement import (broadcast_module_state, make_side_group, raise_refusals,
+                                   refuse_everywhere)
 from hetlb.ranks.watchdog import COMPUTING, WAITING, Watchdog
+from hetlb.sim.emulate import sleep_until
+
 
 __all__ = ["DelayedSync", "IterationRecord", "measured_speeds"]
 

@@ -67,12 +67,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hetlb.comm.transport import broadcast_module_state, make_side_group, refuse_everywhere, shapes_digest
+from hetlb.comm.hook import shapes_digest
 from hetlb.core.checks import agree, choice, flag, instance, integer, number, optional_integer
-from hetlb.policies.predictors import EMA
 from hetlb.core.solve import allocate_proportional
 from hetlb.core.telemetry import StepRecord
+from hetlb.policies.predictors import EMA
+from hetlb.ranks.agreement import broadcast_module_state, make_side_group, refuse_everywhere
 from hetlb.ranks.watchdog import COMPUTING, WAITING, Watchdog
+
 
 __all__ = ["Federated", "RoundRecord", "ClientLoader", "classes_split", "dirichlet_split"]
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from hetlb.core.checks import flag, instance, integer
 
+
 __all__ = ["local_sgd"]
 
 
@@ -83,8 +84,8 @@ def local_sgd(model: torch.nn.Module, optimizer: torch.optim.Optimizer, period: 
     """
     with warnings.catch_warnings():  # torch.distributed.optim still scripts with the deprecated torch.jit
         warnings.simplefilter("ignore", DeprecationWarning)
-        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
-            PostLocalSGDState, post_localSGD_hook)
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
+                                                                                    post_localSGD_hook)
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         from torch.distributed.optim import PostLocalSGDOptimizer
 

@@ -77,20 +77,26 @@ import torch.distributed.rpc as rpc
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import default_collate
 
-from hetlb.comm.transport import shapes_digest
-from hetlb.train.checkpoint import Checkpointer
-from hetlb.core.checks import choice, flag, instance, integer, number, optional_integer
-from hetlb.ranks.elastic import rpc_init_method
-from hetlb.sim.emulate import Emulator, sleep_until
-from hetlb.policies.base import (Context, SizedPolicy, check_same_policy, from_state, policy_settings,
-                             to_state)
+from hetlb.comm.hook import shapes_digest
+from hetlb.comm.probes import hardware_info
+from hetlb.core.checks import choice, flag, instance, integer, number
+from hetlb.core.telemetry import History, StepRecord
+from hetlb.policies.base import (Context, SizedPolicy, check_same_policy, from_state,
+                                 policy_settings, to_state)
+from hetlb.policies.loop import DecisionLoop, Snapshot
 from hetlb.policies.uniform import Uniform
 from hetlb.policies.wlbs import WLBS
-from hetlb.core.telemetry import History, StepRecord, UnusableTelemetry, hardware_info
+from hetlb.ranks.elastic import rpc_init_method
+from hetlb.sim.emulate import Emulator, sleep_until
+from hetlb.train.checkpoint import Checkpointer
+
 
 __all__ = ["ParameterServer", "Worker", "MODES", "SERVER", "worker_name", "run_ps"]
 
 log = logging.getLogger("hetlb")
+
+#: Records the server's history keeps.
+_HISTORY = 1024
 
 MODES = ("lsp", "ssp", "asp")
 #: RPC name of the server (rank 0); workers are ``worker_name(rank)``.
@@ -227,7 +233,8 @@ class ParameterServer:
                                                                   "load_state_dict")):
             raise ValueError(f"ParameterServer: policy must be a hetlb policy deciding sizes "
                              f"(e.g. hetlb.policies.WLBS()), got {policy!r}")
-        self.policy = policy
+        #: The policy with its history and decision (record -> decide -> check).
+        self.loop = DecisionLoop(policy, K, history=_HISTORY)
         self.model, self.optimizer = model, optimizer
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
@@ -243,6 +250,16 @@ class ParameterServer:
         self.log: List[Dict[str, Any]] = []
         self._reset_state()
 
+    @property
+    def policy(self) -> Any:
+        """The policy (owned by :attr:`loop`)."""
+        return self.loop.policy
+
+    @property
+    def history(self) -> History:
+        """The workers' records (owned by :attr:`loop`)."""
+        return self.loop.history
+
     # -- state ------------------------------------------------------------------------------
 
     def _reset_state(self) -> None:
@@ -254,9 +271,8 @@ class ParameterServer:
         self.alive = np.ones(K, bool)
         self.applied = np.zeros(self.num_samples, bool)  # this epoch's samples already applied
         self.sizes = np.zeros(K, np.int64)
-        self.history = History(K)
+        self.loop = DecisionLoop(self.loop.policy, K, history=_HISTORY)
         self.records = 0
-        self._started = False
         self._hardware: List[Optional[Dict[str, float]]] = [None] * K
         self._hello_deadline = time.monotonic() + self.timeout
         self._waiters: Dict[int, torch.futures.Future] = {}
@@ -294,8 +310,8 @@ class ParameterServer:
                 "clock": torch.from_numpy(self.clock.copy()),
                 "applied": torch.from_numpy(self.applied.copy()),
                 "sizes": torch.from_numpy(self.sizes.copy()), "records": self.records,
-                "started": self._started, "history": self.history.state_dict(),
-                "policy": to_state(self.policy.state_dict()) if self._started else None,
+                "started": self.loop.started, "history": self.history.state_dict(),
+                "policy": to_state(self.policy.state_dict()) if self.loop.started else None,
                 "policy_type": type(self.policy).__name__,
                 "policy_settings": policy_settings(self.policy)}
 
@@ -323,10 +339,9 @@ class ParameterServer:
         self.clock = state["clock"].numpy().astype(np.int64).copy()
         self.applied = state["applied"].numpy().astype(bool).copy()
         self.sizes = state["sizes"].numpy().astype(np.int64).copy()
-        self.history = History.from_state_dict(state["history"])
         if state["started"]:
-            self.policy.load_state_dict(from_state(state["policy"]))
-            self._started = True
+            self.loop.restore(Snapshot(History.from_state_dict(state["history"]), self.sizes.copy(),
+                                       from_state(state["policy"])), self._context())
         self._new_order()
 
     # -- serving ----------------------------------------------------------------------------
@@ -467,7 +482,7 @@ class ParameterServer:
         # back must be dropped, not counted as working with its checkpointed clock).
         if not all(h is not None or not a for h, a in zip(self._hardware, self.alive)):
             return ready
-        if not self._started:
+        if not self.loop.started:
             self._start()
         changed = True
         while changed:
@@ -483,14 +498,15 @@ class ParameterServer:
                 return ready
         return ready
 
-    def _start(self) -> None:
+    def _context(self) -> Context:
         hw = [h if h is not None else {} for h in self._hardware]
-        ctx = Context(self.workers, self.global_batch, np.full(self.workers, self.lower),
-                      np.full(self.workers, self.global_batch), hardware=hw)
-        sizes = self.policy.start(ctx)
+        return Context(self.workers, self.global_batch, np.full(self.workers, self.lower),
+                       np.full(self.workers, self.global_batch), hardware=hw)
+
+    def _start(self) -> None:
+        sizes = self.loop.start(self._context())
         if not self.sizes.any():
             self.sizes = np.asarray(sizes, np.int64).copy()
-        self._started = True
         self.log.append({"kind": "start", "sizes": self.sizes.tolist(), "time": time.time()})
 
     def _sync(self) -> bool:
@@ -587,13 +603,10 @@ class ParameterServer:
                          data=batch.astype(np.float64), memory=zeros, cpu=zeros, epoch_end=epoch_end)
         self.records += 1
         self._fresh[:] = False
-        try:
-            self.history.append(rec)
-            sizes = np.asarray(self.policy.decide(self.history), np.int64)
-        except UnusableTelemetry as e:
-            log.warning("parameter server: round %d not used by the policy: %s", rec.step, e)
+        decided = self.loop.advance([rec])
+        if decided is None:  # refused (logged): the sizes stand
             return
-        sizes = self._share_dropped(sizes)
+        sizes = self._share_dropped(np.asarray(decided, np.int64))
         if not np.array_equal(sizes, self.sizes):
             self.log.append({"kind": "sizes", "sizes": sizes.tolist(), "record": rec.step,
                              "time": time.time()})
@@ -688,7 +701,7 @@ class ParameterServer:
         log.warning("parameter server: worker %d dropped (no answer within %.1f s); its %d samples "
                     "go back to the pool and its share to the others", w + 1, self.timeout, len(held))
         self.log.append({"kind": "drop", "rank": w + 1, "returned": len(held), "time": time.time()})
-        if self._started:
+        if self.loop.started:
             self._maybe_record(force=True)
             self.sizes = self._share_dropped(self.sizes)
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from hetlb.core.checks import choice, integer
 from hetlb.sim.emulate import Emulator
 
+
 __all__ = ["train", "TRAIN_MODES"]
 
 TRAIN_MODES = ("bsp", "delayed", "lsp", "ssp", "asp", "localsgd", "fl")

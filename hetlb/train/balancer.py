@@ -28,29 +28,35 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from hetlb.comm.hook import StepTelemetry
+from hetlb.comm.probes import hardware_info
+from hetlb.comm.transport import (carry_blocker, carry_penalty, choose_transport, defer_blocker,
+                                  is_nccl, keep_groups)
+from hetlb.comm.weights import WEIGHTINGS, weights_for
 from hetlb.core import checks
-from hetlb.comm.transport import (WEIGHTINGS, StepTelemetry, carry_blocker, carry_penalty, choose_transport,
-                        defer_blocker, first_tensor, is_nccl, keep_groups, make_side_group,
-                        raise_refusals, refuse_everywhere, tensors_in, weights_for)
+from hetlb.core.decisions import EXACT_INT, ScheduleRule, decision_checksum, rescale_position
+from hetlb.core.exchange import exchange_settings, next_block_length
+from hetlb.core.telemetry import COL, FIELDS, RECORD_ARRAYS, History, StepRecord
+from hetlb.data.board import PlanBoard, StepPlan
 from hetlb.data.loader import BalancedLoader, check_loader_config
-from hetlb.comm.eager import never_compiled
-from hetlb.train.runlog import ENV_LOG_DIR, RunLog
-from hetlb.data.board import (EXACT_INT, PlanBoard, ScheduleRule, SingleSampleError, StepPlan, avoid_single,
-                   decision_checksum, rescale_position)
 from hetlb.data.shards import Partition, epoch_rates
-from hetlb.policies.base import (Context, Policy, SizedPolicy, check_decision, check_same_policy,
-                            from_state, policy_settings, to_state)
+from hetlb.policies.base import Context, Policy, policy_settings
+from hetlb.policies.loop import DecisionLoop
+from hetlb.ranks.agreement import make_side_group, raise_refusals, refuse_everywhere
 from hetlb.ranks.watchdog import FLUSHING, Watchdog
-from hetlb.core.telemetry import (COL, FIELDS, RECORD_ARRAYS, History, StepRecord,
-                        UnusableTelemetry, exchange_settings, hardware_info,
-                        next_block_length)
+from hetlb.train.errors import DecisionMismatchError
+from hetlb.train.model_hooks import (BatchDim, BackwardEnd, StepGate, UnattachedCheck, check_model,
+                                     layer_list, take_over, unattached_message,
+                                     single_sample_layers)
+from hetlb.train.runlog import ENV_LOG_DIR, RunLog
+
 
 log = logging.getLogger("hetlb.balancer")
 
@@ -61,17 +67,6 @@ _IDS = slice(COL["checksum"], COL["epoch"] + 1)
 assert tuple(FIELDS[:len(RECORD_ARRAYS)]) == RECORD_ARRAYS
 _RECORD_COLS = len(RECORD_ARRAYS)
 _FORMAT = 2
-
-BatchDim = Union[None, int, Callable[[tuple, dict], Optional[int]]]
-
-
-class DecisionMismatchError(RuntimeError):
-    """Ranks disagree on a batch-size decision or step plan (a non-deterministic policy, or ranks
-    that drew data at different points of the program)."""
-
-
-class BatchSizeError(ValueError):
-    """The model was given a batch whose size is not the one the Balancer planned for this rank."""
 
 
 def _num(v: float) -> str:
@@ -122,273 +117,6 @@ def _check_rule_bounds(everyone: List[Dict[str, Any]], global_batch: int, policy
     if limited:
         log.warning("%s does not bound sample counts: the out-of-memory limits of the profiles of "
                     "ranks %s are not applied (bound memory with cap=)", policy, limited)
-
-
-def _check_model(model: torch.nn.Module, is_ddp: bool, accumulate: int) -> None:
-    """Refuse, before anything touches it, a model this Balancer could not train correctly: a
-    DDP model that already has a Balancer or a communication hook of its own, sparse gradients
-    on a DDP model, DDP's static graph with accumulation. (A plain module, one process, may get
-    a new Balancer: :func:`_take_over` then removes the earlier one's forward check.)"""
-    if not is_ddp:
-        return
-    if any(isinstance(h, _StepGate) for h in model._forward_pre_hooks.values()):
-        raise ValueError(
-            "this model already has a Balancer (its hooks stay on the model for the model's life; "
-            "DDP cannot remove a communication hook): make one Balancer per DDP model. To change "
-            "the policy or the settings, wrap the module in a new DistributedDataParallel and "
-            "make the new Balancer for that")
-    if getattr(model, "_comm_hooks", None):
-        raise ValueError(
-            "a communication hook is already registered on this DDP model; DDP takes one hook, and "
-            "the Balancer needs its own (it weighs each rank's gradient by its batch once the "
-            "batches differ). Make the Balancer for a DDP model without a hook of your own")
-    sparse = [name or type(m).__name__ for name, m in model.module.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
-              and m.weight.requires_grad]  # (a frozen one gives DDP no gradient)
-    if sparse:
-        raise ValueError(
-            f"the model has sparse gradients ({', '.join(sparse[:3])}"
-            f"{', ...' if len(sparse) > 3 else ''}: sparse=True): the Balancer weighs and "
-            f"all-reduces dense gradient buckets only. Build the embeddings with sparse=False")
-    if accumulate > 1 and getattr(model, "static_graph", False):
-        raise ValueError(
-            f"accumulate={accumulate} enters ddp.no_sync() on all but a window's last micro-step, "
-            f"which DDP(static_graph=True) does not support (torch fails with an internal "
-            f"assertion): build the DDP model with static_graph=False")
-
-
-def single_sample_layers(model: torch.nn.Module) -> List[str]:
-    """Names of the layers of ``model`` that refuse a batch of one sample in training: batch
-    normalisation over inputs ``(N, C)`` sees one value per channel there (torch raises
-    "Expected more than 1 value per channel when training"). Found by type: every
-    ``BatchNorm1d`` (its input may be ``(N, C)``; on ``(N, C, L)`` with ``L > 1`` one sample
-    would do, which the type cannot tell); not ``BatchNorm2d``/``3d``, whose inputs have spatial
-    dimensions, nor ``SyncBatchNorm``, whose statistics span the ranks."""
-    bn1d = (torch.nn.BatchNorm1d, torch.nn.LazyBatchNorm1d)
-    return [name or type(m).__name__ for name, m in model.named_modules() if isinstance(m, bn1d)]
-
-
-def _layer_list(names: List[str]) -> str:
-    """``names`` as a message lists them (the first three)."""
-    return "BatchNorm1d: " + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-
-
-def _take_over(model: torch.nn.Module, keep: int) -> None:
-    """Remove an earlier Balancer's forward check from a plain module (one process, no
-    communication hook): the new Balancer's board (its gate's handle id ``keep``) is the one its
-    batches follow from now on. Called once the new Balancer is accepted: a refused one leaves
-    the earlier one working."""
-    for key in [k for k, h in model._forward_pre_hooks.items()
-                if isinstance(h, _StepGate) and k != keep]:
-        ends = model._forward_pre_hooks[key].ends
-        if ends is not None:  # (else the old telemetry stays held by the parameters' hooks)
-            ends.remove()
-        del model._forward_pre_hooks[key]
-        model._forward_pre_hooks_with_kwargs.pop(key, None)
-
-
-class _CopiedGate:
-    """The forward pre-hook of a copy of a balanced model (``copy.deepcopy``, ``torch.save``):
-    it checks nothing, since no Balancer drives the copy (an EMA model, say)."""
-
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        return None
-
-
-class _StepGate:
-    """Forward pre-hook on the model: the batch must be the one planned for this rank, and the
-    step's compute clock starts at its first forward. Holds the board and the telemetry only.
-    A copy of the model gets a :class:`_CopiedGate` instead (the telemetry holds native state
-    that does not copy, and the copy is not the Balancer's)."""
-
-    def __reduce__(self) -> Any:
-        return (_CopiedGate, ())
-
-    def __init__(self, board: PlanBoard, telemetry: StepTelemetry, batch_dim: BatchDim,
-                 ends: Any = None) -> None:
-        self.board, self.telemetry, self.batch_dim = board, telemetry, batch_dim
-        self._sizes: Optional[np.ndarray] = None  # the latest plan's sizes and this rank's entry
-        self._want = 0
-        #: One process: the handle of the same Balancer's :class:`_BackwardEnd` hooks, removed
-        #: with this gate when a new Balancer takes the module over.
-        self.ends = ends
-
-    @never_compiled
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        plan = self.board.current
-        if plan is None or not module.training or not torch.is_grad_enabled():
-            return
-        syncing = getattr(module, "require_backward_grad_sync", True)
-        if self.board.accumulate > 1:
-            if not self.telemetry.core.open:
-                raise RuntimeError(
-                    f"hetlb: with accumulate={self.board.accumulate} every micro-step runs inside "
-                    f"`with bal.step():` (it enters ddp.no_sync() on all but a window's last "
-                    f"micro-step and weights the whole window)")
-            if plan.window_end and not syncing:
-                raise RuntimeError("hetlb: the last micro-step of an accumulation window must "
-                                   "synchronise; do not wrap `with bal.step():` in ddp.no_sync() "
-                                   "(bal.step() manages it)")
-        elif not syncing:
-            raise RuntimeError(
-                "hetlb: ddp.no_sync() (gradient accumulation) needs Balancer(..., accumulate=K): "
-                "bal.step() then enters no_sync itself and weights the whole window exactly")
-        if self.batch_dim is not None:
-            n = self._size(args, kwargs)
-            if n is not None and n != self._planned(plan.sizes):
-                raise BatchSizeError(self._wrong_size(plan, n))
-        self.telemetry.restart_clock()
-
-    def _wrong_size(self, plan: StepPlan, n: int) -> str:
-        """What a batch of ``n`` samples against ``plan`` most likely means, and what to do."""
-        rank, want = self.board.rank, self._planned(plan.sizes)
-        head = (f"hetlb: rank {rank} gave the model a batch of {n} samples, but the Balancer "
-                f"planned {want} for it in step {plan.step} of epoch {plan.epoch} (sizes "
-                f"{plan.sizes.tolist()}). ")
-        last = self.board.last_sizes
-        if last is not None and n == int(last[rank]):
-            return head + (
-                f"{n} is the size planned for this rank in the previous step: the batch was drawn "
-                f"before this step's decision (a prefetch, such as a loop that samples its next "
-                f"batch inside the step, as nanoGPT's get_batch after the forward). The sizes of a "
-                f"step are decided when the previous step ends: draw each batch after it, sized "
-                f"by bal.batch_sizes[bal.rank] read between steps (or use the Balancer's loader, "
-                f"which prefetches safely). If the batches come from a sampler of their own (e.g. "
-                f"DistributedSampler), use the Balancer's loader instead: the gradient weights "
-                f"follow the plan")
-        return head + (
-            "Feed the model the batches of the Balancer's loader, or, in a loop that samples its "
-            "own batches, batches of bal.batch_sizes[bal.rank] samples read at the start of each "
-            "step: with another sampler (e.g. DistributedSampler) the gradient weights would be "
-            "wrong. If the batch dimension is not the first dimension of the first tensor "
-            "argument, pass Balancer(..., batch_dim=1) or a callable (args, kwargs) -> size; "
-            "batch_dim=None turns this check off")
-
-    def _planned(self, sizes: np.ndarray) -> int:
-        """This rank's entry of a plan's ``sizes`` (read-only, shared by the steps of a decision:
-        looked up once per array, as a NumPy index is dear with cold caches)."""
-        if sizes is not self._sizes:
-            self._sizes, self._want = sizes, int(sizes[self.board.rank])
-        return self._want
-
-    def _size(self, args: tuple, kwargs: dict) -> Optional[int]:
-        if callable(self.batch_dim):
-            n = self.batch_dim(args, kwargs)
-            return None if n is None else int(n)
-        t = args[0] if args and isinstance(args[0], torch.Tensor) else first_tensor(args)
-        if t is None:
-            t = first_tensor(kwargs)
-        if t is None or t.dim() <= self.batch_dim:
-            return None
-        return int(t.shape[self.batch_dim])
-
-
-class _BackwardEnd:
-    """Gradient hook of a model without DDP (one process): its backward ran, the compute ends."""
-
-    def __init__(self, telemetry: StepTelemetry) -> None:
-        self.telemetry = telemetry
-
-    def __call__(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        if self.telemetry.core.open:
-            self.telemetry.core.last_ready()
-
-
-class _Unattached:
-    """Forward pre-hook, during the Balancer's first step only, on the balanced model and on every
-    other DDP model alive then without a Balancer of its own (found once through gc): refuses
-    an other model that trains on the step's samples unattached, whose gradient DDP would
-    average over the ranks' uneven batches, unweighted.
-
-    "On the step's samples" is read off its forward's inputs against the balanced model's: a
-    tensor of the same storage (two branches on one batch: whichever runs first), or a gradient
-    path from one model's parameters into the other's inputs (an encoder and a head, a GAN's
-    generator and discriminator, either way round). Another DDP model trained on batches of its
-    own (a separate loop interleaved with this one) is left alone. What it finds is kept
-    (:attr:`found`) and agreed between the ranks when the step ends, so every rank raises there
-    if any rank found one. Per model and for one step: a hook every step, or a global one, would
-    cost forwards (a global forward hook sends every module through torch's slow path, and
-    ``torch.compile(module)`` warns of one)."""
-
-    def __init__(self, balanced: torch.nn.Module, others: List[torch.nn.Module]) -> None:
-        self.balanced = balanced
-        # Parameters by their storage: the graph's AccumulateGrad nodes may hand back another
-        # Python object for the same parameter, so ids would not match.
-        self.owner = {_address(p): m for m in others for p in m.parameters() if p.numel()}
-        self.mine = {_address(p) for p in balanced.parameters() if p.numel()}
-        # The inputs' storages, each with a tensor on it: held for the step, so no later tensor
-        # can be allocated at the same address and pass for the same samples.
-        self.storages: Dict[int, torch.Tensor] = {}  # the balanced model's inputs
-        self.seen: Dict[int, Tuple[torch.Tensor, torch.nn.Module]] = {}  # the other models'
-        #: The class of the first unattached model found training on the step's samples.
-        self.found: Optional[str] = None
-        self.handles: List[Any] = []
-
-    @classmethod
-    def watch(cls, balanced: torch.nn.Module, known: List[torch.nn.Module]) -> "_Unattached":
-        """The hook, registered on the balanced model and the other DDP models (:meth:`remove`
-        when the step ends)."""
-        import gc
-        # (by type: isinstance would ask a dead weak proxy among the objects, which raises)
-        others = [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)
-                  and not any(o is m for m in known)
-                  and not any(isinstance(h, _StepGate) for h in o._forward_pre_hooks.values())]
-        hook = cls(balanced, others)
-        hook.handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
-                        for m in [balanced] + others]
-        return hook
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    @never_compiled
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not module.training or not torch.is_grad_enabled():
-            return
-        tensors = {_address(t): t for t in tensors_in((args, kwargs)) if t.numel()}
-        upstream = _parameters_upstream(list(tensors.values()))
-        if module is self.balanced:
-            self.storages.update(tensors)
-            hit = [self.owner[p] for p in upstream if p in self.owner] + \
-                [self.seen[s][1] for s in tensors if s in self.seen]
-            if hit and self.found is None:
-                self.found = type(hit[0].module).__name__
-            return
-        if not any(p.requires_grad for p in module.parameters()):
-            return
-        if (any(s in self.storages for s in tensors) or upstream & self.mine) and self.found is None:
-            self.found = type(module.module).__name__
-        for ptr, t in tensors.items():
-            self.seen[ptr] = (t, module)
-
-
-def _address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _parameters_upstream(tensors: List[torch.Tensor]) -> set:
-    """Storage addresses of the leaf tensors (parameters) whose gradients flow into ``tensors``."""
-    out, todo, done = set(), [t.grad_fn for t in tensors if t.grad_fn is not None], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or id(fn) in done:
-            continue
-        done.add(id(fn))
-        var = getattr(fn, "variable", None)  # an AccumulateGrad node: its parameter
-        if var is not None and var.numel():
-            out.add(_address(var))
-        todo.extend(f for f, _ in fn.next_functions)
-    return out
-
-
-def _unattached_message(name: str, ranks: List[int]) -> str:
-    return (f"hetlb: a second DistributedDataParallel model ({name}; seen on ranks {ranks}) trains "
-            f"on this Balancer's samples without being attached to it: DDP averaged its gradient "
-            f"over the ranks' uneven batches unweighted, which is not the mean over the step's "
-            f"samples (found in the first step, refused at its end). Attach it to the Balancer on "
-            f"every rank before training, bal.attach(model): its gradient is then weighted as the "
-            f"balanced model's")
 
 
 @dataclass(slots=True)  # (one a step)
@@ -499,7 +227,7 @@ class Balancer:
             DDP's own averaging, which it fuses into its copy into buckets, is then the weighted
             mean, so the gradient costs what plain DDP's costs. The table travels by the side
             transport, issued once DDP has reduced the gradient, and the compute time is taken
-            when the backward's compute ends (:class:`hetlb.comm.transport.BackwardWatch`). Before the
+            when the backward's compute ends (:class:`hetlb.comm.hook.BackwardWatch`). Before the
             first step whose weights differ (an uneven split, an idle rank, a short last step
             that does not split evenly) the weighted hook is registered, on every rank at the
             same step, and stays (DDP cannot remove a hook). Applies where every rank has a
@@ -509,10 +237,10 @@ class Balancer:
             first decision splits evenly; elsewhere the hook is registered at once, as with False.
             The watch sees a backward through the model's outputs; one that reaches the
             parameters only otherwise (a loss of parameters alone) counts as trained only when
-            its step ends (see :class:`~hetlb.comm.transport.BackwardWatch`). The same on every rank.
+            its step ends (see :class:`~hetlb.comm.hook.BackwardWatch`). The same on every rank.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
-            :mod:`hetlb.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
+            :mod:`hetlb.train.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
             Call :meth:`close` at the end to flush the TensorBoard writer.
         tensorboard: with a ``log_dir``, also write TensorBoard scalars (None: when the
             ``tensorboard`` package is installed).
@@ -529,7 +257,7 @@ class Balancer:
             record, decision), excluding the user's forward and backward.
 
     The telemetry table reaches every rank with the gradient all-reduce (see
-    :mod:`hetlb.aggregate`); the Balancer adds no blocking collective per step.
+    :mod:`hetlb.comm.hook`); the Balancer adds no blocking collective per step.
 
     Every argument is checked before the Balancer touches the model: a wrong type raises
     ``TypeError``, a wrong value ``ValueError``, each naming the argument, the value received and
@@ -548,7 +276,7 @@ class Balancer:
                  defer_hook: bool = True) -> None:
         # A rank refusing its arguments tells the others at the start-up exchange, so every rank
         # raises rather than waiting in the collective until its timeout.
-        ends = None  # one process: the handle of the _BackwardEnd hooks (the gate holds it)
+        ends = None  # one process: the handle of the BackwardEnd hooks (the gate holds it)
         try:
             # Every argument is checked before anything touches the model (hooks) or the group.
             checks.instance(model, "model", torch.nn.Module, "a torch.nn.Module (DDP-wrapped with "
@@ -597,7 +325,7 @@ class Balancer:
                 log.warning("lower=1: a rank may train a batch of one sample, which the model's "
                             "layers refuse in training where their input is (N, C) (%s); leave "
                             "lower out (2 for such a model) unless their inputs have more values "
-                            "per channel", _layer_list(single))
+                            "per channel", layer_list(single))
                 single = []
             if batch_dim is not None and not callable(batch_dim):
                 batch_dim = checks.integer(batch_dim, "batch_dim", 0)
@@ -612,7 +340,7 @@ class Balancer:
                                 f"got {type(model).__name__}")
             if not is_ddp and not native_hook:
                 raise ValueError("native_hook=False selects the hook of a DistributedDataParallel model")
-            _check_model(model, is_ddp, self.accumulate)
+            check_model(model, is_ddp, self.accumulate)
             if loader is not None:
                 if not isinstance(loader, BalancedLoader):
                     raise TypeError(f"loader must be a hetlb.DataLoader, got {type(loader).__name__}")
@@ -637,7 +365,7 @@ class Balancer:
                                  f"able to lie in [lower, upper]")
             if global_batch < self.world * lower:
                 why = (f" (lower is 2 by default for this model: its layers refuse a one-sample "
-                       f"batch in training, {_layer_list(single)})" if single and lower_given is None
+                       f"batch in training, {layer_list(single)})" if single and lower_given is None
                        else "")
                 raise ValueError(f"global_batch={global_batch} is smaller than the world of {self.world} "
                                  f"ranks times lower={lower}{why}; every rank needs at least {lower} "
@@ -648,7 +376,7 @@ class Balancer:
             history = checks.integer(history, "history", 1, sys.maxsize)  # (a deque's maxlen)
             self.exchange_every, self.adaptive_exchange, history = exchange_settings(
                 getattr(policy, "reads_telemetry", True), exchange_every, adaptive_exchange, history)
-            self.model, self.global_batch, self.policy = model, global_batch, policy
+            self.model, self.global_batch = model, global_batch
             self.weighting, self.emulator = weighting, emulator
             self.device = self._device(model)
             self.group = group
@@ -680,7 +408,7 @@ class Balancer:
             raise_refusals(everyone, "Balancer")
             checks.agree(everyone, "config", "Balancer")
             checks.agree(everyone, "policy_settings", f"{type(policy).__name__} policy")
-            self.context = Context(self.world, global_batch, [e["lower"] for e in everyone],
+            context = Context(self.world, global_batch, [e["lower"] for e in everyone],
                                    [e["upper"] for e in everyone],
                                    hardware=[e["hardware"] for e in everyone],
                                    profiles=[e["profile"] for e in everyone])
@@ -691,11 +419,15 @@ class Balancer:
                             have, sorted(set(range(self.world)) - set(have)))
             # Before any hook is registered: a policy refusing the context leaves the model as it was.
             self._single = bool(single)
-            self._decision = self._two_or_none(
-                check_decision(policy.start(self.context), self.context, type(policy).__name__))
-            if isinstance(self._decision, ScheduleRule):
+            #: The policy, its history, decision and bad-step count (record -> decide -> check).
+            self.loop = DecisionLoop(policy, self.world, history=history,
+                                     max_bad_steps=self.max_bad_steps, ranks=[self.rank])
+            if single:
+                self.loop.refuse_single()
+            decision = self.loop.start(context)
+            if isinstance(decision, ScheduleRule):
                 _check_rule_bounds(everyone, global_batch, type(policy).__name__)
-            if self.adaptive_exchange and isinstance(self._decision, ScheduleRule) and \
+            if self.adaptive_exchange and isinstance(decision, ScheduleRule) and \
                     not getattr(policy, "hold", 0):
                 log.warning("adaptive_exchange: %s decides a rule of fitted time models, refitted at "
                             "every decision, so its blocks stay single steps (Chronica(hold=0.02) "
@@ -707,7 +439,7 @@ class Balancer:
             # travels by the side transport. (A start that is already uneven, e.g. LBB from
             # profiles, keeps the hook and the transport it would have had.)
             deferred = defer_hook and all(e["defer"] is None for e in everyone) and \
-                self._equal_weights(self._decision)
+                self._equal_weights(decision)
             self.transport = choose_transport([e["transport"] for e in everyone],
                                               [e["carry"] for e in everyone],
                                               [e["carry_penalty"] for e in everyone],
@@ -727,9 +459,9 @@ class Balancer:
             self._native, self._lower_given = native_hook, lower_given
             #: Other DDP models trained on the same batches (:meth:`attach`), weighted alike.
             self._attached: List[DistributedDataParallel] = []
-            #: The first step looks for DDP models that train in it unattached (:class:`_Unattached`).
+            #: The first step looks for DDP models that train in it unattached (:class:`UnattachedCheck`).
             self._check_models = is_ddp
-            self._unattached: Optional[_Unattached] = None  # its hooks while that step is open
+            self._unattached: Optional[UnattachedCheck] = None  # its hooks while that step is open
             self._watch: Any = None  # the deferred hook's BackwardWatch handle (None: hooked)
             if is_ddp and deferred:
                 self._watch = self.telemetry.defer(model)
@@ -739,7 +471,7 @@ class Balancer:
                 params = [p for p in model.parameters() if p.requires_grad]
                 if params:  # one process: the end of backward ends the step's compute, as the hook would
                     ends = torch.autograd.graph.register_multi_grad_hook(
-                        params, _BackwardEnd(self.telemetry), mode="all")
+                        params, BackwardEnd(self.telemetry), mode="all")
             if loader is not None:
                 self.board = loader.board
                 self.board.accumulate = self.accumulate
@@ -748,11 +480,9 @@ class Balancer:
             self.board.lower = np.asarray(self.context.lower, dtype=np.int64).copy()
             self.board.single_ok = not self._single
             self._gate = model.register_forward_pre_hook(
-                _StepGate(self.board, self.telemetry, batch_dim, ends), with_kwargs=True)
+                StepGate(self.board, self.telemetry, batch_dim, ends), with_kwargs=True)
 
-            self.history = History(self.world, maxlen=history)
             self._step = 0  # completed steps (accumulation windows)
-            self._bad = 0
             self._open: Optional[_Open] = None
             self._in_with = False
             self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
@@ -775,14 +505,13 @@ class Balancer:
             self._weight_of: tuple = (None, None, 0, (0.0, 0.0, 0.0, True))
             self._spent = 0.0
             self.last_overhead: float = 0.0
-            self.board.post(self._decision)
+            self.board.post(decision)
             self.runlog: Optional[RunLog] = None
             log_dir = log_dir if log_dir is not None else os.environ.get(ENV_LOG_DIR) or None
             if log_dir is not None and self.rank == 0:
                 if tensorboard is None:
                     tensorboard = importlib.util.find_spec("tensorboard") is not None
                 self.runlog = RunLog(log_dir, tensorboard=tensorboard)
-            self._local = policy.local_predictor(self.rank) if hasattr(policy, "local_predictor") else None
             # The bound loader's configuration (a value: the loader holds this Balancer, not the
             # other way round), or None before a loader is bound.
             self._loader_config: Optional[Dict[str, Any]] = None
@@ -793,7 +522,7 @@ class Balancer:
             if watchdog is not None and self.distributed:
                 watchdog.attach_to(group)
             if not is_ddp:
-                _take_over(model, keep=self._gate.id)
+                take_over(model, keep=self._gate.id)
         except (ValueError, TypeError) as e:
             if not self.__dict__.get("_exchanged", False):
                 refuse_everywhere(e, group, self.__dict__.get("_refusal_side"))
@@ -846,7 +575,7 @@ class Balancer:
                 weighting="sizes".
             partition, rebalance: sharded mode, each rank reading only the samples it holds,
                 rebalanced at the end of every epoch (see :class:`hetlb.DataLoader` and
-                :mod:`hetlb.shard`).
+                :mod:`hetlb.data.shards`).
             **dataloader_kwargs: passed to ``torch.utils.data.DataLoader`` (num_workers,
                 collate_fn, pin_memory, prefetch_factor, persistent_workers, ...).
         """
@@ -879,7 +608,7 @@ class Balancer:
                 f"steps ahead, 0 without workers; by rank: {lags}): each step's sizes are drawn "
                 f"when its indices are, so every rank must draw them equally far ahead. Pass the "
                 f"same num_workers and prefetch_factor (or products equal) to bal.loader on every rank")
-        d = self._decision
+        d = self.loop.decision
         if isinstance(d, ScheduleRule) and d.cap is not None and loader.board.partition is not None:
             # (a sharded step takes each rank's samples from its own shard: no schedule, no cap)
             raise ValueError("a size-aware policy's cap= (Chronica(cap=...)) cannot bound a sharded "
@@ -948,18 +677,17 @@ class Balancer:
         if model.process_group is not pg:
             raise ValueError("bal.attach: the model's DDP reduces over another process group than "
                              "the Balancer's; wrap it in DistributedDataParallel over the same group")
-        _check_model(model, True, self.accumulate)
+        check_model(model, True, self.accumulate)
         single = single_sample_layers(model.module)
         if single and not self._single and self._lower_given != 1:
             if self._lower_given == 0:  # no split may hand a rank exactly one sample from now on
                 self._single = True
                 self.board.single_ok = False
-                self._decision = self._two_or_none(self._decision)
-                self.board.post(self._decision)
+                self.board.post(self.loop.refuse_single())
             else:
                 raise ValueError(
                     f"bal.attach: the model's layers refuse a one-sample batch in training "
-                    f"({_layer_list(single)}), which the Balancer may hand a rank "
+                    f"({layer_list(single)}), which the Balancer may hand a rank "
                     f"(lower={int(self.context.lower.min())}): make the Balancer with lower=2 (its "
                     f"default for such a model), or lower=0, or lower=1 if their inputs have more "
                     f"than one value per channel")
@@ -991,11 +719,26 @@ class Balancer:
             return self.board.current.sizes.copy()
         if self._ended is not None:  # a step (window) ended in `with bal.step():`, no next batch yet
             return self._ended.copy()
-        d = self._decision
+        d = self.loop.decision
         if isinstance(d, np.ndarray):
             return d.copy()
         last = self.board.last_sizes
         return last.copy() if last is not None else np.zeros(self.world, np.int64)
+
+    @property
+    def policy(self) -> Any:
+        """The policy (owned by :attr:`loop`)."""
+        return self.loop.policy
+
+    @property
+    def history(self) -> History:
+        """The world's telemetry, one record per step (owned by :attr:`loop`)."""
+        return self.loop.history
+
+    @property
+    def context(self) -> Context:
+        """The :class:`hetlb.policies.Context` the policy was started with."""
+        return self.loop.context
 
     @property
     def steps(self) -> int:
@@ -1065,30 +808,17 @@ class Balancer:
         ship = pos + 1 >= self._block_len or self._ship_next or self._epoch_last(plan) or \
             (plan.step == 0 and self._loader_config is not None)
         tele = self.telemetry
-        predicted = math.nan if self._local is None else self._local.predict(tele.probe.memory())
+        predicted = self.loop.predict(self.rank, tele.probe.memory()) if self.loop.predictors \
+            else math.nan
         tele.start(self._step, w, batch, data, predicted, self.board.checksum, plan.checksum,
                    plan.epoch, offset=offset, new_window=first,
                    sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship)
         self._open = _Open(plan, explicit, ship)
         if self._check_models and self._unattached is None:
-            self._unattached = _Unattached.watch(self.model, [self.model] + self._attached)
+            self._unattached = UnattachedCheck.watch(self.model, [self.model] + self._attached)
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
         self._spent += time.perf_counter() - t
-
-    def _two_or_none(self, decision: Any) -> Any:
-        """A sizes decision with no rank at exactly one sample for a model that refuses one
-        (:func:`hetlb.data.board.avoid_single` within the upper bounds; only ``lower=0`` lets a
-        policy decide 1); anything else as it is."""
-        if not self._single or not isinstance(decision, np.ndarray):
-            return decision
-        try:
-            return avoid_single(decision, self.context.upper)
-        except SingleSampleError as e:
-            raise SingleSampleError(
-                f"{type(self.policy).__name__} decided {decision.tolist()}, and {e}; the model's "
-                f"layers refuse one sample in training. Pass lower=2 (or leave lower out), or "
-                f"lower=1 if their inputs have more than one value per channel") from None
 
     def _equal_weights(self, decision: Any) -> bool:
         """Whether a whole step of ``decision`` weighs every rank ``1 / world`` (a size-aware
@@ -1114,7 +844,7 @@ class Balancer:
         return spe is not None and plan.step + 1 >= spe
 
     def _plan_without_loader(self) -> StepPlan:
-        d = self._decision
+        d = self.loop.decision
         if not isinstance(d, np.ndarray):
             raise RuntimeError("a size-aware decision (ScheduleRule) needs the Balancer's loader")
         k = self.accumulate
@@ -1408,7 +1138,7 @@ class Balancer:
             everyone = self._all_gather({"found": found}, self._side)  # (once: the first step)
             seen = [r for r, e in enumerate(everyone) if e["found"] is not None]
             if seen:
-                raise RuntimeError(_unattached_message(everyone[seen[0]]["found"], seen))
+                raise RuntimeError(unattached_message(everyone[seen[0]]["found"], seen))
         self.board.complete(plan)
         if self._loader_config is None:
             self._micro = 0
@@ -1421,7 +1151,7 @@ class Balancer:
         """The epoch ended (sharded mode): decide the moves for the next one, from the size-aware
         policy's time models when it has them, else from each rank's measured time per unit of
         data over the epoch. Every rank computes the same from the same values."""
-        d = self._decision
+        d = self.loop.decision
         if isinstance(d, ScheduleRule) and np.all(d.slope > 0):
             slope, intercept = d.slope, d.intercept
         else:
@@ -1469,7 +1199,7 @@ class Balancer:
         """The records the tables of ``steps`` (in order; one step, or an exchanged block's)
         complete, then one decision. Returns whether the newest step was recorded and the
         decision kept the sizes."""
-        records: List[Optional[StepRecord]] = []  # None: a refused step
+        records: List[StepRecord] = []
         for g, table in steps:
             done = g - self.telemetry.lag
             if done < 0 or done not in self._partials:
@@ -1481,47 +1211,24 @@ class Balancer:
             cols[COL["compute"]] = table[:, COL["compute"]]
             if plan.window_len != 1:
                 cols[COL["compute"]] /= plan.window_len
-            record = StepRecord(step=done, epoch=plan.epoch, epoch_end=self._epoch_last(plan),
-                                batch=plan.sizes, compute=cols[COL["compute"]],
-                                data=cols[COL["data"]], memory=cols[COL["memory"]],
-                                cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]], sq=plan.sq)
-            try:
-                self.history.append(record)  # refuses a structurally unusable record
-                if self._local is not None:
-                    self._local.observe(record, self.rank)
-            except UnusableTelemetry as e:
-                self._unusable(e)
-                records.append(None)
-                continue
-            records.append(record)
-        if not records or records[-1] is None:  # the newest step's telemetry was refused
+            records.append(StepRecord(step=done, epoch=plan.epoch, epoch_end=self._epoch_last(plan),
+                                      batch=plan.sizes, compute=cols[COL["compute"]],
+                                      data=cols[COL["data"]], memory=cols[COL["memory"]],
+                                      cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]],
+                                      sq=plan.sq))
+        decision = self.loop.advance(records)
+        if decision is None:  # the newest step's telemetry (or the history) was refused
             return False
-        usable = [r for r in records if r is not None]
-        try:
-            decision = self.policy.decide(self.history)
-        except UnusableTelemetry as e:
-            self._unusable(e)
-            return False
-        self._bad = 0
-        if not isinstance(self.policy, SizedPolicy):  # (a SizedPolicy checked it in emit())
-            decision = check_decision(decision, self.context, type(self.policy).__name__)
-        self._decision = decision = self._two_or_none(decision)
         before = self.board.checksum
         self.board.post(decision)
         steady = self.board.checksum == before
         if self.runlog is not None:
-            actions = getattr(self.policy, "actions", None)
-            for record in usable:
-                self.runlog.write(record, getattr(self.policy, "name", type(self.policy).__name__),
+            policy = self.loop.policy
+            actions = getattr(policy, "actions", None)
+            for record in self.loop.accepted:
+                self.runlog.write(record, getattr(policy, "name", type(policy).__name__),
                                   actions[-1] if actions else None, decision)
         return steady
-
-    def _unusable(self, e: UnusableTelemetry) -> None:
-        """A step's telemetry was refused: keep the sizes, or raise after ``max_bad_steps``."""
-        self._bad += 1
-        if self._bad > self.max_bad_steps:
-            raise UnusableTelemetry(f"{self._bad} consecutive steps of unusable telemetry; last: {e}") from e
-        log.warning("%s; keeping the previous sizes", e)
 
     def close(self) -> None:
         """Flush and close the run log (see ``log_dir``) and stop the watchdog's heartbeat;
@@ -1614,16 +1321,10 @@ class Balancer:
         if self._in_with:
             raise RuntimeError("state_dict() inside `with bal.step():`; call it between steps")
         self._settle()  # a step whose backward ran is trained
-        d = self._decision
-        decision = d.tolist() if isinstance(d, np.ndarray) else d.to_dict()
         return {"format": _FORMAT, "world": self.world, "global_batch": self.global_batch,
                 "accumulate": self.accumulate, "steps": self._step,
-                "position": self.board.position(),
-                "loader": self._loader_config,
-                "decision": decision, "policy": to_state(self.policy.state_dict()),
-                "policy_type": type(self.policy).__name__,
-                "policy_settings": policy_settings(self.policy),
-                "history": self.history.state_dict()}
+                "position": self.board.position(), "loader": self._loader_config,
+                **self.loop.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (or the loader's: the same object); loading twice is
@@ -1671,32 +1372,22 @@ class Balancer:
         steps = checks.integer(state["steps"], "checkpoint steps", 0)
         if self._loader_config is not None:
             check_loader_config(state, self._loader_config)
-        history = decision = None
+        restored = None
         # No loader yet: its order is checked against the checkpoint's when it is bound.
         pending_check = None if self._loader_config is not None else \
             {"loader": state.get("loader"), "position": position}
         fresh = state["policy"] is None or rescaled  # a policy switched (see the docstring)
         if world == self.world and not fresh:  # parsed before anything changes
-            check_same_policy(self.policy, state, "this Balancer",
-                              '; to switch at this resume, set state["policy"] = None before '
-                              'loading (the new policy then starts afresh)')
-            try:
-                history = History.from_state_dict(state["history"])
-                d = state["decision"]
-                d = ScheduleRule.from_dict(d) if isinstance(d, dict) else np.asarray(d, np.int64)
-            except (KeyError, TypeError, ValueError, OverflowError) as e:
-                raise ValueError(f"checkpoint history/decision is malformed: {e!r}") from e
-            if history.world != self.world:
-                raise ValueError(f"checkpoint history has {history.world} ranks but world={world}")
-            decision = check_decision(d, self.context, "checkpoint decision")
-            # The policy checks its state before changing; kept to undo it if the position fails.
-            backup = self.policy.state_dict()
-            self.policy.load_state_dict(from_state(state["policy"]))
+            restored = self.loop.prepare(state, "this Balancer",
+                                         '; to switch at this resume, set state["policy"] = None '
+                                         'before loading (the new policy then starts afresh)')
+            backup = self.loop.snapshot()
+            self.loop.restore(restored)
         try:
             self.board.load_position(position)
         except BaseException:
-            if decision is not None:
-                self.policy.load_state_dict(backup)
+            if restored is not None:
+                self.loop.restore(backup)
             raise
         self._pending_check = pending_check
         if self._open is not None:
@@ -1715,21 +1406,15 @@ class Balancer:
                 log.warning("checkpoint of global_batch=%d x accumulate=%d resumed with "
                             "global_batch=%d x accumulate=%d (the same samples per optimizer "
                             "step): the position is converted and %s restarts", gb, acc,
-                            self.global_batch, self.accumulate, type(self.policy).__name__)
+                            self.global_batch, self.accumulate, self.loop.name)
             elif fresh:
                 log.warning("checkpoint resumed without its policy state: %s starts afresh",
-                            type(self.policy).__name__)
+                            self.loop.name)
             else:
                 log.warning("checkpoint from %d ranks resumed on %d: the policy restarts",
                             world, self.world)
-            self._decision = self._two_or_none(check_decision(
-                self.policy.start(self.context), self.context, type(self.policy).__name__))
-        else:
-            self.history = history
-            self._decision = decision
-            if self._local is not None:
-                self._local.rebuild(self.history, self.rank)
-        self.board.post(self._decision)
+            self.loop.restart()
+        self.board.post(self.loop.decision)
 
 
-__all__ = ["Balancer", "DecisionMismatchError", "BatchSizeError"]
+__all__ = ["Balancer"]

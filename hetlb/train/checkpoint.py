@@ -29,6 +29,7 @@ import torch
 
 from hetlb.core.checks import integer
 
+
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("hetlb")

@@ -32,6 +32,7 @@ import torch
 from hetlb.core.checks import integer, number
 from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel, TimeModel
 
+
 __all__ = ["Profile", "profile", "DEFAULT_MAX_BATCH"]
 
 logger = logging.getLogger("hetlb.profile")

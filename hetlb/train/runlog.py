@@ -26,6 +26,7 @@ import numpy as np
 
 from hetlb.core.telemetry import StepRecord, straggler_effect
 
+
 __all__ = ["RunLog", "read_run", "LOG_NAME", "ENV_LOG_DIR"]
 
 log = logging.getLogger(__name__)
