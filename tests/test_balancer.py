@@ -471,12 +471,12 @@ def test_policy_refusing_the_context_leaves_the_model_unhooked():
 
 @given(world=st.integers(2, 6), step=st.integers(0, 2 ** 24 - 1), data=st.data())
 def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds(world, step, data):
-    """The step end's table check (Balancer._verify) accepts the table of this step and raises
+    """The step end's table check (verify_table) accepts the table of this step and raises
     DecisionMismatchError, naming what differs, for one that differs in a rank's batch, decision
     or plan checksum, step or epoch, including the NaN and infinities of a corrupt table (before, their
     message failed with ValueError/OverflowError from int())."""
     from types import SimpleNamespace
-    from hetlb.train.balancer import Balancer
+    from hetlb.train.verify import verify_table
     from hetlb.core.telemetry import COL, NUM_FIELDS
     sizes = np.asarray(data.draw(st.lists(st.integers(0, 2 ** 20), min_size=world, max_size=world)),
                        dtype=np.int64)
@@ -486,8 +486,8 @@ def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds
     table[:, COL["checksum"]], table[:, COL["plan"]] = rng.integers(0, 2 ** 24, 2)
     table[:, COL["step"]] = step
     table[:, COL["epoch"]] = data.draw(st.integers(0, 2 ** 24 - 1))
-    me, plan = SimpleNamespace(), SimpleNamespace(sizes=sizes)
-    Balancer._verify(me, table, plan, step)
+    plan = SimpleNamespace(sizes=sizes)
+    verify_table(table, plan, step, sharded=False)
     col = data.draw(st.sampled_from(["batch", "checksum", "plan", "step", "epoch"]))
     r = data.draw(st.integers(0, world - 1))
     table[r, COL[col]] = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf"),
@@ -495,4 +495,4 @@ def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds
     words = {"batch": "ran batch sizes", "checksum": "batch-size decision",
              "plan": "step plan", "step": "different steps", "epoch": "different epochs"}[col]
     with pytest.raises(hetlb.DecisionMismatchError, match=words):
-        Balancer._verify(me, table, plan, step)
+        verify_table(table, plan, step, sharded=False)

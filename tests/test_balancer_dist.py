@@ -557,9 +557,9 @@ def emulated_worker(rank, world, speeds, steps, policy_name, disturb_at=None, nu
            "sizes": [r.batch.tolist() for r in h], "compute": [r.compute.tolist() for r in h]}
     out["actions"] = list(getattr(policy, "actions", []))
     out["predicted"] = [r.predicted.tolist() for r in h]
-    if bal._local is not None:  # the rank's own NARX
-        bal._local.wait()
-        out["fits"] = bal._local.fits
+    if bal.loop.predictors:  # the rank's own NARX
+        bal.loop.predictors[bal.rank].wait()
+        out["fits"] = bal.loop.predictors[bal.rank].fits
     return out
 
 
@@ -1014,7 +1014,7 @@ def attach_worker(rank, world, case):
                     loss = loss / 2
                 bal.backward(loss) if case == "backward" else loss.backward()
             window.append(loader.sampler.step_indices(bal.board.current if bal.board.current is not None
-                                                      else bal._consumed))
+                                                      else bal.driver.last_plan))
             if not bal.synced:
                 continue
             # the union of the window's samples, in one process
@@ -1029,7 +1029,7 @@ def attach_worker(rank, world, case):
             errs.append(max((g - w).abs().max().item() for g, w in zip(got, want)))
             opt.zero_grad()
             window = []
-        return {"errs": errs, "hooked": bal._watch is None}
+        return {"errs": errs, "hooked": not bal.hooks.deferred}
     except (RuntimeError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
 

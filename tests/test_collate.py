@@ -87,11 +87,11 @@ def test_collate_fn_through_the_balanced_loader():
 
 
 def test_a_rank_given_no_samples_gets_an_empty_batch_of_the_right_kind():
-    from hetlb.data.collate import _EmptySafeCollate
+    from hetlb.data.collate import EmptySafeCollate
     ds = [(torch.arange(n + 1), torch.tensor(n)) for n in (3, 5)]
     for fn in (packed_collate, pad_collate):
-        e = _EmptySafeCollate(ds, fn)([])
+        e = EmptySafeCollate(ds, fn)([])
         assert type(e) is type(fn(ds[:1]))
         assert e.data.dtype == torch.int64 and e.data.shape[0] == 0
         assert e.lengths.numel() == 0 and e.rest[0].shape == (0,)
-    assert _EmptySafeCollate(ds, packed_collate)([]).cu_seqlens.tolist() == [0]
+    assert EmptySafeCollate(ds, packed_collate)([]).cu_seqlens.tolist() == [0]

@@ -340,9 +340,9 @@ def test_a_block_whose_newest_step_is_refused_keeps_the_sizes(caplog):
                 bal.telemetry.core.set(COL["compute"], float("nan"))
         if step == 3:
             assert [r.step for r in bal.history] == [0, 1, 2] and pol.decisions == 1
-            assert bal._bad == 1 and "keeping the previous sizes" in caplog.text
+            assert bal.loop.bad == 1 and "keeping the previous sizes" in caplog.text
     assert [r.step for r in bal.history] == [0, 1, 2, 4, 5, 6] and pol.decisions == 2
-    assert bal._bad == 0
+    assert bal.loop.bad == 0
 
 
 def flush_worker(rank, world, transport, same_iterator):

@@ -107,28 +107,36 @@ class _Rank:
         self.trained = False  # its backward ran
         self.steps = 0  # trained steps (the Balancer's step counter)
         self.board.post(self.decision())
-        loader.balancer = self
+        pending = loader.bind(self, self)  # a state loaded before binding, or None
         self.config = loader.sampler.config()
-        pending, loader._pending = loader._pending, None  # a state loaded before binding
         if pending is not None:
             self.load_state_dict(pending)
 
     def decision(self):
         return decide(self.seed, self.steps, self.board.world, self.board.global_batch, self.rules)
 
-    # the loader's protocol (hetlb.Balancer._iteration_starts, _before_next, _handed)
-    def _iteration_starts(self):
+    # the loader's protocol (hetlb.data.protocol.StepOwner)
+    def settle(self):
+        pass  # (a trained step is finished by state_dict and by the loop's next call)
+
+    def exhausted(self):
+        return None
+
+    def loop_left(self):
+        pass
+
+    def iteration_starts(self):
         if self.open is not None:
             if self.trained:
                 self._finish()
             else:
                 self.open = None  # a peek: handed out again
 
-    def _before_next(self):
+    def before_next(self):
         if self.open is not None:
             self._finish()  # trained, or stepped without gradients: it counts
 
-    def _handed(self, plan):
+    def handed(self, plan):
         self.open, self.trained = plan, False
 
     def _finish(self):

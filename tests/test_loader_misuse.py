@@ -11,7 +11,7 @@ import torch
 
 import hetlb
 from hetlb.data.collate import Packed, Padded, packed_collate, to_nested
-from hetlb.data.collate import _EmptySafeCollate, _empty_like
+from hetlb.data.collate import EmptySafeCollate, _empty_like
 from hetlb.data.board import PlanBoard
 from hetlb.core.decisions import split_last
 
@@ -226,7 +226,7 @@ class Batch:
 
 
 def _collated_empty(sample, collate):
-    return _EmptySafeCollate(_One(sample), collate)([])
+    return EmptySafeCollate(_One(sample), collate)([])
 
 
 class _One(torch.utils.data.Dataset):

@@ -229,7 +229,7 @@ def _empty_of(one: Any, two: Any) -> Any:
     return one
 
 
-class _EmptySafeCollate:
+class EmptySafeCollate:
     """Collate that also handles a step where this rank has no samples (``lower=0``): it
     collates one sample and returns the result with zero rows, so the training loop sees
     correctly shaped empty tensors instead of a collate error. Picklable for DataLoader workers."""

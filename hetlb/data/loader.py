@@ -21,13 +21,41 @@ from torch.utils.data import DataLoader, default_collate
 
 from hetlb.core.checks import flag, integer
 from hetlb.data.board import PlanBoard
-from hetlb.data.collate import _EmptySafeCollate
-from hetlb.data.sampler import (GlobalOrderSampler, MAX_SEED, _REFUSED, _refuse_non_numbers,
-                                check_sample_sizes, dataset_sample_sizes)
+from hetlb.data.collate import EmptySafeCollate
+from hetlb.data.protocol import Stateful, StepOwner
+from hetlb.data.sampler import (GlobalOrderSampler, MAX_SEED, check_sample_sizes,
+                                dataset_sample_sizes)
 from hetlb.data.shards import Migration, Partition, even_partition
 
 
 __all__ = ["BalancedLoader"]
+
+_REFUSED = {
+    "sampler": "hetlb draws every step's indices itself (the global order); drop sampler= and pass "
+               "shuffle=, seed= and drop_last= to the loader instead",
+    "batch_sampler": "hetlb draws every step's indices itself (the global order); drop batch_sampler=",
+    "generator": "the permutation of each epoch is seeded by seed + epoch (the same on every "
+                 "rank); pass seed= instead of generator=",
+    "sizes": "per-sample data amounts are called sample_sizes= (sizes means per-rank batch sizes "
+             "in hetlb)",
+}
+
+
+def _refuse_non_numbers(values: Any, n: int) -> None:
+    """Refuse strings and bools among per-sample sizes (NumPy would read ``"1"`` as 1.0)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype == torch.bool:
+            raise ValueError(f"sample_sizes must be {n} numbers (one per sample), got a bool tensor")
+        return
+    try:
+        raw = np.asarray(values)
+    except (TypeError, ValueError):
+        return  # ragged or odd: the float conversion that follows says what is wrong
+    if raw.dtype.kind in "USb" or (raw.dtype.kind == "O" and any(
+            isinstance(v, (str, bytes, bool, np.bool_)) for v in raw.ravel().tolist())):
+        bad = next((v for v in raw.ravel().tolist() if isinstance(v, (str, bytes, bool))), raw.dtype)
+        raise ValueError(f"sample_sizes must be {n} numbers (one per sample), got {bad!r}: strings "
+                         f"and bools are not taken for numbers")
 
 
 class BalancedLoader:
@@ -121,12 +149,13 @@ class BalancedLoader:
         self.sampler = GlobalOrderSampler(n, board, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                           sample_sizes=sample_sizes)
         self.board = board
-        self.balancer: Any = None  # set by the Balancer that binds this loader
+        self._owner: Optional[StepOwner] = None  # runs the steps of the batches (see bind)
+        self._state: Optional[Stateful] = None  # owns the checkpoint state (see bind)
         self._pending: Optional[Dict[str, Any]] = None  # state loaded before binding
         collate = dataloader_kwargs.pop("collate_fn", None) or default_collate
         self._steps = _Steps(self.sampler)
         self._dl = DataLoader(dataset, batch_sampler=self._steps,
-                              collate_fn=_EmptySafeCollate(dataset, collate), **dataloader_kwargs)
+                              collate_fn=EmptySafeCollate(dataset, collate), **dataloader_kwargs)
 
     @property
     def sharded(self) -> bool:
@@ -162,18 +191,16 @@ class BalancedLoader:
     def epoch(self) -> int:
         """The epoch the next batch belongs to (after a complete epoch: the next one), so
         ``for epoch in range(loader.epoch, epochs)`` resumes where a checkpoint stopped."""
-        settle = getattr(self.balancer, "_settle", None)  # (DelayedSync has no open steps)
-        if settle is not None:
-            settle()
+        if self._owner is not None:
+            self._owner.settle()
         b = self.board
         return b.epoch + 1 if b.epoch_finished() else b.epoch
 
     def __len__(self) -> int:
         """Steps the next iteration runs (the rest of a partly trained epoch, else a whole one;
         a step whose backward ran counts as trained)."""
-        settle = getattr(self.balancer, "_settle", None)  # (DelayedSync has no open steps)
-        if settle is not None:
-            settle()
+        if self._owner is not None:
+            self._owner.settle()
         return len(self.sampler)
 
     @property
@@ -182,6 +209,21 @@ class BalancedLoader:
         if self._dl.num_workers == 0:
             return 0
         return self._dl.num_workers * (self._dl.prefetch_factor or 2)
+
+    @property
+    def balancer(self) -> Optional[Stateful]:
+        """The Balancer (or DelayedSync) this loader is bound to, or None (an evaluation loader)."""
+        return self._state
+
+    def bind(self, steps: StepOwner, state: Stateful) -> Optional[Dict[str, Any]]:
+        """Bind the loader for training: ``steps`` runs the steps of its batches, ``state`` owns
+        its checkpoint state. Returns a state loaded into the loader before binding, for ``state``
+        to apply (None if there is none). Called by the Balancer and DelayedSync."""
+        if self._state is not None:
+            raise ValueError("this loader is already bound to a Balancer")
+        self._owner, self._state = steps, state
+        pending, self._pending = self._pending, None
+        return pending
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's permutation, as ``DistributedSampler.set_epoch``.
@@ -205,7 +247,7 @@ class BalancedLoader:
                 f"it. To train on the changed dataset, checkpoint at the end of an epoch and make a "
                 f"new Balancer and loader over it (in a restarted job); the checkpoint resumes "
                 f"there at the next epoch")
-        if self.balancer is None:
+        if self._owner is None:
             return self._evaluation()
         return _Iteration(self)
 
@@ -236,8 +278,8 @@ class BalancedLoader:
         :meth:`hetlb.Balancer.state_dict`, which one rank may take alone). A
         :class:`hetlb.DelayedSync` loader's is :meth:`hetlb.DelayedSync.state_dict`, which flushes:
         a collective every rank must call at the same update."""
-        if self.balancer is not None:
-            return self.balancer.state_dict()
+        if self._state is not None:
+            return self._state.state_dict()
         if self._pending is not None:
             return self._pending
         return {"position": self.board.position(), "loader": self.sampler.config()}
@@ -250,8 +292,8 @@ class BalancedLoader:
         drop_last (and the same global batch, and ``partition=`` set or not as then); a state
         taken at an epoch boundary resumes over another dataset at the next epoch. Another world
         size is always fine. Anything else is a ValueError naming the field and both values."""
-        if self.balancer is not None:
-            self.balancer.load_state_dict(state)
+        if self._state is not None:
+            self._state.load_state_dict(state)
             return
         if not isinstance(state, dict) or "position" not in state:
             got = f"a dict with keys {sorted(state)}" if isinstance(state, dict) else type(state).__name__
@@ -331,9 +373,9 @@ class _Iteration:
     step boundaries for the Balancer."""
 
     def __init__(self, loader: BalancedLoader) -> None:
-        self._bal = loader.balancer
+        self._owner = loader._owner
         self._board = loader.board
-        self._bal._iteration_starts()
+        self._owner.iteration_starts()
         self._board.restart()
         self._generation = self._board.generation
         self._iteration = self._board.iteration
@@ -362,18 +404,17 @@ class _Iteration:
                 "of its own)")
         if self._board.epoch != self._epoch:
             return self._epoch_left()
-        self._bal._before_next()
+        self._owner.before_next()
         try:
             if self._it is None:
                 raise StopIteration
             batch = next(self._it)
         except StopIteration:
             self._it = None  # a DataLoader iterator is not asked again once it has stopped
-            drain = getattr(self._bal, "_drain", None)
             # Delayed sync: a rank whose shard is used up gets empty batches (its steps take
             # part in the iterations) until every rank's shard is trained and applied; then the
             # epoch's next round starts, or the epoch ends.
-            what = drain() if drain is not None else None
+            what = self._owner.exhausted()
             if what == "empty":
                 return self._empty()
             if what == "round":
@@ -381,7 +422,7 @@ class _Iteration:
                 return next(self)
             self._done = True
             raise
-        self._bal._handed(self._board.hand())
+        self._owner.handed(self._board.hand())
         return batch
 
     def __del__(self) -> None:
@@ -389,12 +430,10 @@ class _Iteration:
         # batch handed last stays open (a next iteration finishes or forgets it), but the script
         # no longer works in it, so its own work after the loop must not look like a stall.
         if not getattr(self, "_done", True):
-            left = getattr(self._bal, "_loop_left", None)
-            if left is not None:
-                try:
-                    left()
-                except Exception:  # noqa: BLE001 (never raise from a finaliser)
-                    pass
+            try:
+                self._owner.loop_left()
+            except Exception:  # noqa: BLE001 (never raise from a finaliser)
+                pass
 
     def _epoch_left(self) -> Any:
         """``set_epoch`` moved the loader off this iteration's epoch while it ran: the loop ends
@@ -402,7 +441,7 @@ class _Iteration:
         would train outside any epoch the position counts)."""
         board = self._board
         if board.left == (self._epoch, True):
-            self._bal._before_next()  # the last step counts, as at the end of any loop
+            self._owner.before_next()  # the last step counts, as at the end of any loop
             self._done, self._it = True, None
             raise StopIteration
         raise RuntimeError(
@@ -431,5 +470,3 @@ class _Steps:
 
     def __iter__(self) -> Iterator[List[int]]:
         return self.sampler.evaluation() if self.evaluating else iter(self.sampler)
-
-

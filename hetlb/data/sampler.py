@@ -27,17 +27,6 @@ from hetlb.core.checks import flag, integer
 from hetlb.data.board import PlanBoard, StepPlan
 
 
-_REFUSED = {
-    "sampler": "hetlb draws every step's indices itself (the global order); drop sampler= and pass "
-               "shuffle=, seed= and drop_last= to the loader instead",
-    "batch_sampler": "hetlb draws every step's indices itself (the global order); drop batch_sampler=",
-    "generator": "the permutation of each epoch is seeded by seed + epoch (the same on every "
-                 "rank); pass seed= instead of generator=",
-    "sizes": "per-sample data amounts are called sample_sizes= (sizes means per-rank batch sizes "
-             "in hetlb)",
-}
-
-
 class GlobalOrderSampler:
     """Batch sampler yielding this rank's indices of every step, drawn from a :class:`PlanBoard`.
 
@@ -258,18 +247,3 @@ def check_sample_sizes(sizes: np.ndarray, source: str) -> None:
 MAX_SEED = 2 ** 62
 
 
-def _refuse_non_numbers(values: Any, n: int) -> None:
-    """Refuse strings and bools among per-sample sizes (NumPy would read ``"1"`` as 1.0)."""
-    if isinstance(values, torch.Tensor):
-        if values.dtype == torch.bool:
-            raise ValueError(f"sample_sizes must be {n} numbers (one per sample), got a bool tensor")
-        return
-    try:
-        raw = np.asarray(values)
-    except (TypeError, ValueError):
-        return  # ragged or odd: the float conversion that follows says what is wrong
-    if raw.dtype.kind in "USb" or (raw.dtype.kind == "O" and any(
-            isinstance(v, (str, bytes, bool, np.bool_)) for v in raw.ravel().tolist())):
-        bad = next((v for v in raw.ravel().tolist() if isinstance(v, (str, bytes, bool))), raw.dtype)
-        raise ValueError(f"sample_sizes must be {n} numbers (one per sample), got {bad!r}: strings "
-                         f"and bools are not taken for numbers")

@@ -82,3 +82,25 @@ def raise_refusals(everyone: List[Any], who: str) -> None:
         if isinstance(e, dict) and e.get(REFUSED) is not None:
             raise ValueError(f"{who} on rank {r} refused its arguments ({e[REFUSED]}); every rank "
                              f"stops here")
+
+
+def all_gather(mine: Any, group: Any, world: int, distributed: bool) -> List[Any]:
+    """Every rank's ``mine`` (a small picklable value), in rank order, through ``group``; one
+    process, or no process group, gathers only its own."""
+    if world == 1 or not distributed:
+        return [mine]
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+class Peers:
+    """The ranks of a group, for small values gathered between steps through ``side`` (a group
+    of its own, off the gradient's path)."""
+
+    def __init__(self, side: Any, world: int, distributed: bool) -> None:
+        self.side, self.world, self.distributed = side, world, distributed
+
+    def gather(self, mine: Any) -> List[Any]:
+        """Every rank's ``mine``, in rank order (a collective: every rank calls it)."""
+        return all_gather(mine, self.side, self.world, self.distributed)

@@ -586,7 +586,7 @@ class DelayedSync:
                              f"{len(dataset)} samples" + (f", drop_last=True with fewer than world * "
                              f"reference_batch = {self.world * self.reference_batch}" if drop_last else "")
                              + ")")
-        loader.balancer = self
+        loader.bind(self, self)  # (a new loader: no state loaded before binding)
         self._loader = loader
         return loader
 
@@ -615,7 +615,13 @@ class DelayedSync:
         return allocate_proportional(speed, n)
 
     # the loader's hooks (see hetlb.data.loader._Iteration)
-    def _iteration_starts(self) -> None:
+    # ------------------------------------------------------------------ the loader's steps
+    # (hetlb.data.protocol.StepOwner: called by the bound loader only)
+
+    def settle(self) -> None:
+        """Nothing to finish: an iteration's reference batches end at :meth:`step`."""
+
+    def iteration_starts(self) -> None:
         if self.world > 1 and self._flight is None:
             self._beat(WAITING)
             dist.barrier(group=self.group)  # start the epoch together: no rank's shard runs ahead
@@ -637,20 +643,20 @@ class DelayedSync:
         b.post_shards(self._shards(), self.reference_batch, self._loader.sampler.epoch_length)
         log.info("epoch %d, samples %d on: shards %s", b.epoch, b.base, b.shards.tolist())
 
-    def _before_next(self) -> None:
+    def before_next(self) -> None:
         if self.board.current is not None:
             raise RuntimeError("DelayedSync: call ds.step() after every reference batch's backward")
 
-    def _loop_left(self) -> None:
+    def loop_left(self) -> None:
         """The loop over the loader was left (a ``break``): to the watchdog this rank is between
         reference batches, so the script's own work after the loop is not a stall."""
         self._beat(None)
 
-    def _handed(self, plan: StreamPlan) -> None:
+    def handed(self, plan: StreamPlan) -> None:
         self._mark = time.perf_counter()
         self._beat(COMPUTING)
 
-    def _drain(self) -> Optional[str]:
+    def exhausted(self) -> Optional[str]:
         """This rank's shard is used up. ``"empty"``: hand out an empty batch, whose :meth:`step`
         takes part in the next iteration with nothing to add (so a loop that stops after some
         number of updates stops at the same update on every rank). Once every rank's shard has

@@ -23,12 +23,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import math
 import os
-import sys
-import time
-from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -39,56 +35,26 @@ from hetlb.comm.hook import StepTelemetry
 from hetlb.comm.probes import hardware_info
 from hetlb.comm.transport import (carry_blocker, carry_penalty, choose_transport, defer_blocker,
                                   is_nccl, keep_groups)
-from hetlb.comm.weights import WEIGHTINGS, weights_for
+from hetlb.comm.weights import weights_for
 from hetlb.core import checks
-from hetlb.core.decisions import EXACT_INT, ScheduleRule, decision_checksum, rescale_position
-from hetlb.core.exchange import exchange_settings, next_block_length
-from hetlb.core.telemetry import COL, FIELDS, RECORD_ARRAYS, History, StepRecord
-from hetlb.data.board import PlanBoard, StepPlan
+from hetlb.core.decisions import ScheduleRule, rescale_position
+from hetlb.core.telemetry import History
+from hetlb.data.board import PlanBoard
 from hetlb.data.loader import BalancedLoader, check_loader_config
-from hetlb.data.shards import Partition, epoch_rates
 from hetlb.policies.base import Context, Policy, policy_settings
 from hetlb.policies.loop import DecisionLoop
-from hetlb.ranks.agreement import make_side_group, raise_refusals, refuse_everywhere
-from hetlb.ranks.watchdog import FLUSHING, Watchdog
-from hetlb.train.errors import DecisionMismatchError
-from hetlb.train.model_hooks import (BatchDim, BackwardEnd, StepGate, UnattachedCheck, check_model,
-                                     layer_list, take_over, unattached_message,
-                                     single_sample_layers)
+from hetlb.ranks.agreement import Peers, all_gather, make_side_group, raise_refusals, refuse_everywhere
+from hetlb.ranks.watchdog import Watchdog
+from hetlb.train.config import check_arguments, check_rule_fits_loader
+from hetlb.train.model_hooks import (BatchDim, check_model, layer_list, single_sample_layers,
+                                     ModelHooks)
 from hetlb.train.runlog import ENV_LOG_DIR, RunLog
+from hetlb.train.steps import StepDriver, same_weights
 
 
 log = logging.getLogger("hetlb.balancer")
 
-# checksum, plan, step and epoch are adjacent columns: one view of the table checks all four.
-assert (COL["plan"], COL["step"], COL["epoch"]) == tuple(COL["checksum"] + i for i in (1, 2, 3))
-_IDS = slice(COL["checksum"], COL["epoch"] + 1)
-# A StepRecord's arrays are the table's first columns, in order (one slice copies them all).
-assert tuple(FIELDS[:len(RECORD_ARRAYS)]) == RECORD_ARRAYS
-_RECORD_COLS = len(RECORD_ARRAYS)
 _FORMAT = 2
-
-
-def _num(v: float) -> str:
-    """A table entry as an error message shows it: an integer, or the float itself."""
-    return str(int(v)) if math.isfinite(v) and v == int(v) else repr(v)
-
-
-def _same(weights: np.ndarray) -> bool:
-    """Whether every rank's weight is the same (each ``1 / world``: DDP's own mean)."""
-    return bool((weights == weights[0]).all())
-
-
-def _groups(values: np.ndarray) -> str:
-    """Which ranks hold which value (a corrupt table's NaN and infinities too)."""
-    labels = [_num(v) for v in values.tolist()]
-    out = []
-    for lab in sorted(set(labels), key=lambda x: (len(x), x)):
-        out.append(f"ranks {[r for r, x in enumerate(labels) if x == lab]}: {lab}")
-        if len(out) > 8:
-            out.append("...")
-            break
-    return "; ".join(out)
 
 
 _SECOND_LOADER = ("this Balancer already drives a loader; iterate that one every epoch "
@@ -117,15 +83,6 @@ def _check_rule_bounds(everyone: List[Dict[str, Any]], global_batch: int, policy
     if limited:
         log.warning("%s does not bound sample counts: the out-of-memory limits of the profiles of "
                     "ranks %s are not applied (bound memory with cap=)", policy, limited)
-
-
-@dataclass(slots=True)  # (one a step)
-class _Open:
-    """The step (or accumulation micro-step) in progress."""
-
-    plan: StepPlan
-    explicit: bool
-    ship: bool = True  # this step sends the telemetry table (the last of its block)
 
 
 class Balancer:
@@ -276,106 +233,21 @@ class Balancer:
                  defer_hook: bool = True) -> None:
         # A rank refusing its arguments tells the others at the start-up exchange, so every rank
         # raises rather than waiting in the collective until its timeout.
-        ends = None  # one process: the handle of the BackwardEnd hooks (the gate holds it)
         try:
-            # Every argument is checked before anything touches the model (hooks) or the group.
-            checks.instance(model, "model", torch.nn.Module, "a torch.nn.Module (DDP-wrapped with "
-                            "more than one rank)")
-            checks.choice(weighting, "weighting", WEIGHTINGS)
-            if isinstance(policy, type):
-                raise TypeError(f"policy must be a policy instance, got the class {policy.__name__}; "
-                                f"pass {policy.__name__}()")
-            if policy is not None:
-                missing = [m for m in ("start", "decide", "state_dict", "load_state_dict")
-                           if not callable(getattr(policy, m, None))]
-                if missing:
-                    raise TypeError(f"policy must be a hetlb policy (e.g. hetlb.LBB()) with start, "
-                                    f"decide, state_dict and load_state_dict; got "
-                                    f"{type(policy).__name__} {policy!r}, which lacks {missing}")
-            native_hook = checks.flag(native_hook, "native_hook")
-            defer_hook = checks.flag(defer_hook, "defer_hook")
-            if tensorboard is not None:
-                tensorboard = checks.flag(tensorboard, "tensorboard")
-            if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-                raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got "
-                                f"{type(log_dir).__name__} {log_dir!r}")
-            if profile is not None:
-                from hetlb.train.profile import Profile
-                checks.instance(profile, "profile", Profile, "a hetlb.Profile (from hetlb.train.profile(...) "
-                                "or Profile.load) or None")
-                profile.validate()
-            if emulator is not None:
-                from hetlb.sim.emulate import Emulator
-                checks.instance(emulator, "emulator", Emulator, "a hetlb.sim.emulate.Emulator or None")
-            if watchdog is not None:
-                checks.instance(watchdog, "watchdog", Watchdog, "a hetlb.Watchdog or None")
-            self.accumulate = checks.integer(accumulate, "accumulate", 1)
-            if self.accumulate > 1 and weighting == "sizes":
-                raise ValueError('weighting="sizes" cannot be exact with gradient accumulation: the '
-                                 'data amounts of a window\'s micro-steps differ, and the accumulated '
-                                 'gradient no longer tells them apart')
-            self.max_bad_steps = checks.integer(max_bad_steps, "max_bad_steps", 0)
-            # (checked with the policy below: their defaults depend on it)
-            lower_given = lower  # (a size-aware rule cannot honour bounds: see below)
-            # Layers that refuse a one-sample batch in training: no rank gets exactly one.
-            single = single_sample_layers(model.module if isinstance(model, DistributedDataParallel)
-                                          else model)
-            lower = (2 if single else 1) if lower is None else checks.integer(lower, "lower", 0)
-            if single and lower == 1:  # the user's choice: one sample is fine for these inputs
-                log.warning("lower=1: a rank may train a batch of one sample, which the model's "
-                            "layers refuse in training where their input is (N, C) (%s); leave "
-                            "lower out (2 for such a model) unless their inputs have more values "
-                            "per channel", layer_list(single))
-                single = []
-            if batch_dim is not None and not callable(batch_dim):
-                batch_dim = checks.integer(batch_dim, "batch_dim", 0)
-            if transport is not None:
-                checks.choice(transport, "transport", ("side", "carry"))
-            self.distributed = dist.is_available() and dist.is_initialized()
-            self.world = dist.get_world_size(group) if self.distributed else 1
-            self.rank = dist.get_rank(group) if self.distributed else 0
-            is_ddp = isinstance(model, DistributedDataParallel)
-            if self.world > 1 and not is_ddp:
-                raise TypeError(f"with {self.world} ranks the model must be DistributedDataParallel, "
-                                f"got {type(model).__name__}")
-            if not is_ddp and not native_hook:
-                raise ValueError("native_hook=False selects the hook of a DistributedDataParallel model")
-            check_model(model, is_ddp, self.accumulate)
-            if loader is not None:
-                if not isinstance(loader, BalancedLoader):
-                    raise TypeError(f"loader must be a hetlb.DataLoader, got {type(loader).__name__}")
-                if loader.balancer is not None:
-                    raise ValueError("this loader is already bound to a Balancer")
-                b = loader.board
-                if (b.world, b.rank) != (self.world, self.rank):
-                    raise ValueError(f"the loader was made for rank {b.rank} of {b.world}, this "
-                                     f"Balancer is rank {self.rank} of {self.world}")
-                if global_batch is not None and checks.integer(global_batch, "global_batch", 1) != b.global_batch:
-                    raise ValueError(f"global_batch={global_batch} differs from the loader's "
-                                     f"batch_size * world = {b.global_batch}")
-                global_batch = b.global_batch
-            if global_batch is None:
-                raise ValueError("global_batch is required (or pass loader=hetlb.DataLoader(...), "
-                                 "whose batch_size * world is the global batch)")
-            global_batch = checks.integer(global_batch, "global_batch", 1)
-            if global_batch >= EXACT_INT:  # sizes ride in float32 telemetry slots, exact below 2^24
-                raise ValueError(f"global_batch must be < {EXACT_INT} samples per step, got {global_batch}")
-            if upper is not None and checks.integer(upper, "upper", 0) < lower:
-                raise ValueError(f"upper={upper} is smaller than lower={lower}; each rank's batch must be "
-                                 f"able to lie in [lower, upper]")
-            if global_batch < self.world * lower:
-                why = (f" (lower is 2 by default for this model: its layers refuse a one-sample "
-                       f"batch in training, {layer_list(single)})" if single and lower_given is None
-                       else "")
-                raise ValueError(f"global_batch={global_batch} is smaller than the world of {self.world} "
-                                 f"ranks times lower={lower}{why}; every rank needs at least {lower} "
-                                 f"sample(s) per step (pass lower=0 to let ranks idle)")
-            if policy is None:
-                from hetlb.policies.lbb import LBB
-                policy = LBB()
-            history = checks.integer(history, "history", 1, sys.maxsize)  # (a deque's maxlen)
-            self.exchange_every, self.adaptive_exchange, history = exchange_settings(
-                getattr(policy, "reads_telemetry", True), exchange_every, adaptive_exchange, history)
+            cfg = check_arguments(model, global_batch, policy, weighting, loader=loader, group=group,
+                                  lower=lower, upper=upper, profile=profile, emulator=emulator,
+                                  history=history, max_bad_steps=max_bad_steps,
+                                  accumulate=accumulate, batch_dim=batch_dim, transport=transport,
+                                  native_hook=native_hook, log_dir=log_dir, tensorboard=tensorboard,
+                                  watchdog=watchdog, exchange_every=exchange_every,
+                                  adaptive_exchange=adaptive_exchange, defer_hook=defer_hook)
+            self.distributed, self.world, self.rank = cfg.distributed, cfg.world, cfg.rank
+            self.accumulate, self.max_bad_steps = cfg.accumulate, cfg.max_bad_steps
+            self.exchange_every, self.adaptive_exchange = cfg.exchange_every, cfg.adaptive_exchange
+            policy, global_batch, lower, upper = cfg.policy, cfg.global_batch, cfg.lower, cfg.upper
+            lower_given, single, is_ddp, history = cfg.lower_given, cfg.single, cfg.is_ddp, cfg.history
+            native_hook, defer_hook, batch_dim = cfg.native_hook, cfg.defer_hook, cfg.batch_dim
+            log_dir, tensorboard = cfg.log_dir, cfg.tensorboard
             self.model, self.global_batch = model, global_batch
             self.weighting, self.emulator = weighting, emulator
             self.device = self._device(model)
@@ -403,7 +275,7 @@ class Balancer:
                               if is_ddp else "no DDP model"),
                     "asked": {"lower": lower_given, "upper": upper},
                     **self._bounds(lower, upper, profile)}
-            everyone = self._all_gather(mine, side)
+            everyone = all_gather(mine, side, self.world, self.distributed)
             self._exchanged = True  # (a later error is every rank's: no second exchange)
             raise_refusals(everyone, "Balancer")
             checks.agree(everyone, "config", "Balancer")
@@ -447,71 +319,38 @@ class Balancer:
             if self.transport == "side" and self.distributed and not nccl:
                 side = make_side_group(group, own=True)  # not queued behind the gradient's transfers
             self._side = side
+            #: Small values gathered from every rank between steps (through the side group).
+            self.peers = Peers(side, self.world, self.distributed)
             self.telemetry = StepTelemetry(self.rank, self.world, transport=self.transport,
                                            group=group if self.distributed else None, side_group=side,
                                            nccl=nccl, device=self.device, emulator=emulator,
                                            block=self.exchange_every)
             self.telemetry.core.watch(list(model.parameters()))
-            self._fast_backward_noted = False
-            # A DDP model, whose hook delivers every step's table with the gradient once it is
-            # registered (a deferred one by _begin, before the first step whose weights differ).
-            self._comm_hook = is_ddp
             self._native, self._lower_given = native_hook, lower_given
-            #: Other DDP models trained on the same batches (:meth:`attach`), weighted alike.
-            self._attached: List[DistributedDataParallel] = []
-            #: The first step looks for DDP models that train in it unattached (:class:`UnattachedCheck`).
-            self._check_models = is_ddp
-            self._unattached: Optional[UnattachedCheck] = None  # its hooks while that step is open
-            self._watch: Any = None  # the deferred hook's BackwardWatch handle (None: hooked)
-            if is_ddp and deferred:
-                self._watch = self.telemetry.defer(model)
-            elif is_ddp:
-                self.telemetry.register(model, native=native_hook)
-            else:
-                params = [p for p in model.parameters() if p.requires_grad]
-                if params:  # one process: the end of backward ends the step's compute, as the hook would
-                    ends = torch.autograd.graph.register_multi_grad_hook(
-                        params, BackwardEnd(self.telemetry), mode="all")
             if loader is not None:
                 self.board = loader.board
                 self.board.accumulate = self.accumulate
             else:
                 self.board = PlanBoard(self.world, self.rank, global_batch, self.accumulate)
-            self.board.lower = np.asarray(self.context.lower, dtype=np.int64).copy()
+            self.board.lower = np.asarray(context.lower, dtype=np.int64).copy()
             self.board.single_ok = not self._single
-            self._gate = model.register_forward_pre_hook(
-                StepGate(self.board, self.telemetry, batch_dim, ends), with_kwargs=True)
-
-            self._step = 0  # completed steps (accumulation windows)
-            self._open: Optional[_Open] = None
-            self._in_with = False
-            self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
-            self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
-            self._window_param: Optional[torch.Tensor] = None  # see _check_window_kept
-            self._synced_grad: Optional[tuple] = None  # see _check_window_taken
-            self._micro = 0  # micro-steps without a loader (window position)
-            self._window_data = 0.0
-            self._partials: Dict[int, tuple] = {}
-            # The block's steps run since the last exchange (exchange_every > 1): (step, plan).
-            self._block: List[Tuple[int, StepPlan]] = []
-            # The first step after this Balancer is made or a checkpoint is loaded is an exchange of
-            # its own (with exchange_every > 1): ranks that start from different positions meet in
-            # one table of one shape there and get DecisionMismatchError, not a collective of
-            # different shapes.
-            self._ship_next = True
-            # Steps of the current block: exchange_every, or with adaptive_exchange from 1 up to it.
-            self._block_len = 1 if self.adaptive_exchange else self.exchange_every
-            # (sizes, data, window_len, (weight, batch, data, equal)) of _weight's latest plan
-            self._weight_of: tuple = (None, None, 0, (0.0, 0.0, 0.0, True))
-            self._spent = 0.0
-            self.last_overhead: float = 0.0
+            #: The hooks on the user's models (the forward check, the communication hooks).
+            self.hooks = ModelHooks(model, self.telemetry, self.board, is_ddp=is_ddp,
+                                    native=native_hook, deferred=deferred, batch_dim=batch_dim)
             self.board.post(decision)
-            self.runlog: Optional[RunLog] = None
+            runlog: Optional[RunLog] = None
             log_dir = log_dir if log_dir is not None else os.environ.get(ENV_LOG_DIR) or None
             if log_dir is not None and self.rank == 0:
                 if tensorboard is None:
                     tensorboard = importlib.util.find_spec("tensorboard") is not None
-                self.runlog = RunLog(log_dir, tensorboard=tensorboard)
+                runlog = RunLog(log_dir, tensorboard=tensorboard)
+            #: Runs the steps: the open step, the telemetry block, the accumulation window.
+            self.driver = StepDriver(model, self.telemetry, self.board, self.loop, self.hooks,
+                                     rank=self.rank, world=self.world, weighting=weighting,
+                                     accumulate=self.accumulate, exchange_every=self.exchange_every,
+                                     adaptive_exchange=self.adaptive_exchange,
+                                     transport=self.transport, watchdog=watchdog, runlog=runlog,
+                                     peers=self.peers)
             # The bound loader's configuration (a value: the loader holds this Balancer, not the
             # other way round), or None before a loader is bound.
             self._loader_config: Optional[Dict[str, Any]] = None
@@ -522,15 +361,14 @@ class Balancer:
             if watchdog is not None and self.distributed:
                 watchdog.attach_to(group)
             if not is_ddp:
-                take_over(model, keep=self._gate.id)
+                self.hooks.take_over()
         except (ValueError, TypeError) as e:
             if not self.__dict__.get("_exchanged", False):
                 refuse_everywhere(e, group, self.__dict__.get("_refusal_side"))
             # Refused after the forward hooks were added (the loader's check): take them off, so
             # the model can get a Balancer again (a registered communication hook cannot go).
-            for handle in (self.__dict__.get("_gate"), self.__dict__.get("_watch"), ends):
-                if handle is not None:
-                    handle.remove()
+            if "hooks" in self.__dict__:
+                self.hooks.remove()
             raise
         del self._refusal_side  # (the telemetry holds the groups it uses)
 
@@ -552,12 +390,6 @@ class Balancer:
                     "limit": int(profile.limit), "oom_at": getattr(profile, "oom_at", None)}
         return {"lower": int(lower), "upper": up, "hardware": hardware_info(self.device), "profile": prof}
 
-    def _all_gather(self, mine: Dict[str, Any], side: Any) -> List[Dict[str, Any]]:
-        if self.world == 1 or not self.distributed:
-            return [mine]
-        everyone: List[Any] = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=side)
-        return everyone
 
     def loader(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True, *,
                sample_sizes: Optional[Sequence[float]] = None, seed: int = 0,
@@ -596,7 +428,7 @@ class Balancer:
         if self.weighting == "sizes" and loader.sample_sizes is None:
             raise ValueError('weighting="sizes" needs per-sample sizes: '
                              'bal.loader(dataset, sample_sizes=...)')
-        everyone = self._all_gather({"loader": loader.sampler.config(), "lag": loader.lag}, self._side)
+        everyone = self.peers.gather({"loader": loader.sampler.config(), "lag": loader.lag})
         checks.agree(everyone, "loader", "loader")
         lags = [e["lag"] for e in everyone]
         if any(lag != lags[0] for lag in lags):
@@ -608,34 +440,13 @@ class Balancer:
                 f"steps ahead, 0 without workers; by rank: {lags}): each step's sizes are drawn "
                 f"when its indices are, so every rank must draw them equally far ahead. Pass the "
                 f"same num_workers and prefetch_factor (or products equal) to bal.loader on every rank")
-        d = self.loop.decision
-        if isinstance(d, ScheduleRule) and d.cap is not None and loader.board.partition is not None:
-            # (a sharded step takes each rank's samples from its own shard: no schedule, no cap)
-            raise ValueError("a size-aware policy's cap= (Chronica(cap=...)) cannot bound a sharded "
-                             "loader's steps (partition=): each rank's samples come from its own "
-                             "shard, not from the scheduler that keeps to the caps. Drop cap= or "
-                             "partition=")
-        if isinstance(d, ScheduleRule) and d.cap is not None and loader.sample_sizes is not None:
-            # Checked here, not when the sample's step comes (possibly hours in); every rank has
-            # the same sizes (agreed above), so every rank raises.
-            big = int(np.argmax(loader.sample_sizes))
-            if loader.sample_sizes[big] > d.cap.max():
-                raise ValueError(f"sample {big} (size {loader.sample_sizes[big]:g}) fits in no "
-                                 f"rank's cap (largest {d.cap.max():g}): its step would fail. "
-                                 f"Raise the policy's cap= or drop the sample from the dataset")
-            step = min(self.global_batch, loader.sample_sizes.size)
-            worst = float(np.sum(np.partition(loader.sample_sizes, -step)[-step:])) if step else 0.0
-            if worst > float(d.cap.sum()):
-                log.warning("a step of the %d largest samples would total %g, more than the ranks' "
-                            "caps hold together (%g): a step that draws enough of them fails with "
-                            "an error when it comes. Raise the policy's cap= or lower the global "
-                            "batch to rule it out", step, worst, float(d.cap.sum()))
+        check_rule_fits_loader(self.loop.decision, loader, self.global_batch)
         if self._pending_check is not None:  # a checkpoint loaded before this loader existed
             check_loader_config(self._pending_check, loader.sampler.config())
             self._pending_check = None
-        loader.balancer = self
+        pending = loader.bind(self.driver, self)
         self._loader_config = loader.sampler.config()
-        pending, loader._pending = loader._pending, None
+        self.driver.bound = True
         if pending is not None:
             self.load_state_dict(pending)
 
@@ -661,7 +472,7 @@ class Balancer:
         DDP reduces over another process group, and what the Balancer refuses of its own model
         (a hook of your own, sparse gradients, ``static_graph`` with ``accumulate``)."""
         checks.instance(model, "model", torch.nn.Module, "a DistributedDataParallel model")
-        if self._in_with or self._open is not None:
+        if self.driver.in_step:
             raise RuntimeError("bal.attach(model) inside a step; attach models between steps, "
                                "before they train")
         is_ddp = isinstance(model, DistributedDataParallel)
@@ -670,7 +481,7 @@ class Balancer:
         if not is_ddp:
             raise TypeError(f"bal.attach: with {self.world} ranks the model must be "
                             f"DistributedDataParallel, got {type(model).__name__}")
-        if model is self.model or any(model is m for m in self._attached):
+        if model is self.model or any(model is m for m in self.hooks.attached):
             raise ValueError("bal.attach: this model is already weighted by this Balancer "
                              "(the balanced model, or attached before)")
         pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
@@ -692,17 +503,8 @@ class Balancer:
                     f"default for such a model), or lower=0, or lower=1 if their inputs have more "
                     f"than one value per channel")
         keep_groups(model, (pg,))
-        if self._watch is None:  # the balanced model's hook is registered: this one's now too
-            self.telemetry.register(model, native=self._native, attached=True)
-            self._attached.append(model)
-        else:
-            self._attached.append(model)
-            why = defer_blocker(model, self.group, native=True, emulator=self.emulator,
-                                accumulate=self.accumulate, transport=self.transport)
-            if why is not None:  # it needs its hook now, and so the balanced model its own
-                self._register_hook(f"the attached model needs its hook at once ({why})")
-        # bal.backward weighs the loss only where no parameter holds a gradient, of either model
-        self.telemetry.core.watch([p for m in [self.model] + self._attached for p in m.parameters()])
+        self.hooks.attach(model, defer_blocker(model, self.group, native=True, emulator=self.emulator,
+                                               accumulate=self.accumulate, transport=self.transport))
 
     # ------------------------------------------------------------------ sizes
 
@@ -713,17 +515,18 @@ class Balancer:
         the next step to be drawn (without the Balancer's loader: of the next step, to draw its
         batch by); under a size-aware rule (:class:`hetlb.Chronica`), whose sizes
         are drawn with each step's samples, of the last step (zeros before any)."""
-        if self._open is not None:
-            return self._open.plan.sizes.copy()
-        if self.board.current is not None:
-            return self.board.current.sizes.copy()
-        if self._ended is not None:  # a step (window) ended in `with bal.step():`, no next batch yet
-            return self._ended.copy()
-        d = self.loop.decision
-        if isinstance(d, np.ndarray):
-            return d.copy()
-        last = self.board.last_sizes
-        return last.copy() if last is not None else np.zeros(self.world, np.int64)
+        return self.driver.batch_sizes()
+
+    @property
+    def last_overhead(self) -> float:
+        """Seconds the Balancer itself spent in the latest step (row, table check, record,
+        decision), excluding the user's forward and backward."""
+        return self.driver.last_overhead
+
+    @property
+    def runlog(self) -> Optional[RunLog]:
+        """The run log (rank 0 with ``log_dir``; None after :meth:`close`)."""
+        return self.driver.runlog
 
     @property
     def policy(self) -> Any:
@@ -743,115 +546,22 @@ class Balancer:
     @property
     def steps(self) -> int:
         """Completed steps (accumulation windows); a handed step whose backward ran counts."""
-        self._settle()
-        return self._step
-
-    def _settle(self) -> None:
-        """Finish a handed step whose backward ran now rather than at the next batch (a loop
-        left after it: ``len(loader)``, ``bal.steps`` and a checkpoint count it). No collective
-        here that the other ranks would not join: its hook (or with a deferred hook, the end of
-        its backward) sent the table; one process exchanges with itself."""
-        o = self._open
-        if o is not None and not o.explicit and not self._in_with and self.telemetry.hooked:
-            self._finish()
+        return self.driver.steps
 
     @property
     def synced(self) -> bool:
         """Whether the latest ``bal.step()`` ended an accumulation window (its gradient is
         complete: step the optimizer). Always True without accumulation."""
-        return self._consumed is None or self._consumed.window_end
+        return self.driver.synced
 
     # ------------------------------------------------------------------ the step
-
-    def _weight(self, plan: StepPlan) -> Tuple[float, float, float, bool]:
-        """This rank's aggregation weight, batch and data amount in ``plan``, and whether every
-        rank's weight is the same (``1 / world``: DDP's own mean); the weight of a window shorter
-        than ``accumulate`` (the end of an epoch) scaled by ``accumulate / length``, since each
-        micro-step's loss is divided by ``accumulate``."""
-        key = self._weight_of
-        # Plans are values and whole steps share the posted decision's arrays: the same arrays
-        # give the same values (the common case costs no NumPy call).
-        if key[0] is plan.sizes and key[1] is plan.data and key[2] == plan.window_len:
-            return key[3]
-        weights = weights_for(self.weighting, plan.sizes, plan.data)
-        w = float(weights[self.rank])
-        equal = _same(weights)
-        if self.accumulate > 1 and plan.window_len < self.accumulate:
-            w *= self.accumulate / plan.window_len
-            equal = False
-        got = (w, float(plan.sizes[self.rank]), float(plan.data[self.rank]), equal)
-        self._weight_of = (plan.sizes, plan.data, plan.window_len, got)
-        return got
-
-    def _begin(self, plan: StepPlan, explicit: bool) -> None:
-        t = time.perf_counter()
-        w, batch, data, equal = self._weight(plan)
-        if self._watch is not None:
-            if getattr(self.model, "_comm_hooks", None):
-                raise RuntimeError(
-                    "hetlb: a communication hook was registered on the DDP model besides the "
-                    "Balancer's; the Balancer's own hook weighs each rank's gradient by its batch "
-                    "(it is registered once the batches differ), and DDP takes one hook only. "
-                    "Register no hook of your own on a balanced model")
-            if not equal:
-                self._register_hook(f"step {plan.step} of epoch {plan.epoch}: the ranks' weights "
-                                    f"differ (sizes {plan.sizes.tolist()})")
-        first = plan.window_pos == 0
-        if first:
-            self._window_data = 0.0
-        if plan.window_end and plan.window_len > 1:
-            data = (self._window_data + data) / plan.window_len
-        offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
-        pos = len(self._block)
-        # An epoch's first step ships too: ranks that set different epochs (and so draw from
-        # different orders) meet in a table at once, not up to a block later.
-        ship = pos + 1 >= self._block_len or self._ship_next or self._epoch_last(plan) or \
-            (plan.step == 0 and self._loader_config is not None)
-        tele = self.telemetry
-        predicted = self.loop.predict(self.rank, tele.probe.memory()) if self.loop.predictors \
-            else math.nan
-        tele.start(self._step, w, batch, data, predicted, self.board.checksum, plan.checksum,
-                   plan.epoch, offset=offset, new_window=first,
-                   sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship)
-        self._open = _Open(plan, explicit, ship)
-        if self._check_models and self._unattached is None:
-            self._unattached = UnattachedCheck.watch(self.model, [self.model] + self._attached)
-        if self.watchdog is not None:
-            self.watchdog.beat(self._step, self.telemetry)
-        self._spent += time.perf_counter() - t
 
     def _equal_weights(self, decision: Any) -> bool:
         """Whether a whole step of ``decision`` weighs every rank ``1 / world`` (a size-aware
         rule's plans, or "sizes" weighting, depend on the samples drawn: not known here)."""
         if not isinstance(decision, np.ndarray) or self.weighting == "sizes":
             return False
-        return _same(weights_for(self.weighting, decision, decision))
-
-    def _register_hook(self, why: str) -> None:
-        """Register the deferred communication hook now, for good (DDP cannot remove one), and
-        the attached models' hooks: the first step whose weights differ is about to run (on
-        every rank alike: plans are replicated), so DDP's mean would be wrong from here on."""
-        self.telemetry.register(self.model, native=True)  # (first: if DDP refuses, nothing changed)
-        for m in self._attached:
-            self.telemetry.register(m, native=True, attached=True)
-        self._watch.remove()
-        self._watch = None
-        log.info("%s, so the weighted communication hook is registered from now on", why)
-
-    def _epoch_last(self, plan: StepPlan) -> bool:
-        """Whether ``plan`` is the last step of its epoch (known with a loader only)."""
-        spe = self.board.steps_per_epoch if self._loader_config is not None else None
-        return spe is not None and plan.step + 1 >= spe
-
-    def _plan_without_loader(self) -> StepPlan:
-        d = self.loop.decision
-        if not isinstance(d, np.ndarray):
-            raise RuntimeError("a size-aware decision (ScheduleRule) needs the Balancer's loader")
-        k = self.accumulate
-        sizes, data = d.copy(), d.astype(np.float64)
-        sizes.flags.writeable = data.flags.writeable = False  # a plan is a value (records share it)
-        return StepPlan(epoch=0, step=self._step * k + self._micro, sizes=sizes, data=data,
-                        checksum=decision_checksum(d), window_pos=self._micro, window_len=k)
+        return same_weights(weights_for(self.weighting, decision, decision))
 
     @contextlib.contextmanager
     def step(self) -> Iterator["Balancer"]:
@@ -859,105 +569,8 @@ class Balancer:
         this step's weights, and on exit verifies the table and decides the next sizes. With
         ``accumulate > 1`` it enters ``ddp.no_sync()`` on all but the last micro-step of a
         window."""
-        if self._in_with:
-            raise RuntimeError("Balancer.step() is already running; steps cannot nest")
-        if self._loader_config is not None:
-            plan = self.board.current
-            if plan is None or plan is self._consumed:
-                raise RuntimeError("Balancer.step() without a new batch from the Balancer's loader: "
-                                   "every step consumes exactly one batch it hands out")
-        else:
-            plan = self._plan_without_loader()
-            self.board.current = plan
-        if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync \
-                and self.accumulate == 1:
-            raise RuntimeError("hetlb: ddp.no_sync() (gradient accumulation) needs "
-                               "Balancer(..., accumulate=K): bal.step() then enters no_sync itself "
-                               "and weights the whole window exactly")
-        if plan.window_pos > 0:
-            self._check_window_kept(plan)
-        elif self._synced_grad is not None:
-            self._check_window_taken(plan)
-        self._begin(plan, explicit=True)
-        self._in_with = True
-        local = not plan.window_end and isinstance(self.model, DistributedDataParallel)
-        try:
-            with self._no_sync() if local else contextlib.nullcontext():
-                yield self
-        except BaseException:
-            self._in_with = False
-            self._discard()
-            raise
-        self._in_with = False
-        self._consumed = plan
-        if self._loader_config is not None:  # (without one, batch_sizes says the next step's)
-            self._ended = plan.sizes
-        if plan.window_end:
-            self._finish()
-            if self.accumulate > 1:  # the next window must start from cleared gradients
-                # (ids and versions, not the gradients: holding them would keep their memory)
-                held = [(p, id(p.grad), p.grad._version) for p in self.model.parameters()
-                        if p.grad is not None]
-                self._synced_grad = (held, plan) if held else None
-        else:
-            t = time.perf_counter()
-            self.telemetry.stamp(end_window=False)
-            self._window_data += float(plan.data[self.rank])
-            # One parameter holding a gradient now: the next micro-step checks it still does.
-            self._window_param = next((p for p in self.model.parameters() if p.grad is not None), None)
-            self.telemetry.close()
-            self._open = None
-            if self._loader_config is None:
-                self._micro += 1
-            self._spent += time.perf_counter() - t
-
-    def _no_sync(self) -> Any:
-        """``no_sync()`` of the balanced model and the attached ones (a window's weight is
-        applied once, by the hooks of its last micro-step)."""
-        if not self._attached:
-            return self.model.no_sync()
-        stack = contextlib.ExitStack()
-        for m in [self.model] + self._attached:
-            stack.enter_context(m.no_sync())
-        return stack
-
-    def _check_window_kept(self, plan: StepPlan) -> None:
-        """A micro-step after the first of its window: the gradient the window's earlier
-        micro-steps accumulated must still be there. ``optimizer.step()`` and ``zero_grad()`` on
-        a micro-step that did not synchronise would update each rank's copy of the model with
-        its own local gradient, and the copies would drift apart with no error."""
-        p, self._window_param = self._window_param, None
-        if p is not None and p.grad is None:
-            raise RuntimeError(
-                f"hetlb: the gradient accumulated by micro-steps 1-{plan.window_pos} of this "
-                f"accumulation window (step {plan.step} of epoch {plan.epoch}) is gone "
-                f"(optimizer.zero_grad() after micro-step {plan.window_pos}?). Those micro-steps "
-                f"ran under ddp.no_sync(), so an optimizer step there updates each rank's copy "
-                f"with its own gradient and the copies drift apart: step the optimizer and zero "
-                f"the gradients only when bal.synced is True")
-
-    def _check_window_taken(self, plan: StepPlan) -> None:
-        """The first micro-step of a window: the previous window's synchronised gradient must
-        have been taken (``optimizer.step()`` then ``zero_grad()``), or it would be added to this
-        window's and applied again. A loop that steps on its own count of micro-steps instead of
-        ``bal.synced`` does this at an epoch's end, whose last windows may be shorter."""
-        held, done = self._synced_grad
-        self._synced_grad = None
-        # Every gradient untouched (none set to None, zeroed or replaced): parameters that an
-        # optimizer does not hold may keep theirs, so one untouched gradient proves nothing. A
-        # zeroing through .data leaves the version as it was: the first gradient, all zero, is
-        # taken as zeroed.
-        if all(p.grad is not None and id(p.grad) == gid and p.grad._version == version
-               for p, gid, version in held) and bool(held[0][0].grad.any()):
-            raise RuntimeError(
-                f"hetlb: the gradient of the accumulation window that ended at step {done.step} of "
-                f"epoch {done.epoch} (it was synchronised there: bal.synced was True) is still in "
-                f"the parameters as step {plan.step} starts a new window, so it would be added to "
-                f"this window's (its samples counted twice in the mean; gradients are not "
-                f"accumulated across windows). Step the optimizer and zero the gradients "
-                f"whenever bal.synced is True after bal.step(), not on a count of micro-steps: an "
-                f"epoch's last windows can be shorter than accumulate={self.accumulate} (its short "
-                f"last step is a window of its own)")
+        with self.driver.step(self) as owner:
+            yield owner
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor] = None,
                  **kwargs: Any) -> None:
@@ -986,103 +599,7 @@ class Balancer:
             gradient: as in ``Tensor.backward``.
             **kwargs: ``retain_graph``, ``create_graph``, ``inputs`` as in ``Tensor.backward``.
         """
-        if self._open is None:
-            raise RuntimeError("hetlb: bal.backward(loss) outside a balanced step; call it for a "
-                               "batch of the Balancer's loader, or inside `with bal.step():`")
-        core = self.telemetry.core
-        w = core.weight
-        low = loss.dtype not in (torch.float32, torch.float64) or \
-            (gradient is not None and gradient.dtype not in (torch.float32, torch.float64))
-        if self._watch is not None:  # no hook yet: DDP's own mean is the weighted one
-            torch.autograd.backward(loss, gradient, **kwargs)
-            return
-        if w == 1.0 or self.accumulate > 1 or low or not core.grads_clear():
-            if w != 1.0 and self.accumulate == 1 and not low and not self._fast_backward_noted:
-                self._fast_backward_noted = True
-                log.warning("bal.backward: parameters already hold gradients, so the hook weighs "
-                            "the gradient (as with loss.backward()); zero them with "
-                            "optimizer.zero_grad() (set_to_none=True, the default) to skip its pass")
-            torch.autograd.backward(loss, gradient, **kwargs)
-            return
-        if gradient is None:
-            if loss.numel() != 1:
-                raise RuntimeError(f"bal.backward: a loss of shape {tuple(loss.shape)} needs "
-                                   f"gradient= (as Tensor.backward: implicit only for scalars)")
-            gradient = torch.full_like(loss, w, memory_format=torch.preserve_format)
-        else:
-            gradient = gradient * w
-        core.prescaled = True
-        try:
-            torch.autograd.backward(loss, gradient, **kwargs)
-        finally:
-            core.prescaled = False
-
-    def _discard(self) -> None:
-        """Drop the open step without finishing it (a peek, or an exception in its body)."""
-        self.telemetry.close()
-        self._open = None
-        self._stop_model_check()
-
-    def _stop_model_check(self) -> None:
-        if self._unattached is not None:
-            self._unattached.remove()
-            self._unattached = None
-
-    def _finish(self) -> None:
-        """End the open step: its table, checks, record, the next decision, the position."""
-        t = time.perf_counter()
-        plan, ship = self._open.plan, self._open.ship
-        tele = self.telemetry
-        if not ship:  # inside a block: the row stays in the core until the block's exchange
-            tele.end_kept()
-            self._open = None
-            self._block.append((self._step, plan))
-            self._advance(plan)
-            self._spent += time.perf_counter() - t
-            self.last_overhead, self._spent = self._spent, 0.0
-            return
-        table = tele.table() if tele.hooked else None
-        if table is None:
-            if tele.hooked and self._comm_hook and self._watch is None:
-                # The communication hook ran to its last bucket but delivered nothing: a bug in
-                # hetlb. An exchange here would be a collective the other ranks (whose tables
-                # arrived) never join, so it would hang until the timeout instead.
-                raise RuntimeError(f"hetlb: step {self._step}: the gradient's communication hook "
-                                   f"ran but delivered no telemetry table (transport "
-                                   f"{self.transport!r}); please report this with the script")
-            if not tele.hooked:
-                tele.stamp()
-            # No hook carried the row (a step without gradients, or one process without DDP):
-            # all-reduce it on its own.
-            table = tele.exchange()
-        tele.close()
-        self._open = None
-        steps = self._block + [(self._step, plan)]  # the block's steps, each with its own table
-        self._block = []
-        self._ship_next = False
-        done = self._split(steps, table)
-        self._advance(plan)
-        self._next_block(self._record([(g, tab) for (g, _), tab in done]))
-        part = self.board.partition
-        if part is not None and part.rebalance and part.pending is None and \
-                plan.epoch == self.board.epoch and self.board.epoch_finished():
-            self._rebalance(part, plan.epoch)
-        self._spent += time.perf_counter() - t
-        self.last_overhead, self._spent = self._spent, 0.0
-
-    def _split(self, steps: List[Tuple[int, StepPlan]], table: np.ndarray) -> list:
-        """``table`` (step-major) cut into one table per step of ``steps``, each checked against
-        its plan and kept for its record: ``[((step, plan), [world, F] table), ...]``."""
-        if table.shape[0] != len(steps) * self.world:
-            raise RuntimeError(f"hetlb: step {steps[-1][0]}: the telemetry table has "
-                               f"{table.shape[0]} rows for a block of {len(steps)} step(s) of "
-                               f"{self.world} ranks; please report this with the script")
-        done = list(zip(steps, table.reshape(len(steps), self.world, table.shape[1])))
-        for (g, p), tab in done:
-            self._verify(tab, p, g)
-        for (g, p), tab in done:
-            self._partials[g] = (p, tab)
-        return done
+        self.driver.backward(loss, gradient, **kwargs)
 
     def flush(self) -> None:
         """Exchange, check and record the steps run since the last exchange now, and decide
@@ -1100,135 +617,7 @@ class Balancer:
         flush lacks it).
 
         Raises :class:`DecisionMismatchError` as an exchange would."""
-        if self._in_with:
-            raise RuntimeError("bal.flush() inside `with bal.step():`; call it between steps")
-        self._settle()  # a step whose backward ran is trained (and may itself exchange)
-        o = self._open
-        if not self._block:
-            return
-        steps, self._block = self._block, []
-        if self.watchdog is not None:  # (a rank flushing alone is named as such)
-            self.watchdog.beat(self._step, FLUSHING)
-        try:
-            table = self.telemetry.exchange(kept=len(steps))
-        finally:
-            if self.watchdog is not None:
-                self.watchdog.beat(self._step)
-        self._ship_next = False
-        if o is not None:  # untrained: reopened below as the first step of the next block
-            self._discard()
-        try:
-            done = self._split(steps, table)
-            self._next_block(self._record([(g, tab) for (g, _), tab in done]))
-        finally:
-            if o is not None:  # (after the decision: the block's length is the new one)
-                self._begin(o.plan, o.explicit)
-
-    def _next_block(self, steady: bool) -> None:
-        """After an exchange: the next block's length (see ``adaptive_exchange``)."""
-        if self.adaptive_exchange:
-            self._block_len = next_block_length(self._block_len, steady, self.exchange_every)
-
-    def _advance(self, plan: StepPlan) -> None:
-        """``plan``'s step is done: the position, the step count and the watchdog move on."""
-        if self._unattached is not None:  # the first step ran with its models checked
-            found = self._unattached.found
-            self._stop_model_check()
-            self._check_models = False
-            everyone = self._all_gather({"found": found}, self._side)  # (once: the first step)
-            seen = [r for r, e in enumerate(everyone) if e["found"] is not None]
-            if seen:
-                raise RuntimeError(unattached_message(everyone[seen[0]]["found"], seen))
-        self.board.complete(plan)
-        if self._loader_config is None:
-            self._micro = 0
-            self.board.current = None
-        self._step += 1
-        if self.watchdog is not None:
-            self.watchdog.beat(self._step)
-
-    def _rebalance(self, part: Partition, epoch: int) -> None:
-        """The epoch ended (sharded mode): decide the moves for the next one, from the size-aware
-        policy's time models when it has them, else from each rank's measured time per unit of
-        data over the epoch. Every rank computes the same from the same values."""
-        d = self.loop.decision
-        if isinstance(d, ScheduleRule) and np.all(d.slope > 0):
-            slope, intercept = d.slope, d.intercept
-        else:
-            rates = epoch_rates(self.history, epoch, self.world)
-            if rates is None:
-                log.warning("epoch %d: no usable timing of every rank; the partition is kept", epoch)
-                return
-            slope, intercept = rates, np.zeros(self.world)
-        moves = part.plan(slope, intercept)
-        log.info("epoch %d: rebalancing moves %d of %d samples", epoch, len(moves), part.home.size)
-
-    def _verify(self, table: np.ndarray, plan: StepPlan, g: int) -> None:
-        ids = table[:, _IDS].tolist()  # tiny rows: plain lists beat NumPy's per-call cost
-        first = ids[0]
-        if any(row != first for row in ids) or first[2] != g % EXACT_INT:
-            steps = table[:, COL["step"]]
-            if (steps != g % EXACT_INT).any():
-                raise DecisionMismatchError(f"step {g}: ranks are at different steps ({_groups(steps)})")
-            epochs = table[:, COL["epoch"]]
-            if (epochs != epochs[0]).any():
-                raise DecisionMismatchError(
-                    f"step {g}: ranks are training different epochs ({_groups(epochs)}): each "
-                    f"would draw its slice of another epoch's order, so samples would be lost and "
-                    f"repeated. Call loader.set_epoch(e) with the same e on every rank (or not at "
-                    f"all: epochs then follow one another by themselves)")
-            for col, what in (("checksum", "batch-size decision"), ("plan", "step plan (sizes used)")):
-                c = table[:, COL[col]]
-                if (c != c[0]).any():
-                    sharded = (col == "plan" and getattr(getattr(self, "board", None),
-                                                         "partition", None) is not None)
-                    raise DecisionMismatchError(
-                        f"step {g}: ranks disagree on the {what}; checksums by rank: {_groups(c)}. "
-                        f"The policy must be a deterministic function of the shared telemetry and "
-                        f"all ranks must draw their batches at the same point of the loop"
-                        + ("; with a sharded loader every rank must also pass the same "
-                           "partition= (the same home of every sample)" if sharded else ""))
-        if table[:, COL["batch"]].tolist() != plan.sizes.tolist():  # exact: sizes < 2^24 ride in floats
-            batch = table[:, COL["batch"]]
-            bad = np.flatnonzero(~(batch == plan.sizes)).tolist()
-            raise DecisionMismatchError(f"step {g}: ranks {bad} ran batch sizes "
-                                        f"[{', '.join(_num(v) for v in batch[bad].tolist())}], "
-                                        f"the plan says {plan.sizes[bad].tolist()}")
-
-    def _record(self, steps: List[Tuple[int, np.ndarray]]) -> bool:
-        """The records the tables of ``steps`` (in order; one step, or an exchanged block's)
-        complete, then one decision. Returns whether the newest step was recorded and the
-        decision kept the sizes."""
-        records: List[StepRecord] = []
-        for g, table in steps:
-            done = g - self.telemetry.lag
-            if done < 0 or done not in self._partials:
-                continue
-            plan, old = self._partials.pop(done)
-            # One copy holds the record's float columns (the table's first columns, in record
-            # order); the batch is the plan's, which _verify matched to the table exactly.
-            cols = old[:, :_RECORD_COLS].T.copy()
-            cols[COL["compute"]] = table[:, COL["compute"]]
-            if plan.window_len != 1:
-                cols[COL["compute"]] /= plan.window_len
-            records.append(StepRecord(step=done, epoch=plan.epoch, epoch_end=self._epoch_last(plan),
-                                      batch=plan.sizes, compute=cols[COL["compute"]],
-                                      data=cols[COL["data"]], memory=cols[COL["memory"]],
-                                      cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]],
-                                      sq=plan.sq))
-        decision = self.loop.advance(records)
-        if decision is None:  # the newest step's telemetry (or the history) was refused
-            return False
-        before = self.board.checksum
-        self.board.post(decision)
-        steady = self.board.checksum == before
-        if self.runlog is not None:
-            policy = self.loop.policy
-            actions = getattr(policy, "actions", None)
-            for record in self.loop.accepted:
-                self.runlog.write(record, getattr(policy, "name", type(policy).__name__),
-                                  actions[-1] if actions else None, decision)
-        return steady
+        self.driver.flush()
 
     def close(self) -> None:
         """Flush and close the run log (see ``log_dir``) and stop the watchdog's heartbeat;
@@ -1236,77 +625,11 @@ class Balancer:
         telemetry exchange (``exchange_every > 1``) are recorded first (:meth:`flush`, which
         needs no other rank then); with more, call :meth:`flush` on every rank before it to have
         them in the log (a warning names how many are left out otherwise)."""
-        if self._block and not self._in_with:
-            if self.world == 1:
-                self.flush()
-            elif self.runlog is not None:
-                log.warning("bal.close(): the %d step(s) since the last telemetry exchange "
-                            "(exchange_every=%d) are not in the run log; call bal.flush() on "
-                            "every rank before close() to record them", len(self._block),
-                            self.exchange_every)
+        self.driver.close()
         if self.watchdog is not None:
             self.watchdog.close()
-        if self.runlog is not None:
-            self.runlog.close()
-            self.runlog = None
 
     # ------------------------------------------------------------------ called by the loader
-
-    def _iteration_starts(self) -> None:
-        """A new iteration over the loader: a step that trained is finished; a batch handed out
-        and never trained (a peek) is forgotten, and will be handed out again."""
-        o = self._open
-        if o is not None and not self._in_with:
-            if self.telemetry.hooked:
-                self._finish()
-            else:
-                self._discard()
-        c = self._consumed
-        if c is not None and not c.window_end and self._loader_config is not None:
-            # The previous loop was left inside an accumulation window. The new one starts at the
-            # window's first micro-step (the position counts whole windows, as a checkpoint
-            # must), which is right only if the micro-steps' gradients are gone.
-            # Asked of every rank (all reach this point together, windows being aligned): an
-            # idle rank's gradients may be zero while the others' are not.
-            everyone = self._all_gather({"dropped": self._gradients_dropped()}, self._side)
-            if not all(e["dropped"] for e in everyone):
-                raise RuntimeError(
-                    f"hetlb: the previous loop over the loader was left inside an accumulation "
-                    f"window (after micro-step {c.window_pos + 1} of {c.window_len}, step "
-                    f"{c.step} of epoch {c.epoch}) and the parameters still hold that window's "
-                    f"gradients; a new loop trains the window from its first micro-step, so "
-                    f"those samples would count twice. Leave a loop only when bal.synced is "
-                    f"True, or drop the window's gradients (optimizer.zero_grad()) on every rank "
-                    f"before the new loop")
-        self._consumed = None
-        self._ended = None
-
-    def _gradients_dropped(self) -> bool:
-        """Whether no parameter of the model holds a nonzero gradient."""
-        return all(p.grad is None or not bool(p.grad.any()) for p in self.model.parameters())
-
-    def _before_next(self) -> None:
-        """The loop asks for the next batch: the previous one's step ends here."""
-        self._ended = None
-        o = self._open
-        if o is not None and not self._in_with:
-            self._finish()  # trained (its hook ran), or stepped without gradients: exchanged
-        elif self.accumulate > 1 and self.board.current is not None \
-                and self.board.current is not self._consumed:
-            raise RuntimeError(f"hetlb: with accumulate={self.accumulate} every batch of the loader "
-                               f"goes through `with bal.step():`; step {self.board.current.step} "
-                               f"of epoch {self.board.current.epoch} did not")
-
-    def _loop_left(self) -> None:
-        """The loop over the loader was left with a step open (a ``break``): to the watchdog
-        this worker is between steps until its next step opens (see :class:`hetlb.Watchdog`)."""
-        if self.watchdog is not None and self._open is not None and not self._in_with:
-            self.watchdog.beat(self._step)
-
-    def _handed(self, plan: StepPlan) -> None:
-        """The loop received ``plan``'s batch: without accumulation its step opens now."""
-        if self.accumulate == 1:
-            self._begin(plan, explicit=False)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -1318,11 +641,10 @@ class Balancer:
         (so a checkpoint at the top of the loop body loses nothing). Takes no collective, so
         one rank may save alone.
         """
-        if self._in_with:
+        if self.driver.in_with:
             raise RuntimeError("state_dict() inside `with bal.step():`; call it between steps")
-        self._settle()  # a step whose backward ran is trained
         return {"format": _FORMAT, "world": self.world, "global_batch": self.global_batch,
-                "accumulate": self.accumulate, "steps": self._step,
+                "accumulate": self.accumulate, "steps": self.driver.steps,
                 "position": self.board.position(), "loader": self._loader_config,
                 **self.loop.state_dict()}
 
@@ -1390,17 +712,7 @@ class Balancer:
                 self.loop.restore(backup)
             raise
         self._pending_check = pending_check
-        if self._open is not None:
-            self._discard()
-        self._consumed = None
-        self._ended = None
-        self._synced_grad = None
-        self._partials.clear()
-        self._block = []
-        self._ship_next = True
-        self._block_len = 1 if self.adaptive_exchange else self.exchange_every
-        self._micro = 0
-        self._step = steps
+        self.driver.reset(steps)
         if world != self.world or fresh:
             if rescaled:
                 log.warning("checkpoint of global_batch=%d x accumulate=%d resumed with "

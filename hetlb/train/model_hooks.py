@@ -4,6 +4,8 @@ model without DDP (:class:`BackwardEnd`), the first step's search for DDP models
 (:class:`UnattachedCheck`), and the refusals of models the Balancer cannot train."""
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -15,6 +17,8 @@ from hetlb.comm.hook import StepTelemetry, first_tensor, tensors_in
 from hetlb.data.board import PlanBoard, StepPlan
 from hetlb.train.errors import BatchSizeError
 
+
+log = logging.getLogger("hetlb.balancer")
 
 BatchDim = Union[None, int, Callable[[tuple, dict], Optional[int]]]
 
@@ -284,3 +288,130 @@ def unattached_message(name: str, ranks: List[int]) -> str:
             f"samples (found in the first step, refused at its end). Attach it to the Balancer on "
             f"every rank before training, bal.attach(model): its gradient is then weighted as the "
             f"balanced model's")
+
+
+class ModelHooks:
+    """The hooks on the balanced model and its attached models, and their lifetimes.
+
+    A DDP model gets the weighted communication hook at once, or, where every rank can do without
+    it and the first decision splits evenly (``deferred``), a :class:`BackwardWatch` until the
+    first step whose weights differ (DDP's own mean is the weighted one until then); a model
+    without DDP (one process) gets a :class:`BackwardEnd`. Every balanced model gets the
+    :class:`StepGate`. Registration is all or nothing: a refusal removes what was added.
+    """
+
+    def __init__(self, model: torch.nn.Module, telemetry: StepTelemetry, board: PlanBoard, *,
+                 is_ddp: bool, native: bool, deferred: bool, batch_dim: BatchDim) -> None:
+        self.model, self.telemetry = model, telemetry
+        self.native = native
+        #: Whether the model is DDP: its hook delivers every step's table with the gradient once
+        #: registered (a deferred one from the first step whose weights differ).
+        self.comm_hook = is_ddp
+        #: Other DDP models trained on the same batches (``Balancer.attach``), weighted alike.
+        self.attached: List[DistributedDataParallel] = []
+        self._watch: Any = None  # the deferred hook's BackwardWatch handle (None: hooked)
+        self._check_models = is_ddp  # the first step looks for models trained unattached
+        self._unattached: Optional[UnattachedCheck] = None  # its hooks while that step is open
+        ends = None
+        try:
+            if is_ddp and deferred:
+                self._watch = telemetry.defer(model)
+            elif is_ddp:
+                telemetry.register(model, native=native)
+            else:
+                params = [p for p in model.parameters() if p.requires_grad]
+                if params:  # one process: the end of backward ends the step's compute
+                    ends = torch.autograd.graph.register_multi_grad_hook(
+                        params, BackwardEnd(telemetry), mode="all")
+            self._gate = model.register_forward_pre_hook(StepGate(board, telemetry, batch_dim, ends),
+                                                         with_kwargs=True)
+        except BaseException:
+            for handle in (self._watch, ends):
+                if handle is not None:
+                    handle.remove()
+            raise
+        self._ends = ends
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the communication hook still waits for the first step whose weights differ."""
+        return self._watch is not None
+
+    def remove(self) -> None:
+        """Take the forward hooks off (a Balancer refused after making them; a registered
+        communication hook cannot go)."""
+        for handle in (self._gate, self._watch, self._ends):
+            if handle is not None:
+                handle.remove()
+
+    def take_over(self) -> None:
+        """One process: this Balancer's gate replaces any earlier Balancer's on the module."""
+        take_over(self.model, keep=self._gate.id)
+
+    def before_step(self, plan: StepPlan, equal: bool) -> None:
+        """A step is about to run with these weights: register the deferred hook before the first
+        whose weights differ, and start the first step's check for unattached models."""
+        if self._watch is not None:
+            if getattr(self.model, "_comm_hooks", None):
+                raise RuntimeError(
+                    "hetlb: a communication hook was registered on the DDP model besides the "
+                    "Balancer's; the Balancer's own hook weighs each rank's gradient by its batch "
+                    "(it is registered once the batches differ), and DDP takes one hook only. "
+                    "Register no hook of your own on a balanced model")
+            if not equal:
+                self.register_now(f"step {plan.step} of epoch {plan.epoch}: the ranks' weights "
+                                  f"differ (sizes {plan.sizes.tolist()})")
+        if self._check_models and self._unattached is None:
+            self._unattached = UnattachedCheck.watch(self.model, [self.model] + self.attached)
+
+    def register_now(self, why: str) -> None:
+        """Register the deferred communication hook now, for good (DDP cannot remove one), and
+        the attached models' hooks: the first step whose weights differ is about to run (on
+        every rank alike: plans are replicated), so DDP's mean would be wrong from here on."""
+        self.telemetry.register(self.model, native=True)  # (first: if DDP refuses, nothing changed)
+        for m in self.attached:
+            self.telemetry.register(m, native=True, attached=True)
+        self._watch.remove()
+        self._watch = None
+        log.info("%s, so the weighted communication hook is registered from now on", why)
+
+    def attach(self, model: DistributedDataParallel, blocker: Optional[str]) -> None:
+        """Weigh ``model`` as the balanced one (checked by ``Balancer.attach``); ``blocker``: why it
+        cannot wait for a deferred hook (None: it can)."""
+        if self._watch is None:  # the balanced model's hook is registered: this one's now too
+            self.telemetry.register(model, native=self.native, attached=True)
+            self.attached.append(model)
+        else:
+            self.attached.append(model)
+            if blocker is not None:  # it needs its hook now, and so the balanced model its own
+                self.register_now(f"the attached model needs its hook at once ({blocker})")
+        # bal.backward weighs the loss only where no parameter holds a gradient, of either model
+        self.telemetry.core.watch([p for m in [self.model] + self.attached for p in m.parameters()])
+
+    def no_sync(self) -> Any:
+        """``no_sync()`` of the balanced model and the attached ones (a window's weight is
+        applied once, by the hooks of its last micro-step)."""
+        if not self.attached:
+            return self.model.no_sync()
+        stack = contextlib.ExitStack()
+        for m in [self.model] + self.attached:
+            stack.enter_context(m.no_sync())
+        return stack
+
+    @property
+    def checking(self) -> bool:
+        """Whether the open step is the first, with the search for unattached models running."""
+        return self._unattached is not None
+
+    def end_check(self) -> Optional[str]:
+        """Stop the first step's search; the class of an unattached model it found, or None."""
+        found = self._unattached.found if self._unattached is not None else None
+        self.stop_check()
+        self._check_models = False
+        return found
+
+    def stop_check(self) -> None:
+        """Take the search's hooks off (its step was discarded; the next step searches again)."""
+        if self._unattached is not None:
+            self._unattached.remove()
+            self._unattached = None

@@ -1,0 +1,612 @@
+"""The step driver: the step in progress, the telemetry block and the accumulation window.
+
+A step opens when the loader hands its batch to the loop (or at ``with bal.step():``), its
+compute is timed from the model's first forward to the end of its backward (the hook's last
+bucket), and it ends when the loop asks for the next batch (or the ``with`` block closes): the
+table of the step, or of the block it closes, is checked against the plans, recorded in the
+decision loop, and the next decision is posted to the board. The driver is the loader's owner of
+steps (:class:`hetlb.data.protocol.StepOwner`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from hetlb.comm.hook import StepTelemetry
+from hetlb.comm.weights import weights_for
+from hetlb.core.decisions import ScheduleRule, decision_checksum
+from hetlb.core.exchange import next_block_length
+from hetlb.core.telemetry import COL, StepRecord
+from hetlb.data.board import PlanBoard, StepPlan
+from hetlb.data.shards import Partition, epoch_rates
+from hetlb.policies.loop import DecisionLoop
+from hetlb.ranks.agreement import Peers
+from hetlb.ranks.watchdog import FLUSHING
+from hetlb.train.model_hooks import ModelHooks, unattached_message
+from hetlb.train.runlog import RunLog
+from hetlb.train.verify import RECORD_COLS, verify_table
+
+
+log = logging.getLogger("hetlb.balancer")
+
+
+def same_weights(weights: np.ndarray) -> bool:
+    """Whether every rank's weight is the same (each ``1 / world``: DDP's own mean)."""
+    return bool((weights == weights[0]).all())
+
+
+@dataclass(slots=True)  # (one a step)
+class _Open:
+    """The step (or accumulation micro-step) in progress."""
+
+    plan: StepPlan
+    explicit: bool
+    ship: bool = True  # this step sends the telemetry table (the last of its block)
+
+
+class Window:
+    """An accumulation window's state between its micro-steps: the data amount trained so far,
+    and what proves that the gradient was kept within a window and taken between windows."""
+
+    def __init__(self, model: torch.nn.Module, accumulate: int) -> None:
+        self.model, self.accumulate = model, accumulate
+        self.data = 0.0  # the window's data amount before its open micro-step
+        self._param: Optional[torch.Tensor] = None  # see _kept
+        self._synced: Optional[tuple] = None  # see _taken
+
+    def check(self, plan: StepPlan) -> None:
+        """Before a micro-step of ``plan``: the window's gradient kept, the last one's taken."""
+        if plan.window_pos > 0:
+            self._kept(plan)
+        elif self._synced is not None:
+            self._taken(plan)
+
+    def micro_step(self, data: float) -> None:
+        """A micro-step other than the window's last ended with ``data`` trained."""
+        self.data += data
+        # One parameter holding a gradient now: the next micro-step checks it still does.
+        self._param = next((p for p in self.model.parameters() if p.grad is not None), None)
+
+    def synced(self, plan: StepPlan) -> None:
+        """``plan`` ended its window: the next window must start from cleared gradients."""
+        if self.accumulate > 1:
+            # (ids and versions, not the gradients: holding them would keep their memory)
+            held = [(p, id(p.grad), p.grad._version) for p in self.model.parameters()
+                    if p.grad is not None]
+            self._synced = (held, plan) if held else None
+
+    def _kept(self, plan: StepPlan) -> None:
+        """A micro-step after the first of its window: the gradient the window's earlier
+        micro-steps accumulated must still be there. ``optimizer.step()`` and ``zero_grad()`` on
+        a micro-step that did not synchronise would update each rank's copy of the model with
+        its own local gradient, and the copies would drift apart with no error."""
+        p, self._param = self._param, None
+        if p is not None and p.grad is None:
+            raise RuntimeError(
+                f"hetlb: the gradient accumulated by micro-steps 1-{plan.window_pos} of this "
+                f"accumulation window (step {plan.step} of epoch {plan.epoch}) is gone "
+                f"(optimizer.zero_grad() after micro-step {plan.window_pos}?). Those micro-steps "
+                f"ran under ddp.no_sync(), so an optimizer step there updates each rank's copy "
+                f"with its own gradient and the copies drift apart: step the optimizer and zero "
+                f"the gradients only when bal.synced is True")
+
+    def _taken(self, plan: StepPlan) -> None:
+        """The first micro-step of a window: the previous window's synchronised gradient must
+        have been taken (``optimizer.step()`` then ``zero_grad()``), or it would be added to this
+        window's and applied again. A loop that steps on its own count of micro-steps instead of
+        ``bal.synced`` does this at an epoch's end, whose last windows may be shorter."""
+        held, done = self._synced
+        self._synced = None
+        # Every gradient untouched (none set to None, zeroed or replaced): parameters that an
+        # optimizer does not hold may keep theirs, so one untouched gradient proves nothing. A
+        # zeroing through .data leaves the version as it was: the first gradient, all zero, is
+        # taken as zeroed.
+        if all(p.grad is not None and id(p.grad) == gid and p.grad._version == version
+               for p, gid, version in held) and bool(held[0][0].grad.any()):
+            raise RuntimeError(
+                f"hetlb: the gradient of the accumulation window that ended at step {done.step} of "
+                f"epoch {done.epoch} (it was synchronised there: bal.synced was True) is still in "
+                f"the parameters as step {plan.step} starts a new window, so it would be added to "
+                f"this window's (its samples counted twice in the mean; gradients are not "
+                f"accumulated across windows). Step the optimizer and zero the gradients "
+                f"whenever bal.synced is True after bal.step(), not on a count of micro-steps: an "
+                f"epoch's last windows can be shorter than accumulate={self.accumulate} (its short "
+                f"last step is a window of its own)")
+
+
+class StepDriver:
+    """Runs the steps of one Balancer (see the module docstring).
+
+    Args:
+        model: the balanced model.
+        telemetry, board, loop, hooks: the Balancer's parts the steps use.
+        rank, world: this rank and the number of ranks.
+        weighting, accumulate, exchange_every, adaptive_exchange, transport: the settings.
+        watchdog: the Balancer's watchdog, or None.
+        runlog: the run log (rank 0 with ``log_dir``), or None.
+        peers: gathers small values from every rank (the first step's check for unattached models).
+    """
+
+    def __init__(self, model: torch.nn.Module, telemetry: StepTelemetry, board: PlanBoard,
+                 loop: DecisionLoop, hooks: ModelHooks, *, rank: int, world: int, weighting: str,
+                 accumulate: int, exchange_every: int, adaptive_exchange: bool, transport: str,
+                 watchdog: Any, runlog: Optional[RunLog], peers: Peers) -> None:
+        self.model, self.telemetry, self.board, self.loop, self.hooks = model, telemetry, board, loop, hooks
+        self.rank, self.world, self.weighting = rank, world, weighting
+        self.accumulate, self.exchange_every = accumulate, exchange_every
+        self.adaptive_exchange, self.transport = adaptive_exchange, transport
+        self.watchdog, self.runlog, self.peers = watchdog, runlog, peers
+        #: Whether a loader is bound (it hands out the steps' batches).
+        self.bound = False
+        #: Seconds the driver itself spent in the latest step (row, table check, record,
+        #: decision), excluding the user's forward and backward.
+        self.last_overhead = 0.0
+        self._spent = 0.0
+        self._fast_backward_noted = False
+        # (sizes, data, window_len, (weight, batch, data, equal)) of _weight's latest plan
+        self._weight_of: tuple = (None, None, 0, (0.0, 0.0, 0.0, True))
+        self._open: Optional[_Open] = None
+        self.reset(0)
+
+    def reset(self, steps: int) -> None:
+        """Start over at ``steps`` completed steps (construction, a loaded checkpoint): no step
+        open, no block, no window."""
+        if self._open is not None:
+            self._discard()
+        self._step = steps  # completed steps (accumulation windows)
+        self._in_with = False
+        self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
+        self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
+        self._micro = 0  # micro-steps without a loader (window position)
+        self.window = Window(self.model, self.accumulate)
+        self._partials: Dict[int, tuple] = {}
+        # The block's steps run since the last exchange (exchange_every > 1): (step, plan).
+        self._block: List[Tuple[int, StepPlan]] = []
+        # The first step after the Balancer is made or a checkpoint is loaded is an exchange of its
+        # own (with exchange_every > 1): ranks that start from different positions meet in one
+        # table of one shape there and get DecisionMismatchError, not a collective of different
+        # shapes.
+        self._ship_next = True
+        # Steps of the current block: exchange_every, or with adaptive_exchange from 1 up to it.
+        self._block_len = 1 if self.adaptive_exchange else self.exchange_every
+
+    @property
+    def in_step(self) -> bool:
+        """Whether ``with bal.step():`` is running or a step is open."""
+        return self._in_with or self._open is not None
+
+    @property
+    def in_with(self) -> bool:
+        """Whether ``with bal.step():`` is running."""
+        return self._in_with
+
+    @property
+    def last_plan(self) -> Optional[StepPlan]:
+        """The plan the latest ``with bal.step():`` trained (None after the loop asks for the
+        next batch)."""
+        return self._consumed
+
+    @property
+    def unexchanged(self) -> int:
+        """Steps run since the last telemetry exchange (``exchange_every > 1``)."""
+        return len(self._block)
+
+    def batch_sizes(self) -> np.ndarray:
+        """:attr:`hetlb.Balancer.batch_sizes`."""
+        if self._open is not None:
+            return self._open.plan.sizes.copy()
+        if self.board.current is not None:
+            return self.board.current.sizes.copy()
+        if self._ended is not None:  # a step (window) ended in `with bal.step():`, no next batch yet
+            return self._ended.copy()
+        d = self.loop.decision
+        if isinstance(d, np.ndarray):
+            return d.copy()
+        last = self.board.last_sizes
+        return last.copy() if last is not None else np.zeros(self.world, np.int64)
+
+    @property
+    def steps(self) -> int:
+        """Completed steps (accumulation windows); a handed step whose backward ran counts."""
+        self.settle()
+        return self._step
+
+    @property
+    def synced(self) -> bool:
+        """Whether the latest ``bal.step()`` ended an accumulation window (its gradient is
+        complete: step the optimizer). Always True without accumulation."""
+        return self._consumed is None or self._consumed.window_end
+
+    def _plan_without_loader(self) -> StepPlan:
+        d = self.loop.decision
+        if not isinstance(d, np.ndarray):
+            raise RuntimeError("a size-aware decision (ScheduleRule) needs the Balancer's loader")
+        k = self.accumulate
+        sizes, data = d.copy(), d.astype(np.float64)
+        sizes.flags.writeable = data.flags.writeable = False  # a plan is a value (records share it)
+        return StepPlan(epoch=0, step=self._step * k + self._micro, sizes=sizes, data=data,
+                        checksum=decision_checksum(d), window_pos=self._micro, window_len=k)
+
+    def _weight(self, plan: StepPlan) -> Tuple[float, float, float, bool]:
+        """This rank's aggregation weight, batch and data amount in ``plan``, and whether every
+        rank's weight is the same (``1 / world``: DDP's own mean); the weight of a window shorter
+        than ``accumulate`` (the end of an epoch) scaled by ``accumulate / length``, since each
+        micro-step's loss is divided by ``accumulate``."""
+        key = self._weight_of
+        # Plans are values and whole steps share the posted decision's arrays: the same arrays
+        # give the same values (the common case costs no NumPy call).
+        if key[0] is plan.sizes and key[1] is plan.data and key[2] == plan.window_len:
+            return key[3]
+        weights = weights_for(self.weighting, plan.sizes, plan.data)
+        w = float(weights[self.rank])
+        equal = same_weights(weights)
+        if self.accumulate > 1 and plan.window_len < self.accumulate:
+            w *= self.accumulate / plan.window_len
+            equal = False
+        got = (w, float(plan.sizes[self.rank]), float(plan.data[self.rank]), equal)
+        self._weight_of = (plan.sizes, plan.data, plan.window_len, got)
+        return got
+
+    def _begin(self, plan: StepPlan, explicit: bool) -> None:
+        t = time.perf_counter()
+        w, batch, data, equal = self._weight(plan)
+        self.hooks.before_step(plan, equal)
+        first = plan.window_pos == 0
+        if first:
+            self.window.data = 0.0
+        if plan.window_end and plan.window_len > 1:
+            data = (self.window.data + data) / plan.window_len
+        offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
+        pos = len(self._block)
+        # An epoch's first step ships too: ranks that set different epochs (and so draw from
+        # different orders) meet in a table at once, not up to a block later.
+        ship = pos + 1 >= self._block_len or self._ship_next or self._epoch_last(plan) or \
+            (plan.step == 0 and self.bound)
+        tele = self.telemetry
+        predicted = self.loop.predict(self.rank, tele.probe.memory()) if self.loop.predictors \
+            else math.nan
+        tele.start(self._step, w, batch, data, predicted, self.board.checksum, plan.checksum,
+                   plan.epoch, offset=offset, new_window=first,
+                   sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship)
+        self._open = _Open(plan, explicit, ship)
+        if self.watchdog is not None:
+            self.watchdog.beat(self._step, self.telemetry)
+        self._spent += time.perf_counter() - t
+
+    def _epoch_last(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` is the last step of its epoch (known with a loader only)."""
+        spe = self.board.steps_per_epoch if self.bound else None
+        return spe is not None and plan.step + 1 >= spe
+
+    @contextlib.contextmanager
+    def step(self, owner: Any) -> Iterator[Any]:
+        """:meth:`hetlb.Balancer.step` (``owner`` is what the ``with`` yields)."""
+        if self._in_with:
+            raise RuntimeError("Balancer.step() is already running; steps cannot nest")
+        if self.bound:
+            plan = self.board.current
+            if plan is None or plan is self._consumed:
+                raise RuntimeError("Balancer.step() without a new batch from the Balancer's loader: "
+                                   "every step consumes exactly one batch it hands out")
+        else:
+            plan = self._plan_without_loader()
+            self.board.current = plan
+        if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync \
+                and self.accumulate == 1:
+            raise RuntimeError("hetlb: ddp.no_sync() (gradient accumulation) needs "
+                               "Balancer(..., accumulate=K): bal.step() then enters no_sync itself "
+                               "and weights the whole window exactly")
+        self.window.check(plan)
+        self._begin(plan, explicit=True)
+        self._in_with = True
+        local = not plan.window_end and isinstance(self.model, DistributedDataParallel)
+        try:
+            with self.hooks.no_sync() if local else contextlib.nullcontext():
+                yield owner
+        except BaseException:
+            self._in_with = False
+            self._discard()
+            raise
+        self._in_with = False
+        self._consumed = plan
+        if self.bound:  # (without one, batch_sizes says the next step's)
+            self._ended = plan.sizes
+        if plan.window_end:
+            self._finish()
+            self.window.synced(plan)
+        else:
+            t = time.perf_counter()
+            self.telemetry.stamp(end_window=False)
+            self.window.micro_step(float(plan.data[self.rank]))
+            self.telemetry.close()
+            self._open = None
+            if not self.bound:
+                self._micro += 1
+            self._spent += time.perf_counter() - t
+
+    def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor] = None,
+                 **kwargs: Any) -> None:
+        """:meth:`hetlb.Balancer.backward`."""
+        if self._open is None:
+            raise RuntimeError("hetlb: bal.backward(loss) outside a balanced step; call it for a "
+                               "batch of the Balancer's loader, or inside `with bal.step():`")
+        core = self.telemetry.core
+        w = core.weight
+        low = loss.dtype not in (torch.float32, torch.float64) or \
+            (gradient is not None and gradient.dtype not in (torch.float32, torch.float64))
+        if self.hooks.deferred:  # no hook yet: DDP's own mean is the weighted one
+            torch.autograd.backward(loss, gradient, **kwargs)
+            return
+        if w == 1.0 or self.accumulate > 1 or low or not core.grads_clear():
+            if w != 1.0 and self.accumulate == 1 and not low and not self._fast_backward_noted:
+                self._fast_backward_noted = True
+                log.warning("bal.backward: parameters already hold gradients, so the hook weighs "
+                            "the gradient (as with loss.backward()); zero them with "
+                            "optimizer.zero_grad() (set_to_none=True, the default) to skip its pass")
+            torch.autograd.backward(loss, gradient, **kwargs)
+            return
+        if gradient is None:
+            if loss.numel() != 1:
+                raise RuntimeError(f"bal.backward: a loss of shape {tuple(loss.shape)} needs "
+                                   f"gradient= (as Tensor.backward: implicit only for scalars)")
+            gradient = torch.full_like(loss, w, memory_format=torch.preserve_format)
+        else:
+            gradient = gradient * w
+        core.prescaled = True
+        try:
+            torch.autograd.backward(loss, gradient, **kwargs)
+        finally:
+            core.prescaled = False
+
+    def _discard(self) -> None:
+        """Drop the open step without finishing it (a peek, or an exception in its body)."""
+        self.telemetry.close()
+        self._open = None
+        self.hooks.stop_check()
+
+    def _finish(self) -> None:
+        """End the open step: its table, checks, record, the next decision, the position."""
+        t = time.perf_counter()
+        plan, ship = self._open.plan, self._open.ship
+        tele = self.telemetry
+        if not ship:  # inside a block: the row stays in the core until the block's exchange
+            tele.end_kept()
+            self._open = None
+            self._block.append((self._step, plan))
+            self._advance(plan)
+            self._spent += time.perf_counter() - t
+            self.last_overhead, self._spent = self._spent, 0.0
+            return
+        table = tele.table() if tele.hooked else None
+        if table is None:
+            if tele.hooked and self.hooks.comm_hook and not self.hooks.deferred:
+                # The communication hook ran to its last bucket but delivered nothing: a bug in
+                # hetlb. An exchange here would be a collective the other ranks (whose tables
+                # arrived) never join, so it would hang until the timeout instead.
+                raise RuntimeError(f"hetlb: step {self._step}: the gradient's communication hook "
+                                   f"ran but delivered no telemetry table (transport "
+                                   f"{self.transport!r}); please report this with the script")
+            if not tele.hooked:
+                tele.stamp()
+            # No hook carried the row (a step without gradients, or one process without DDP):
+            # all-reduce it on its own.
+            table = tele.exchange()
+        tele.close()
+        self._open = None
+        steps = self._block + [(self._step, plan)]  # the block's steps, each with its own table
+        self._block = []
+        self._ship_next = False
+        done = self._split(steps, table)
+        self._advance(plan)
+        self._next_block(self._record([(g, tab) for (g, _), tab in done]))
+        part = self.board.partition
+        if part is not None and part.rebalance and part.pending is None and \
+                plan.epoch == self.board.epoch and self.board.epoch_finished():
+            self._rebalance(part, plan.epoch)
+        self._spent += time.perf_counter() - t
+        self.last_overhead, self._spent = self._spent, 0.0
+
+    def _split(self, steps: List[Tuple[int, StepPlan]], table: np.ndarray) -> list:
+        """``table`` (step-major) cut into one table per step of ``steps``, each checked against
+        its plan and kept for its record: ``[((step, plan), [world, F] table), ...]``."""
+        if table.shape[0] != len(steps) * self.world:
+            raise RuntimeError(f"hetlb: step {steps[-1][0]}: the telemetry table has "
+                               f"{table.shape[0]} rows for a block of {len(steps)} step(s) of "
+                               f"{self.world} ranks; please report this with the script")
+        done = list(zip(steps, table.reshape(len(steps), self.world, table.shape[1])))
+        for (g, p), tab in done:
+            verify_table(tab, p, g, sharded=self.board.partition is not None)
+        for (g, p), tab in done:
+            self._partials[g] = (p, tab)
+        return done
+
+    def flush(self) -> None:
+        """:meth:`hetlb.Balancer.flush`."""
+        if self._in_with:
+            raise RuntimeError("bal.flush() inside `with bal.step():`; call it between steps")
+        self.settle()  # a step whose backward ran is trained (and may itself exchange)
+        o = self._open
+        if not self._block:
+            return
+        steps, self._block = self._block, []
+        if self.watchdog is not None:  # (a rank flushing alone is named as such)
+            self.watchdog.beat(self._step, FLUSHING)
+        try:
+            table = self.telemetry.exchange(kept=len(steps))
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.beat(self._step)
+        self._ship_next = False
+        if o is not None:  # untrained: reopened below as the first step of the next block
+            self._discard()
+        try:
+            done = self._split(steps, table)
+            self._next_block(self._record([(g, tab) for (g, _), tab in done]))
+        finally:
+            if o is not None:  # (after the decision: the block's length is the new one)
+                self._begin(o.plan, o.explicit)
+
+    def _next_block(self, steady: bool) -> None:
+        """After an exchange: the next block's length (see ``adaptive_exchange``)."""
+        if self.adaptive_exchange:
+            self._block_len = next_block_length(self._block_len, steady, self.exchange_every)
+
+    def _advance(self, plan: StepPlan) -> None:
+        """``plan``'s step is done: the position, the step count and the watchdog move on."""
+        if self.hooks.checking:  # the first step ran with its models checked
+            found = self.hooks.end_check()
+            everyone = self.peers.gather({"found": found})  # (once: the first step)
+            seen = [r for r, e in enumerate(everyone) if e["found"] is not None]
+            if seen:
+                raise RuntimeError(unattached_message(everyone[seen[0]]["found"], seen))
+        self.board.complete(plan)
+        if not self.bound:
+            self._micro = 0
+            self.board.current = None
+        self._step += 1
+        if self.watchdog is not None:
+            self.watchdog.beat(self._step)
+
+    def _rebalance(self, part: Partition, epoch: int) -> None:
+        """The epoch ended (sharded mode): decide the moves for the next one, from the size-aware
+        policy's time models when it has them, else from each rank's measured time per unit of
+        data over the epoch. Every rank computes the same from the same values."""
+        d = self.loop.decision
+        if isinstance(d, ScheduleRule) and np.all(d.slope > 0):
+            slope, intercept = d.slope, d.intercept
+        else:
+            rates = epoch_rates(self.loop.history, epoch, self.world)
+            if rates is None:
+                log.warning("epoch %d: no usable timing of every rank; the partition is kept", epoch)
+                return
+            slope, intercept = rates, np.zeros(self.world)
+        moves = part.plan(slope, intercept)
+        log.info("epoch %d: rebalancing moves %d of %d samples", epoch, len(moves), part.home.size)
+
+    def _record(self, steps: List[Tuple[int, np.ndarray]]) -> bool:
+        """The records the tables of ``steps`` (in order; one step, or an exchanged block's)
+        complete, then one decision. Returns whether the newest step was recorded and the
+        decision kept the sizes."""
+        records: List[StepRecord] = []
+        for g, table in steps:
+            done = g - self.telemetry.lag
+            if done < 0 or done not in self._partials:
+                continue
+            plan, old = self._partials.pop(done)
+            # One copy holds the record's float columns (the table's first columns, in record
+            # order); the batch is the plan's, which _verify matched to the table exactly.
+            cols = old[:, :RECORD_COLS].T.copy()
+            cols[COL["compute"]] = table[:, COL["compute"]]
+            if plan.window_len != 1:
+                cols[COL["compute"]] /= plan.window_len
+            records.append(StepRecord(step=done, epoch=plan.epoch, epoch_end=self._epoch_last(plan),
+                                      batch=plan.sizes, compute=cols[COL["compute"]],
+                                      data=cols[COL["data"]], memory=cols[COL["memory"]],
+                                      cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]],
+                                      sq=plan.sq))
+        decision = self.loop.advance(records)
+        if decision is None:  # the newest step's telemetry (or the history) was refused
+            return False
+        before = self.board.checksum
+        self.board.post(decision)
+        steady = self.board.checksum == before
+        if self.runlog is not None:
+            policy = self.loop.policy
+            actions = getattr(policy, "actions", None)
+            for record in self.loop.accepted:
+                self.runlog.write(record, getattr(policy, "name", type(policy).__name__),
+                                  actions[-1] if actions else None, decision)
+        return steady
+
+    def settle(self) -> None:
+        """Finish a handed step whose backward ran now rather than at the next batch (a loop
+        left after it: ``len(loader)``, ``bal.steps`` and a checkpoint count it). No collective
+        here that the other ranks would not join: its hook (or with a deferred hook, the end of
+        its backward) sent the table; one process exchanges with itself."""
+        o = self._open
+        if o is not None and not o.explicit and not self._in_with and self.telemetry.hooked:
+            self._finish()
+
+    def iteration_starts(self) -> None:
+        """A new iteration over the loader: a step that trained is finished; a batch handed out
+        and never trained (a peek) is forgotten, and will be handed out again."""
+        o = self._open
+        if o is not None and not self._in_with:
+            if self.telemetry.hooked:
+                self._finish()
+            else:
+                self._discard()
+        c = self._consumed
+        if c is not None and not c.window_end and self.bound:
+            # The previous loop was left inside an accumulation window. The new one starts at the
+            # window's first micro-step (the position counts whole windows, as a checkpoint
+            # must), which is right only if the micro-steps' gradients are gone.
+            # Asked of every rank (all reach this point together, windows being aligned): an
+            # idle rank's gradients may be zero while the others' are not.
+            everyone = self.peers.gather({"dropped": self._gradients_dropped()})
+            if not all(e["dropped"] for e in everyone):
+                raise RuntimeError(
+                    f"hetlb: the previous loop over the loader was left inside an accumulation "
+                    f"window (after micro-step {c.window_pos + 1} of {c.window_len}, step "
+                    f"{c.step} of epoch {c.epoch}) and the parameters still hold that window's "
+                    f"gradients; a new loop trains the window from its first micro-step, so "
+                    f"those samples would count twice. Leave a loop only when bal.synced is "
+                    f"True, or drop the window's gradients (optimizer.zero_grad()) on every rank "
+                    f"before the new loop")
+        self._consumed = None
+        self._ended = None
+
+    def _gradients_dropped(self) -> bool:
+        """Whether no parameter of the model holds a nonzero gradient."""
+        return all(p.grad is None or not bool(p.grad.any()) for p in self.model.parameters())
+
+    def before_next(self) -> None:
+        """The loop asks for the next batch: the previous one's step ends here."""
+        self._ended = None
+        o = self._open
+        if o is not None and not self._in_with:
+            self._finish()  # trained (its hook ran), or stepped without gradients: exchanged
+        elif self.accumulate > 1 and self.board.current is not None \
+                and self.board.current is not self._consumed:
+            raise RuntimeError(f"hetlb: with accumulate={self.accumulate} every batch of the loader "
+                               f"goes through `with bal.step():`; step {self.board.current.step} "
+                               f"of epoch {self.board.current.epoch} did not")
+
+    def handed(self, plan: StepPlan) -> None:
+        """The loop received ``plan``'s batch: without accumulation its step opens now."""
+        if self.accumulate == 1:
+            self._begin(plan, explicit=False)
+
+    def loop_left(self) -> None:
+        """The loop over the loader was left with a step open (a ``break``): to the watchdog
+        this worker is between steps until its next step opens (see :class:`hetlb.Watchdog`)."""
+        if self.watchdog is not None and self._open is not None and not self._in_with:
+            self.watchdog.beat(self._step)
+
+
+    def exhausted(self) -> Optional[str]:
+        """The DataLoader ran out: the iteration ends (balanced steps have no rounds)."""
+        return None
+
+    def close(self) -> None:
+        """Record the steps since the last exchange where one process can (see
+        :meth:`hetlb.Balancer.close`), and close the run log."""
+        if self._block and not self._in_with:
+            if self.world == 1:
+                self.flush()
+            elif self.runlog is not None:
+                log.warning("bal.close(): the %d step(s) since the last telemetry exchange "
+                            "(exchange_every=%d) are not in the run log; call bal.flush() on "
+                            "every rank before close() to record them", len(self._block),
+                            self.exchange_every)
+        if self.runlog is not None:
+            self.runlog.close()
+            self.runlog = None
