@@ -1,4 +1,5 @@
-"""Reproducer of the open exit hang (README, "Shutdown"): counts clean, hung and aborted exits.
+"""Reproducer of the open exit hang (docs/restarts.md, "Shutdown"): counts clean, hung and
+aborted exits.
 
 A 2-rank Gloo job trains a DDP model with a collective of its own on Python objects every step
 (``all_gather_object``, as scripts do for metrics), calls ``destroy_process_group()`` and returns.
@@ -68,7 +69,7 @@ def worker(variant: str) -> None:
         if variant == "outlive":
             del bal  # the model outlives its Balancer
         if variant == "import-del":
-            del ddp  # the known issue's workaround (README, "Shutdown")
+            del ddp  # the known issue's workaround (docs/restarts.md, "Shutdown")
         faulthandler.dump_traceback_later(25, exit=True)
         dist.destroy_process_group()
 
