@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import hetlb  # before init_process_group in the workers (see README, Shutdown)
+import hetlb  # before init_process_group in the workers (see docs/restarts.md, Shutdown)
 
 log = logging.getLogger("bench_balance")
 

@@ -26,7 +26,7 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import hetlb  # before init_process_group (see the README)
+import hetlb  # before init_process_group (see docs/restarts.md)
 import torch.distributed as dist
 
 IN, OUT = 64, 8

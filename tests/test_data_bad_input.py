@@ -316,7 +316,7 @@ def test_a_checkpoint_of_the_other_partition_setting_is_refused(order):
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_checkpoint_loaded_before_the_loader_resumes_exactly(sharded):
-    """README: 'a state loaded before the loader exists is kept' (sharded mode too)."""
+    """docs/data.md: 'a state loaded before the loader exists is kept' (sharded mode too)."""
     part = "even" if sharded else None
     model, bal, loader = balancer(4, Indices(22), seed=3, partition=part)
     first = train(model, loader, steps=3)

@@ -186,7 +186,7 @@ def test_checkpoint_with_an_all_reduce_in_flight_resumes_exactly_once(stop_at):
 
 
 def epoch_loop_worker(rank, world, n, epochs, state=None):
-    # The README's loop: `for epoch in range(loader.epoch, epochs)`, checkpoint at an epoch's end.
+    # The loop of docs/modes.md: `for epoch in range(loader.epoch, epochs)`, checkpoint at an epoch's end.
     torch.manual_seed(0)
     net = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)

@@ -33,7 +33,7 @@ def free_port():
 def agent(out, port, *args, host=False, nnodes="3:4", restarts=2, env=(), share_store=False):
     """One torchrun agent with one worker: a "node" of a multi-node job on the c10d rendezvous.
 
-    The agents' shared store is turned off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as the README
+    The agents' shared store is turned off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as docs/restarts.md
     tells users of ``--nnodes MIN:MAX``): with it, torch 2.13's agents cannot re-form a group that a
     node joined (the new round's MASTER_ADDR is never published when rank 0 stays rank 0).
     """

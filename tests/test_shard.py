@@ -69,7 +69,7 @@ def test_migration_values():
 
 
 def test_loader_migration_is_none_when_nothing_moves():
-    # The README's loop copies files only `if m is not None`: no moves must read as None.
+    # The loop of docs/data.md copies files only `if m is not None`: no moves must read as None.
     ds = torch.utils.data.TensorDataset(torch.arange(12.0))
     loader = hetlb.DataLoader(ds, board=PlanBoard(2, 0, 4), partition="even")
     part = loader.board.partition

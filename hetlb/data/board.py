@@ -155,11 +155,11 @@ class PlanBoard:
         #: refuses to go on (it would hand out steps the newer one trains too).
         self.iteration = 0
         #: Per-rank lower bounds on a batch, kept by the short last step where it can
-        #: (:func:`split_last`); set by the Balancer.
+        #: (:func:`split_last`); see :meth:`configure`.
         self.lower = np.zeros(self.world, np.int64)
         #: False: no split this board makes (an epoch's short last step, a size-aware step)
-        #: hands a rank exactly one sample (:func:`avoid_single`); set by the Balancer for a
-        #: model whose layers refuse one sample in training.
+        #: hands a rank exactly one sample (:func:`avoid_single`), for a model whose layers refuse
+        #: one sample in training; see :meth:`configure`.
         self.single_ok = True
         #: ``(epoch, whole)`` of the epoch the last :meth:`set_epoch` moved off: ``whole`` when
         #: every step of it had been handed out (an iteration over it then has nothing left).
@@ -181,6 +181,14 @@ class PlanBoard:
         self.partition: Optional[Partition] = None
 
     # ------------------------------------------------------------------ decisions
+
+    def configure(self, accumulate: int, lower: np.ndarray, single_ok: bool) -> None:
+        """The Balancer's settings for the steps it draws: micro-steps per window, per-rank lower
+        bounds (kept by the short last step where it can), and whether a split may hand a rank
+        exactly one sample."""
+        self.accumulate = integer(accumulate, "accumulate", 1)
+        self.lower = np.asarray(lower, dtype=np.int64).copy()
+        self.single_ok = bool(single_ok)
 
     def post(self, decision: Decision) -> None:
         """Publish the decision that steps drawn from now on run."""

@@ -1,6 +1,6 @@
 """One entry point for every way hetlb synchronises workers: :func:`train`.
 
-The modes side by side (README "Choosing a mode" says more):
+The modes side by side (docs/modes.md, "Choosing a mode", says more):
 
 =========== ======================= =============================== ==============================
 mode        consistency             speed                           heterogeneity it tolerates

@@ -327,13 +327,9 @@ class Balancer:
                                            block=self.exchange_every)
             self.telemetry.core.watch(list(model.parameters()))
             self._native, self._lower_given = native_hook, lower_given
-            if loader is not None:
-                self.board = loader.board
-                self.board.accumulate = self.accumulate
-            else:
-                self.board = PlanBoard(self.world, self.rank, global_batch, self.accumulate)
-            self.board.lower = np.asarray(context.lower, dtype=np.int64).copy()
-            self.board.single_ok = not self._single
+            self.board = loader.board if loader is not None else \
+                PlanBoard(self.world, self.rank, global_batch, self.accumulate)
+            self.board.configure(self.accumulate, context.lower, single_ok=not self._single)
             #: The hooks on the user's models (the forward check, the communication hooks).
             self.hooks = ModelHooks(model, self.telemetry, self.board, is_ddp=is_ddp,
                                     native=native_hook, deferred=deferred, batch_dim=batch_dim)
@@ -493,7 +489,7 @@ class Balancer:
         if single and not self._single and self._lower_given != 1:
             if self._lower_given == 0:  # no split may hand a rank exactly one sample from now on
                 self._single = True
-                self.board.single_ok = False
+                self.board.configure(self.accumulate, self.context.lower, single_ok=False)
                 self.board.post(self.loop.refuse_single())
             else:
                 raise ValueError(
