@@ -54,6 +54,8 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <torch/extension.h>
 
+#include "bindings.h"
+
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -247,7 +249,7 @@ class NoPythonState {
   std::optional<at::impl::SavedTensorDefaultHooksTLS> hooks_;
 };
 
-// hetlb::scale_ (csrc/cpu, csrc/cuda) through the dispatcher like any op, so this hook and the
+// hetlb::scale_ (csrc/ops/cpu, csrc/ops/cuda) through the dispatcher like any op, so this hook and the
 // Python reference run exactly the same arithmetic.
 bool has_hetlb_kernel(const at::Tensor& t) {
   static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("hetlb::scale_", "");
@@ -836,7 +838,7 @@ PyMethodDef kCallDefs[] = {
 
 }  // namespace
 
-void bind_comm_hook(py::module& m) {
+void bind_hook(py::module& m) {
   py::class_<StepCore, std::shared_ptr<StepCore>>(
       m, "StepCore",
       "One rank's step telemetry: weight, row, compute clock, emulator hold and the delivered "
