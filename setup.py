@@ -46,7 +46,7 @@ def extensions():
     rel = lambda pattern: sorted(os.path.relpath(p, HERE)
                                  for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
     # csrc/module.cpp (the pybind11 module), csrc/ops (TORCH_LIBRARY schemas, cpu/ kernels),
-    # csrc/solve (host algorithms), csrc/comm_hook.cpp (the step core and the DDP hook).
+    # csrc/solve (host algorithms), csrc/hook (the step core and the DDP hook).
     sources = rel("csrc/**/*.cpp")
     # -ffp-contract=off keeps float results bit-identical to hetlb.reference (no fused multiply-add).
     cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
