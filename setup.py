@@ -1,8 +1,9 @@
 """Build of hetlb._C: host algorithms (pybind11) and tensor kernels (TORCH_LIBRARY).
 
-CUDA sources in csrc/cuda are compiled only when a CUDA build of torch and the CUDA toolkit are both
-present (the torchao rule), unless HETLB_NO_CUDA=1 or HETLB_FORCE_CUDA=1 says otherwise. The decision
-is printed. torch itself is never downloaded here: install with `pip install --no-build-isolation -e .`.
+Every csrc/**/*.cpp is compiled; the CUDA sources (csrc/**/*.cu: the kernels in csrc/ops/cuda) only
+when a CUDA build of torch and the CUDA toolkit are both present (the torchao rule), unless
+HETLB_NO_CUDA=1 or HETLB_FORCE_CUDA=1 says otherwise. The decision is printed. torch itself is never
+downloaded here: install with `pip install --no-build-isolation -e .`.
 """
 import glob
 import os
@@ -42,13 +43,16 @@ def use_cuda() -> bool:
 
 def extensions():
     cuda = use_cuda()
-    rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
-    sources = rel("csrc/*.cpp") + rel("csrc/solve/*.cpp") + rel("csrc/cpu/*.cpp")
+    rel = lambda pattern: sorted(os.path.relpath(p, HERE)
+                                 for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
+    # csrc/module.cpp (the pybind11 module), csrc/ops (TORCH_LIBRARY schemas, cpu/ kernels),
+    # csrc/solve (host algorithms), csrc/hook (the step core and the DDP hook).
+    sources = rel("csrc/**/*.cpp")
     # -ffp-contract=off keeps float results bit-identical to hetlb.reference (no fused multiply-add).
     cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
     macros = []
     if cuda:
-        sources += rel("csrc/cuda/*.cu")
+        sources += rel("csrc/**/*.cu")
         macros.append(("HETLB_WITH_CUDA", None))
         ext = CUDAExtension
         extra = {"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]}

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Compile every csrc/cuda/*.cu object-only against the installed torch headers.
+"""Compile every csrc/**/*.cu (the kernels in csrc/ops/cuda) object-only against the installed torch
+headers.
 
 Runs where there is no GPU and even where torch is a CPU build (its wheel ships the ATen/cuda and
 c10/cuda headers): it checks that the CUDA kernels compile, it does not link or run them. Objects go
@@ -60,9 +61,9 @@ def main() -> int:
     if nvcc is None:
         print("compile_cuda: nvcc not found (set CUDA_HOME or put nvcc on PATH); skipping")
         return 0
-    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
     if not sources:
-        print("compile_cuda: no csrc/cuda/*.cu files")
+        print("compile_cuda: no csrc/**/*.cu files")
         return 0
     base = [nvcc, "-c", "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC"]
     if args.arch:
@@ -72,7 +73,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hetlb-cuda-") as tmp:
         for src in sources:
             rel = os.path.relpath(src, ROOT)
-            obj = os.path.join(tmp, os.path.basename(src) + ".o")
+            obj = os.path.join(tmp, rel.replace(os.sep, "_") + ".o")
             cmd = base + [src, "-o", obj]
             if args.verbose:
                 print(" ".join(cmd))

@@ -1,6 +1,7 @@
 // Host algorithms of hetlb: exact min-max batch allocation, proportional rounding, size-aware
-// step scheduling and epoch rebalancing. Plain C++ on raw arrays; hetlb.cpp binds them to NumPy.
-// Every routine has a plain Python twin in hetlb/reference.py that the tests compare against.
+// step scheduling and epoch rebalancing. Plain C++ on raw arrays; csrc/solve/bindings.cpp binds
+// them to NumPy. Every routine has a plain Python twin in hetlb/reference.py that the tests
+// compare against.
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -1,4 +1,4 @@
-// CUDA kernels of the torch.ops.hetlb tensor ops (schemas in csrc/hetlb.cpp).
+// CUDA kernels of the torch.ops.hetlb tensor ops (schemas in csrc/ops/ops.cpp).
 //
 // scale_, flatten_scaled and unflatten_ are "dst = src * w" over a list of segments, and
 // delay_compensate_ an element-wise update over (grad, param, prev) triples. Both use the
@@ -27,7 +27,7 @@
 #include <array>
 #include <vector>
 
-#include "kernels.h"
+#include "ops/kernels.h"
 
 namespace hetlb::kernels {
 namespace {

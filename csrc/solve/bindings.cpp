@@ -1,21 +1,18 @@
-// hetlb._C: pybind11 bindings of the host algorithms (NumPy in, NumPy out) and the TORCH_LIBRARY
-// schemas of the tensor kernels. Kernels are implemented per dispatch key in csrc/cpu and csrc/cuda.
-#include <torch/library.h>
-#include <torch/extension.h>
-
+// pybind11 bindings of the host algorithms (csrc/solve): NumPy in, NumPy out, the GIL released
+// while a solver runs.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
+#include "bindings.h"
 #include "solve/solve.h"
-
-namespace hetlb {
-void bind_comm_hook(pybind11::module& m);  // csrc/comm_hook.cpp
-}
 
 namespace py = pybind11;
 using f64_array = py::array_t<double, py::array::c_style | py::array::forcecast>;
@@ -67,8 +64,10 @@ std::vector<hetlb::ModelSpec> unpack_models(const i64_array& kinds, const f64_ar
 
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "hetlb native core: host algorithms (pybind11) and tensor kernels (torch.ops.hetlb)";
+namespace hetlb {
+
+void bind_solve(py::module& m) {
+  // The solvers report bad arguments as std::invalid_argument: Python sees ValueError.
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -172,20 +171,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tolerance") = -1.0,
       "New owner of each sample of a sharded dataset (CHRONICA data shuffler); owner -1: held by "
       "no rank; tolerance < 0: the largest sample on the slowest rank.");
-
-  hetlb::bind_comm_hook(m);
-
-#ifdef HETLB_WITH_CUDA
-  m.attr("has_cuda") = true;
-#else
-  m.attr("has_cuda") = false;
-#endif
 }
 
-// Tensor kernels. Weights are host floats: batch sizes are decided on the host, so no sync is needed.
-TORCH_LIBRARY(hetlb, m) {
-  m.def("scale_(Tensor(a!)[] tensors, float weight) -> ()");
-  m.def("flatten_scaled(Tensor[] tensors, float weight, Tensor? extra=None) -> Tensor");
-  m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
-  m.def("delay_compensate_(Tensor(a!)[] grads, Tensor[] params, Tensor[] prev_params, float lam) -> ()");
-}
+}  // namespace hetlb

@@ -1,4 +1,4 @@
-// CPU kernels of the torch.ops.hetlb tensor ops (schemas in csrc/hetlb.cpp).
+// CPU kernels of the torch.ops.hetlb tensor ops (schemas in csrc/ops/ops.cpp).
 //
 // scale_, flatten_scaled and unflatten_ are all "dst = src * w" over a list of (dst, src, numel)
 // segments, so they share one multi-segment loop: a single at::parallel_for over the total element
@@ -12,7 +12,7 @@
 // ~15-30x slower for float16 on one core. There, plain loops that GCC auto-vectorises at -O3 are
 // used instead; they are memory-bound like torch's kernels.
 //
-// Argument checks, layout and non-contiguous handling are shared with CUDA (csrc/kernels.h).
+// Argument checks, layout and non-contiguous handling are shared with CUDA (csrc/ops/kernels.h).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -30,7 +30,7 @@
 #define HETLB_F16C_PATH 1
 #endif
 
-#include "kernels.h"
+#include "ops/kernels.h"
 
 namespace hetlb::kernels {
 namespace {

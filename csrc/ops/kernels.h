@@ -1,6 +1,6 @@
-// Argument checks and layout helpers shared by the CPU (csrc/cpu) and CUDA (csrc/cuda) kernels of
-// the torch.ops.hetlb tensor ops. Host-only code, but included from .cu files, so it must stay
-// nvcc-clean: no CPU vector headers here.
+// Argument checks and layout helpers shared by the CPU (csrc/ops/cpu) and CUDA (csrc/ops/cuda)
+// kernels of the torch.ops.hetlb tensor ops. Host-only code, but included from .cu files, so it
+// must stay nvcc-clean: no CPU vector headers here.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -18,7 +18,7 @@ namespace hetlb::kernels {
 namespace {
 
 // Below this many elements per thread, at::parallel_for's fork/join costs more than it saves on
-// a memory-bound loop (the issue asks for ~32K).
+// a memory-bound loop.
 constexpr int64_t kGrainSize = 32768;
 
 // "Float[2, 3] cpu strides=[1, 2]": enough to tell which argument of a list is wrong and why.

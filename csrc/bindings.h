@@ -1,0 +1,16 @@
+// The pybind11 parts of hetlb._C, one function per area; csrc/module.cpp calls each once.
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace hetlb {
+
+// Host algorithms on NumPy arrays (csrc/solve/bindings.cpp).
+void bind_solve(pybind11::module& m);
+
+// What the module says about its tensor ops (csrc/ops/ops.cpp): `has_cuda`.
+void bind_ops(pybind11::module& m);
+
+// The step core, the weighted DDP hook and the per-step fast calls (csrc/hook/bindings.cpp).
+void bind_hook(pybind11::module& m);
+
+}  // namespace hetlb
