@@ -1,6 +1,6 @@
 """Typed Python entry points of the hetlb tensor kernels (``torch.ops.hetlb``).
 
-The kernels live in ``hetlb._C`` (CPU: csrc/cpu/kernels.cpp, CUDA: csrc/cuda/kernels.cu); importing
+The kernels live in ``hetlb._C`` (CPU: csrc/ops/cpu/kernels.cpp, CUDA: csrc/ops/cuda/kernels.cu); importing
 this module loads the extension, which registers them. Fake (meta) implementations are registered
 here so that the ops trace under ``torch.compile`` / ``torch.export`` without running.
 

@@ -3,7 +3,7 @@
 Nothing here is fast; everything here is meant to be obviously right. The float arithmetic of the
 time models follows the same operation order as ``csrc/`` so results can be compared exactly.
 
-The native communication hook (``csrc/comm_hook.cpp``) has its plain version here too,
+The native communication hook (``csrc/hook/weighted_hook.cpp``) has its plain version here too,
 :func:`weighted_allreduce_hook`: a Python DDP hook over the same native step core (the one store
 of the row, weight and table), issuing the same collectives, so the two can be compared on real
 process groups (tests/test_comm_hook.py) and even mixed across ranks.
@@ -324,7 +324,7 @@ def ref_delay_compensate_(grad: Tensor, param: Tensor, prev_param: Tensor, lam: 
 
 
 # ----------------------------------------------------------------------------------------------
-# The weighted all-reduce communication hook (csrc/comm_hook.cpp), in Python
+# The weighted all-reduce communication hook (csrc/hook/weighted_hook.cpp), in Python
 # ----------------------------------------------------------------------------------------------
 
 def ref_block_slots(rows: Sequence[np.ndarray], rank: int, world: int) -> Tensor:

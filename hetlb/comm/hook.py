@@ -8,7 +8,7 @@ amount (CHRONICA's learning-rate compensation), "none" is the plain mean over th
 samples (LB-BSP's FL mode).
 
 The hook is native (``hetlb._C``): DDP runs no Python per bucket, and no Python runs on a
-communication thread (see ``csrc/hook/`` for why that matters at exit).
+communication thread (see ``csrc/hook/no_python.h`` for why that matters at exit).
 :func:`hetlb.reference.weighted_allreduce_hook` is the same hook in Python, the test oracle.
 
 :class:`StepTelemetry` is the hook's state (torch's ``PowerSGDState`` pattern): one object per
