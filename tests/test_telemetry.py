@@ -172,7 +172,7 @@ def test_meminfo_parses_the_two_lines_and_refuses_the_rest(tmp_path):
 
 def test_probe_falls_back_to_psutil_without_proc_meminfo(monkeypatch):
     import psutil
-    import hetlb.core.telemetry as tm
+    import hetlb.comm.probes as tm
     monkeypatch.setattr(tm, "meminfo", lambda path="/proc/meminfo": None)
     probe = Probe(torch.device("cpu"), interval=0.0)
     vm = psutil.virtual_memory()
