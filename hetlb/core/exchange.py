@@ -16,6 +16,15 @@ def next_block_length(length: int, steady: bool, largest: int) -> int:
     return min(2 * length, largest) if steady else 1
 
 
+def ships(position: int, length: int, *, restarted: bool, epoch_first: bool, epoch_last: bool) -> bool:
+    """Whether the step at ``position`` (from 0) of its telemetry block sends the block's table:
+    the block's last step (``length`` steps), an epoch's last step, an epoch's first (ranks that
+    set different epochs meet in a table at once), and the first step after a start or a loaded
+    checkpoint (``restarted``: ranks that resumed from different positions meet in a table of one
+    shape). Shared by the Balancer and the simulator, so both exchange at the same steps."""
+    return position + 1 >= length or restarted or epoch_first or epoch_last
+
+
 #: The largest telemetry block by default for a policy that does not read the telemetry
 #: (``Policy.reads_telemetry`` False: Uniform), with adaptive blocks.
 STATIC_BLOCK = 16

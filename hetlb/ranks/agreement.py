@@ -2,12 +2,13 @@
 every rank when any rank refuses its arguments."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from hetlb.comm.transport import is_nccl
+from hetlb.core.checks import agree
 
 
 #: Bytes of one broadcast of :func:`broadcast_module_state` (DDP's broadcast bucket size).
@@ -91,6 +92,19 @@ def all_gather(mine: Any, group: Any, world: int, distributed: bool) -> List[Any
         return [mine]
     everyone: List[Any] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def agree_at_start(mine: Dict[str, Any], side: Any, world: int, distributed: bool, who: str,
+                   same: Sequence[Tuple[str, str]] = ()) -> List[Dict[str, Any]]:
+    """The start-up exchange of a Balancer, DelayedSync or Federated: every rank's ``mine``, in
+    rank order. Raises ``ValueError`` on every rank alike when one refused its arguments
+    (:func:`refuse_everywhere`), or differs from rank 0's in one of ``same`` (``(key, what)``:
+    ``mine[key]``, named ``what`` in the message)."""
+    everyone = all_gather(mine, side, world, distributed)
+    raise_refusals(everyone, who)
+    for key, what in same:
+        agree(everyone, key, what)
     return everyone
 
 

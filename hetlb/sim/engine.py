@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Union
 import numpy as np
 
 from hetlb.core.decisions import ScheduleRule, decision_checksum
-from hetlb.core.exchange import exchange_settings, next_block_length
+from hetlb.core.exchange import exchange_settings, next_block_length, ships
 from hetlb.core.models import LinearModel, PolyModel
 from hetlb.core.solve import schedule
 from hetlb.core.telemetry import StepRecord, straggler_effect
@@ -420,13 +420,13 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         t0 = time.perf_counter()
         block.append(rec)
         nxt = pending[-1]  # inside a block the sizes are kept
-        if len(block) >= length or rec.epoch_end or k == started or k % sc.steps_per_epoch == 0:
+        if ships(len(block) - 1, length, restarted=k == started, epoch_last=rec.epoch_end,
+                 epoch_first=k % sc.steps_per_epoch == 0):
             exchanges.append(k)
             decided = loop.advance(block)  # None: the previous sizes are kept, as in the Balancer
             block = []
+            nxt = pending[-1] if decided is None else decided
             steady = decided is not None and decision_checksum(decided) == decision_checksum(pending[-1])
-            if decided is not None:
-                nxt = decided
             if adaptive:
                 length = next_block_length(length, steady, every)
         spent += time.perf_counter() - t0

@@ -51,11 +51,11 @@ import torch.distributed as dist
 
 from hetlb import ops
 from hetlb.comm.hook import shapes_digest
-from hetlb.core.checks import agree, choice, instance, integer, number
+from hetlb.core.checks import choice, instance, integer, number
 from hetlb.core.telemetry import MAX_COMPUTE, MIN_COMPUTE
 from hetlb.data.board import PlanBoard, StreamPlan
 from hetlb.data.loader import BalancedLoader
-from hetlb.ranks.agreement import (broadcast_module_state, make_side_group, raise_refusals,
+from hetlb.ranks.agreement import (agree_at_start, broadcast_module_state, make_side_group,
                                    refuse_everywhere)
 from hetlb.ranks.watchdog import COMPUTING, WAITING, Watchdog
 from hetlb.sim.emulate import sleep_until
@@ -307,11 +307,9 @@ class DelayedSync:
     def _agree(self, mine: Dict[str, Any], what: str) -> None:
         if self.world == 1:
             return
-        everyone: List[Any] = [None] * self.world
         # On a Gloo group (an NCCL one would need each rank's CUDA device set for objects).
-        dist.all_gather_object(everyone, {what: mine}, group=make_side_group(self.group))
-        raise_refusals(everyone, "DelayedSync")
-        agree(everyone, what, what)
+        agree_at_start({what: mine}, make_side_group(self.group), self.world, True, "DelayedSync",
+                       [(what, what)])
 
     # ------------------------------------------------------------------ the loop
 

@@ -72,7 +72,7 @@ from hetlb.core.checks import agree, choice, flag, instance, integer, number, op
 from hetlb.core.solve import allocate_proportional
 from hetlb.core.telemetry import StepRecord
 from hetlb.policies.predictors import EMA
-from hetlb.ranks.agreement import broadcast_module_state, make_side_group, refuse_everywhere
+from hetlb.ranks.agreement import all_gather, broadcast_module_state, make_side_group, refuse_everywhere
 from hetlb.ranks.watchdog import COMPUTING, WAITING, Watchdog
 
 
@@ -254,10 +254,9 @@ class Federated:
             if refused is not None:
                 raise ValueError(refused)
             return
-        everyone: List[Any] = [None] * self.world
         # On a Gloo group (an NCCL one would need each rank's CUDA device set for objects).
-        dist.all_gather_object(everyone, {"Federated": mine, "refused": refused},
-                               group=make_side_group(self.group))
+        everyone = all_gather({"Federated": mine, "refused": refused}, make_side_group(self.group),
+                              self.world, True)
         for r, e in enumerate(everyone):
             if e["refused"] is not None:
                 raise ValueError(f"Federated on rank {r}: {e['refused']}")

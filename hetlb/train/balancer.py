@@ -43,7 +43,7 @@ from hetlb.data.board import PlanBoard
 from hetlb.data.loader import BalancedLoader, check_loader_config
 from hetlb.policies.base import Context, Policy, policy_settings
 from hetlb.policies.loop import DecisionLoop
-from hetlb.ranks.agreement import Peers, all_gather, make_side_group, raise_refusals, refuse_everywhere
+from hetlb.ranks.agreement import Peers, agree_at_start, make_side_group, refuse_everywhere
 from hetlb.ranks.watchdog import Watchdog
 from hetlb.train.config import check_arguments, check_rule_fits_loader
 from hetlb.train.model_hooks import (BatchDim, check_model, layer_list, single_sample_layers,
@@ -275,11 +275,10 @@ class Balancer:
                               if is_ddp else "no DDP model"),
                     "asked": {"lower": lower_given, "upper": upper},
                     **self._bounds(lower, upper, profile)}
-            everyone = all_gather(mine, side, self.world, self.distributed)
             self._exchanged = True  # (a later error is every rank's: no second exchange)
-            raise_refusals(everyone, "Balancer")
-            checks.agree(everyone, "config", "Balancer")
-            checks.agree(everyone, "policy_settings", f"{type(policy).__name__} policy")
+            everyone = agree_at_start(mine, side, self.world, self.distributed, "Balancer",
+                                      [("config", "Balancer"),
+                                       ("policy_settings", f"{type(policy).__name__} policy")])
             context = Context(self.world, global_batch, [e["lower"] for e in everyone],
                                    [e["upper"] for e in everyone],
                                    hardware=[e["hardware"] for e in everyone],

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetlb.comm.hook import StepTelemetry
 from hetlb.comm.weights import weights_for
 from hetlb.core.decisions import ScheduleRule, decision_checksum
-from hetlb.core.exchange import next_block_length
+from hetlb.core.exchange import next_block_length, ships
 from hetlb.core.telemetry import COL, StepRecord
 from hetlb.data.board import PlanBoard, StepPlan
 from hetlb.data.shards import Partition, epoch_rates
@@ -266,10 +266,8 @@ class StepDriver:
             data = (self.window.data + data) / plan.window_len
         offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
         pos = len(self._block)
-        # An epoch's first step ships too: ranks that set different epochs (and so draw from
-        # different orders) meet in a table at once, not up to a block later.
-        ship = pos + 1 >= self._block_len or self._ship_next or self._epoch_last(plan) or \
-            (plan.step == 0 and self.bound)
+        ship = ships(pos, self._block_len, restarted=self._ship_next, epoch_last=self._epoch_last(plan),
+                     epoch_first=plan.step == 0 and self.bound)
         tele = self.telemetry
         predicted = self.loop.predict(self.rank, tele.probe.memory()) if self.loop.predictors \
             else math.nan
