@@ -26,13 +26,13 @@ log = logging.getLogger("hetlb.balancer")
 
 @dataclass
 class BalancerConfig:
-    """:class:`hetlb.Balancer`'s arguments after :func:`check_arguments` (see the Balancer for each)."""
+    """:class:`hetlb.Balancer`'s arguments after :func:`check_arguments` (see the Balancer for
+    each): those whose checked value or default differs from what was passed, and what the
+    process group says. ``model``, ``weighting``, ``group``, ``profile``, ``emulator`` and
+    ``watchdog`` are checked and used as given."""
 
-    model: torch.nn.Module
     global_batch: int
     policy: Any
-    weighting: str
-    group: Any
     # the process group as this rank sees it
     distributed: bool
     world: int
@@ -44,9 +44,6 @@ class BalancerConfig:
     upper: Optional[int]
     #: The model's layers that refuse a one-sample batch (empty where lower=1 says they take one).
     single: List[str]
-    profile: Any
-    emulator: Any
-    watchdog: Any
     accumulate: int
     batch_dim: BatchDim
     # the decision loop
@@ -172,13 +169,12 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
     exchange_every, adaptive_exchange, history = exchange_settings(
         getattr(policy, "reads_telemetry", True), exchange_every, adaptive_exchange, history)
     return BalancerConfig(
-        model=model, global_batch=global_batch, policy=policy, weighting=weighting, group=group,
-        distributed=distributed, world=world, rank=rank, is_ddp=is_ddp, lower=lower,
-        lower_given=lower_given, upper=upper, single=single, profile=profile, emulator=emulator,
-        watchdog=watchdog, accumulate=accumulate, batch_dim=batch_dim, history=history,
-        max_bad_steps=max_bad_steps, transport=transport, native_hook=native_hook,
-        defer_hook=defer_hook, exchange_every=exchange_every, adaptive_exchange=adaptive_exchange,
-        log_dir=log_dir, tensorboard=tensorboard)
+        global_batch=global_batch, policy=policy, distributed=distributed, world=world, rank=rank,
+        is_ddp=is_ddp, lower=lower, lower_given=lower_given, upper=upper, single=single,
+        accumulate=accumulate, batch_dim=batch_dim, history=history, max_bad_steps=max_bad_steps,
+        transport=transport, native_hook=native_hook, defer_hook=defer_hook,
+        exchange_every=exchange_every, adaptive_exchange=adaptive_exchange, log_dir=log_dir,
+        tensorboard=tensorboard)
 
 
 def check_rule_fits_loader(d: Any, loader: BalancedLoader, global_batch: int) -> None:
