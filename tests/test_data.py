@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 
 from hetlb.data.sampler import GlobalOrderSampler
 from hetlb.data.board import PlanBoard
+from hetlb.data.stream import StreamBoard
 from hetlb.core.decisions import ScheduleRule, decision_checksum, split_last
 
 
@@ -260,7 +261,7 @@ def test_streams_cover_the_epoch_once_at_each_rank_s_own_pace(n, world, seed, cu
     for size in (first, n - first):
         w = rng.random(world) + 0.1
         rounds.append(split_last(np.maximum(1, np.round(w / w.sum() * 1000)).astype(np.int64), size))
-    boards = [PlanBoard(world, r, 8, mode="stream") for r in range(world)]
+    boards = [StreamBoard(world, r, 8) for r in range(world)]
     samplers = [GlobalOrderSampler(n, b, seed=seed) for b in boards]
     seen = []
     shards = rounds[0]
@@ -281,7 +282,7 @@ def test_streams_cover_the_epoch_once_at_each_rank_s_own_pace(n, world, seed, cu
         b.consumed(used)
     state = boards[0].position()
     assert state["used"] == used.tolist() and state["shards"] == shards.tolist() and state["base"] == 0
-    rest = [PlanBoard(world, r, 8, mode="stream") for r in range(world)]
+    rest = [StreamBoard(world, r, 8) for r in range(world)]
     for r, b in enumerate(rest):
         b.load_position(state)
         if n and first == n and np.array_equal(used, shards):  # the checkpoint closed the epoch
@@ -309,7 +310,7 @@ def test_streams_cover_the_epoch_once_at_each_rank_s_own_pace(n, world, seed, cu
 
 
 def test_stream_misuse():
-    b = PlanBoard(2, 0, 8, mode="stream")
+    b = StreamBoard(2, 0, 8)
     with pytest.raises(RuntimeError, match="post_shards"):
         b.draw_stream(10)
     with pytest.raises(ValueError, match="run past the epoch's 9"):
@@ -324,10 +325,62 @@ def test_stream_misuse():
         b.post_shards([5, 5], 3, 10)
     with pytest.raises(ValueError, match="within the shards"):
         b.consumed([7, 0])
-    with pytest.raises(ValueError, match="mode='stream'"):
-        PlanBoard(2, 0, 8).post_shards([4, 4], 2, 8)
-    with pytest.raises(ValueError, match="mode must be"):
-        PlanBoard(2, 0, 8, mode="async")
+    # a board of balanced steps takes no shards, and there is no third kind of board
+    assert not hasattr(PlanBoard(2, 0, 8), "post_shards")
+    with pytest.raises(TypeError):
+        PlanBoard(2, 0, 8, mode="stream")
+
+
+
+def test_stream_rounds_move_on_and_an_empty_batch_ends_a_used_up_shard():
+    b = StreamBoard(2, 1, 8, reference=3)
+    b.post_shards([4, 5], 3, 20)
+    b.restart()
+    plans = []
+    while (plan := b.draw_stream(20)) is not None:
+        plans.append(b.hand())
+        b.drop_current()  # stepped
+        assert b.current is None
+    assert [(p.start, p.count) for p in plans] == [(0, 3), (3, 2)]  # 5 = 3 + 2 (no batch of 1)
+    empty = b.hand_empty()  # the shard is used up: an empty batch at its end
+    assert b.current is empty and (empty.epoch, empty.start, empty.count) == (0, 5, 0)
+    b.drop_current()
+    b.move_on()  # the round is not trained: nothing changes
+    assert (b.epoch, b.base, b.shards.tolist()) == (0, 0, [4, 5])
+    b.consumed([4, 5])
+    b.move_on()  # past the trained round: the next one starts after it, its shards not posted
+    assert (b.epoch, b.base, b.shards) == (0, 9, None)
+    b.post_shards([6, 5], 3, 20)
+    b.consumed([6, 5])
+    assert b.stream_finished()
+    b.move_on()  # past the trained epoch
+    assert (b.epoch, b.base, b.shards, b.used.tolist()) == (1, 0, None, [0, 0])
+    with pytest.raises(AttributeError):
+        b.shards = np.array([1, 1])  # the board's own: posted, not written from outside
+
+
+@pytest.mark.parametrize("where", ["no round", "round trained", "epoch trained", "round not begun"])
+def test_a_stream_position_resumes_on_another_world_only_at_a_round_boundary(where):
+    old = StreamBoard(2, 0, 8, reference=4)
+    old.post_shards([6, 4], 4, 20)
+    if where in ("round trained", "epoch trained"):
+        old.consumed([6, 4])
+    if where == "epoch trained":
+        old.next_round()
+        old.post_shards([6, 4], 4, 20)
+        old.consumed([6, 4])
+    state = old.position() if where != "no round" else dict(old.position(), shards=None, used=[0, 0])
+    same = StreamBoard(2, 1, 8, reference=4)
+    same.restore_stream_position(state, 2, 20)
+    assert same.position() == state
+    new = StreamBoard(3, 2, 12, reference=4)
+    new.restore_stream_position(state, 2, 20)
+    expect = {"no round": (0, 0), "round not begun": (0, 0), "round trained": (0, 10),
+              "epoch trained": (1, 0)}[where]
+    assert (new.epoch, new.base, new.shards, new.used.tolist()) == (*expect, None, [0, 0, 0])
+    mid = dict(state, shards=[6, 4], used=[2, 0])  # in the middle of a round
+    with pytest.raises(ValueError, match=r"middle of a round only on the number of ranks it saved on \(2, now 3\)"):
+        StreamBoard(3, 0, 12, reference=4).restore_stream_position(mid, 2, 20)
 
 
 @given(shares=st.lists(st.integers(0, 9), min_size=1, max_size=6).filter(lambda s: sum(s) > 0),

@@ -1,4 +1,5 @@
-"""The plan board: what every step of training runs, shared by the Balancer and the sampler.
+"""The plan board of balanced steps: what every step of training runs, shared by the Balancer and
+the sampler.
 
 The :class:`hetlb.Balancer` posts decisions here (per-rank batch sizes, or a :class:`ScheduleRule`
 for size-aware scheduling); the sampler draws steps from the board as the DataLoader asks for
@@ -9,30 +10,23 @@ between them: each side reads and writes values on the board.
 The board also owns the **data position**: the epoch and the number of its steps that have been
 *trained* (not drawn, not handed out). That is what a checkpoint records, so it is exact whatever
 the DataLoader prefetched, a batch handed to the loop but not yet trained is handed out again on
-resume, and a state loaded before the loader exists is not lost. Every rank holds an identical
-board: the same decisions, the same draws, the same position.
+resume, and a state loaded before the loader exists is not lost. Every rank holds an identical board: the same decisions, the same draws, the same position.
 
 Gradient accumulation (``accumulate=K``): the full steps of an epoch are grouped into windows of
 ``K`` consecutive steps (the last window of an epoch may be shorter; a short last step is a window
 of its own), and every step of a window runs the sizes decided when its first step was drawn, so
 the window's gradient can be weighted exactly (see :mod:`hetlb.comm.hook`).
 
-Streams (``mode="stream"``, for delayed synchronous training, where a rank computes as many
-reference batches as fit before an all-reduce completes, so no step has sizes planned ahead): the
-epoch's global order is trained in **rounds** (one per epoch, and a short first one while no
-speed has been measured), and each round's samples are cut into one contiguous **shard** per rank
-(sizes posted by :meth:`PlanBoard.post_shards`, fixed for the round); each rank draws reference
-batches of its own size from its shard at its own pace. The position is then where the round
-starts (``base``) and every rank's count of trained samples of its shard
-(:meth:`PlanBoard.consumed`); a round ends when every shard is used up, the epoch when its last
-round has.
+Sharded mode (the loader's ``partition=``): every rank's samples of a step come from its own
+shard, held by the board's :class:`hetlb.data.shards.Partition`, which is part of the position.
+
+Delayed synchronous training plans no steps: its board is :class:`hetlb.data.stream.StreamBoard`.
 """
 from __future__ import annotations
 
 import zlib
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Union
 
 import numpy as np
 
@@ -40,10 +34,11 @@ from hetlb.core.checks import integer
 from hetlb.core.decisions import (EXACT_INT, ScheduleRule, SingleSampleError, avoid_single,
                                   decision_checksum, move_to_sizes, rank_span, split_last)
 from hetlb.core.solve import schedule
+from hetlb.data.handout import Board
 from hetlb.data.shards import Partition
 
 
-__all__ = ["StepPlan", "StreamPlan", "PlanBoard"]
+__all__ = ["StepPlan", "PlanBoard"]
 
 
 @dataclass(frozen=True, slots=True)  # (slots: one is made every step, caches cold)
@@ -92,21 +87,10 @@ class StepPlan:
         return slice(*rank_span(self.sizes.tolist(), rank))
 
 
-@dataclass(frozen=True)
-class StreamPlan:
-    """One reference batch of a stream (``mode="stream"``): ``count`` samples of this rank's shard
-    of ``epoch``, starting ``start`` samples into it."""
-
-    epoch: int
-    start: int
-    count: int
-    data: Optional[float] = None  # summed sample sizes (None: samples have no size)
-
-
 Decision = Union[np.ndarray, ScheduleRule]
 
 
-class PlanBoard:
+class PlanBoard(Board):
     """Decisions, drawn steps and the data position of one training job (one rank's copy).
 
     Args:
@@ -115,16 +99,8 @@ class PlanBoard:
         accumulate: steps per gradient-accumulation window.
     """
 
-    def __init__(self, world: int, rank: int, global_batch: int, accumulate: int = 1,
-                 mode: str = "steps") -> None:
-        if mode not in ("steps", "stream"):
-            raise ValueError(f"PlanBoard: mode must be 'steps' or 'stream', got {mode!r}")
-        self.mode = mode
-        self.world = integer(world, "world", 1)
-        self.rank = integer(rank, "rank", 0)
-        if self.rank >= self.world:
-            raise ValueError(f"rank {rank} outside a world of {world}")
-        self.global_batch = integer(global_batch, "global_batch", 1)
+    def __init__(self, world: int, rank: int, global_batch: int, accumulate: int = 1) -> None:
+        super().__init__(world, rank, global_batch)
         self.accumulate = integer(accumulate, "accumulate", 1)
         self.decision: Decision = np.zeros(self.world, np.int64)
         self.checksum = 0
@@ -132,28 +108,11 @@ class PlanBoard:
         self._amounts = np.zeros(self.world)  # its data amounts when samples have no size
         #: This rank's positions ``(begin, end)`` in a step of the posted sizes.
         self.span = (0, 0)
-        # The data position: epoch and steps of it trained.
-        self.epoch = 0
+        #: Steps of the epoch trained (the data position, with the epoch).
         self.done = 0
-        self.steps_per_epoch: Optional[int] = None
-        #: Whether a loader's sampler draws from this board (:meth:`attach`).
-        self.attached = False
         #: A restored position that closed its epoch: the epoch counts as finished whatever the
         #: loader's steps per epoch (a loader over a changed dataset resumes at the next epoch).
         self._closed = False
-        #: A sharded position loaded before the loader (and its partition) exists: (partition
-        #: state, epoch, step), applied by :meth:`set_partition`.
-        self._deferred: Optional[tuple] = None
-        #: Whether the last restored position was sharded (None: nothing restored).
-        self._loaded_sharded: Optional[bool] = None
-        #: True from a restore until iteration starts: set_epoch then checks the script resumes
-        #: where the checkpoint stopped.
-        self.restored = False
-        #: Bumped by a restore; an iterator started before it refuses to go on.
-        self.generation = 0
-        #: Bumped by every new iteration over the loader (:meth:`restart`); an older iterator
-        #: refuses to go on (it would hand out steps the newer one trains too).
-        self.iteration = 0
         #: Per-rank lower bounds on a batch, kept by the short last step where it can
         #: (:func:`split_last`); see :meth:`configure`.
         self.lower = np.zeros(self.world, np.int64)
@@ -161,24 +120,15 @@ class PlanBoard:
         #: hands a rank exactly one sample (:func:`avoid_single`), for a model whose layers refuse
         #: one sample in training; see :meth:`configure`.
         self.single_ok = True
-        #: ``(epoch, whole)`` of the epoch the last :meth:`set_epoch` moved off: ``whole`` when
-        #: every step of it had been handed out (an iteration over it then has nothing left).
-        self.left: Optional[Tuple[int, bool]] = None
-        self.drawn: Deque[StepPlan] = deque()
-        self.current: Optional[StepPlan] = None
         #: The sizes of the step (window) trained last, or None before any.
         self.last_sizes: Optional[np.ndarray] = None
         self._window: Optional[tuple] = None  # (epoch, window key, sizes) of the open window
-        # Streams: shard sizes of the epoch, each rank's trained samples of its shard, this rank's
-        # reference batch size, and how far this rank has drawn.
-        self.shards: Optional[np.ndarray] = None
-        self.used = np.zeros(self.world, np.int64)
-        self.reference = 1
-        self.base = 0  # samples of the epoch's order in the rounds before this one
-        self.length: Optional[int] = None  # samples in the epoch (posted with the shards)
-        self._cursor = 0
-        #: Sharded mode: which rank holds each sample (see :mod:`hetlb.data.shards`), or None.
         self.partition: Optional[Partition] = None
+        #: A sharded position loaded before the loader (and its partition) exists: (partition
+        #: state, epoch, step), applied by :meth:`set_partition`.
+        self._deferred: Optional[tuple] = None
+        #: Whether the last restored position was sharded (None: nothing restored).
+        self._loaded_sharded: Optional[bool] = None
 
     # ------------------------------------------------------------------ decisions
 
@@ -338,8 +288,6 @@ class PlanBoard:
         spe = self.steps_per_epoch
         if self._closed:
             return True
-        if self.mode == "stream":  # rounds of shards, not steps
-            return self.stream_finished()
         if spe is None:
             return False
         if spe > 0:
@@ -351,8 +299,6 @@ class PlanBoard:
 
     def _all_handed(self) -> bool:
         """Whether every step of the current epoch has been handed out (the last may be open)."""
-        if self.mode == "stream":
-            return self.stream_finished()
         if self.epoch_finished():
             return True
         spe, cur = self.steps_per_epoch, self.current
@@ -365,8 +311,7 @@ class PlanBoard:
             self._deferred = None
             raise ValueError("the checkpoint was taken with a sharded loader (partition=) and this "
                              "loader is global-order; resume with the same partition= setting")
-        self.steps_per_epoch = steps_per_epoch
-        self.attached = True
+        super().attach(steps_per_epoch)
 
     def set_partition(self, partition: Partition) -> None:
         """Sharded mode (the loader's ``partition=``): a position restored before the loader
@@ -381,11 +326,14 @@ class PlanBoard:
             self.done = partition.load(saved, epoch, done, self.world)
             self.steps_per_epoch = partition.steps
 
+    def _forget(self) -> None:
+        super()._forget()
+        self._window = None
+
     def _new_epoch(self, epoch: int) -> None:
-        self.epoch, self.done = int(epoch), 0
+        super()._new_epoch(epoch)
+        self.done = 0
         self._closed = False
-        if self.mode == "stream":
-            self.shards, self.used, self.base = None, np.zeros(self.world, np.int64), 0
         if self.partition is not None:
             self.partition.new_epoch()
             self.steps_per_epoch = self.partition.steps
@@ -394,31 +342,12 @@ class PlanBoard:
         """A new iteration over the loader begins: forget plans drawn or handed out but not
         trained (they are drawn again) and return the step to draw from. A finished epoch moves
         on to the next one (a DataLoader iterated again starts a new epoch)."""
-        self.drawn.clear()
-        self.current = None
-        self._window = None
-        self.restored = False
-        self.iteration += 1
-        if self.mode == "stream":
-            if self.stream_finished():
-                self._new_epoch(self.epoch + 1)
-            elif self.round_finished():
-                self.next_round()
-            self._cursor = int(self.used[self.rank])
-            return self._cursor
+        self._new_iteration()
         if self.epoch_finished():
             self._new_epoch(self.epoch + 1)
         elif self.partition is not None:
             self.partition.apply_pending()  # re-placed after a world-size change
         return self.done
-
-    def hand(self) -> StepPlan:
-        """The next drawn plan, now handed to the training loop."""
-        if not self.drawn:
-            raise RuntimeError("hetlb: the DataLoader delivered a batch the sampler never drew "
-                               "(batches must come back in order: do not set in_order=False)")
-        self.current = self.drawn.popleft()
-        return self.current
 
     def complete(self, plan: StepPlan) -> None:
         """``plan`` has trained (for accumulation: its window has): the position moves past it."""
@@ -430,118 +359,21 @@ class PlanBoard:
 
     # ------------------------------------------------------------------ epochs and checkpoints
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch to iterate (see :meth:`hetlb.data.loader.BalancedLoader.set_epoch`)."""
-        e = integer(epoch, "epoch", 0)
+    def _check_skip(self, epoch: int, finished: bool) -> None:
         spe = self.steps_per_epoch
-        finished = self.epoch_finished()
-        where = " (as the loaded checkpoint says)" if self.restored else ""
-        if e == self.epoch:
-            if finished:
-                raise ValueError(
-                    f"set_epoch({e}): epoch {e} is already complete{where}; each epoch's samples "
-                    f"are drawn once. Continue with set_epoch({e + 1}) (a script resuming from a "
-                    f"checkpoint taken at the end of epoch {e} starts at epoch {e + 1})")
-            return
-        if e < self.epoch:
-            raise ValueError(f"set_epoch({e}): the loader is already at epoch {self.epoch}{where}; "
-                             f"epochs run in order")
         if self.restored and not finished:
             raise ValueError(
-                f"set_epoch({e}): the loaded checkpoint was taken at step {self.done} of "
+                f"set_epoch({epoch}): the loaded checkpoint was taken at step {self.done} of "
                 f"{spe if spe is not None else '?'} of epoch {self.epoch}; finish that epoch first "
                 f"(set_epoch({self.epoch})), or its remaining samples would be skipped")
-        if self.restored and e > self.epoch + 1:
-            raise ValueError(f"set_epoch({e}): the loaded checkpoint completed epoch {self.epoch}; "
+        if self.restored and epoch > self.epoch + 1:
+            raise ValueError(f"set_epoch({epoch}): the loaded checkpoint completed epoch {self.epoch}; "
                              f"the next epoch is {self.epoch + 1}")
-        self.left = (self.epoch, self._all_handed())
-        self._new_epoch(e)
-        self.drawn.clear()
-        self.current = None
-        self._window = None
-
-    # ------------------------------------------------------------------ streams
-
-    def post_shards(self, shards: Any, reference: int, length: int) -> None:
-        """Stream mode: the round's shard sizes (int64 ``[world]``; fixed once the round has
-        started), this rank's reference batch size and the epoch's samples (the round covers
-        ``base .. base + sum(shards)`` of them)."""
-        if self.mode != "stream":
-            raise ValueError("post_shards is for a PlanBoard(mode='stream')")
-        shards = np.asarray(shards, dtype=np.int64)
-        length = integer(length, "epoch length", 0)
-        if shards.shape != (self.world,) or np.any(shards < 0):
-            raise ValueError(f"shards must be {self.world} non-negative integers, got {shards.tolist()}")
-        if self.base + int(shards.sum()) > length:
-            raise ValueError(f"shards {shards.tolist()} from sample {self.base} run past the epoch's {length}")
-        if self.shards is not None and self.used.any() and not np.array_equal(shards, self.shards):
-            raise ValueError("the shards of a round under way cannot change (post them at its start)")
-        self.shards = shards.copy()
-        self.length = length
-        self.reference = integer(reference, "reference batch", 1)
-
-    def next_round(self) -> None:
-        """The round is trained: the next one starts after it (its shards are posted next)."""
-        if not self.round_finished():
-            raise RuntimeError("next_round: the round is not trained yet")
-        self.base += int(self.shards.sum())
-        self.shards, self.used = None, np.zeros(self.world, np.int64)
-        self._cursor = 0
-        self.drawn.clear()
-        self.current = None
-
-    def draw_stream(self, length: int) -> Optional[StreamPlan]:
-        """This rank's next reference batch of the epoch (None once its shard is drawn)."""
-        if self.shards is None:
-            raise RuntimeError("a stream needs shards: post_shards() first")
-        if self.base + int(self.shards.sum()) > length:
-            raise RuntimeError(f"shards {self.shards.tolist()} from sample {self.base} run past the epoch's {length}")
-        left = int(self.shards[self.rank]) - self._cursor
-        if left <= 0:
-            return None
-        # A shard's tail is split so no reference batch is tiny (an update of a few samples is
-        # a noisy step when it is all a tail iteration has): between 1 and 2 batches' worth left
-        # goes in two halves, each at most a reference batch.
-        m = self.reference
-        count = m if left >= 2 * m else (left + 1) // 2 if left > m else left
-        plan = StreamPlan(self.epoch, self._cursor, count)
-        self._cursor += plan.count
-        self.drawn.append(plan)
-        return plan
-
-    def stream_offset(self) -> int:
-        """Where this rank's shard starts in the epoch's global order."""
-        if self.shards is None:
-            raise RuntimeError(f"a stream needs the shards of epoch {self.epoch}: post_shards() first")
-        return self.base + int(self.shards[:self.rank].sum())
-
-    def consumed(self, used: Any) -> None:
-        """Every rank's trained samples of its shard (from the shared telemetry): the stream's
-        position. A new iteration draws this rank's shard from its count on."""
-        used = np.asarray(used, dtype=np.int64)
-        if used.shape != (self.world,) or np.any(used < 0) or (self.shards is not None and np.any(used > self.shards)):
-            raise ValueError(f"used must be {self.world} counts within the shards, got {used.tolist()}")
-        self.used = used.copy()
-
-    def round_finished(self) -> bool:
-        """Whether every shard of the round has been trained (an empty round never starts)."""
-        return (self.shards is not None and int(self.shards.sum()) > 0
-                and bool(np.array_equal(self.used, self.shards)))
-
-    def stream_finished(self) -> bool:
-        """Whether the epoch's last round has been trained."""
-        return (self.round_finished() and self.length is not None
-                and self.base + int(self.shards.sum()) >= self.length)
 
     def position(self) -> Dict[str, Any]:
-        """The data position (plain values): epoch and steps of it trained (a stream: the shards
-        and every rank's trained samples of its own); ``epoch_end`` when the epoch is complete
-        (so a loader with another number of steps per epoch resumes at the next epoch), and the
-        partition in sharded mode."""
-        if self.mode == "stream":
-            return {"epoch": int(self.epoch), "global_batch": self.global_batch,
-                    "shards": None if self.shards is None else self.shards.tolist(),
-                    "used": self.used.tolist(), "base": int(self.base), "length": self.length}
+        """The data position (plain values): epoch and steps of it trained; ``epoch_end`` when the
+        epoch is complete (so a loader with another number of steps per epoch resumes at the next
+        epoch), and the partition in sharded mode."""
         out = {"epoch": int(self.epoch), "step": int(self.done), "global_batch": self.global_batch}
         if self.epoch_finished():
             # Marks the epoch complete on its own, so a loader with another number of steps per
@@ -559,55 +391,30 @@ class PlanBoard:
         Before a loader draws from the board (``Balancer.load_state_dict`` before
         ``bal.loader()``), a sharded position waits for the loader's partition
         (:meth:`set_partition`)."""
-        if not isinstance(state, dict) or "global_batch" not in state or "epoch" not in state:
-            raise ValueError(f"not a hetlb data position (a dict with epoch, step and global_batch): "
-                             f"got {type(state).__name__}"
-                             + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
-        gb = integer(state["global_batch"], "checkpoint global_batch", 1)
-        if gb != self.global_batch:
-            raise ValueError(f"checkpoint global_batch={gb} differs from this job's global batch "
-                             f"{self.global_batch} (batch_size * world): the checkpoint counts its "
-                             f"epoch in steps of {gb} samples, so its position would not line up. "
-                             f"Resume with global_batch={gb} (with hetlb.DataLoader(batch_size=...): "
-                             f"batch_size={gb} / world, or Balancer(ddp, global_batch={gb}) and "
-                             f"bal.loader(...) when the world does not divide it)")
-        epoch = integer(state["epoch"], "checkpoint epoch", 0)
-        if self.mode == "stream":
-            self.epoch = epoch
-            shards = state.get("shards")
-            self.shards = None if shards is None else np.asarray(shards, np.int64)
-            self.used = np.asarray(state["used"], np.int64)
-            self.base = int(state.get("base", 0))
-            self.length = state.get("length")
-            if self.used.shape != (self.world,):
-                raise ValueError(f"a stream position of {self.used.size} ranks cannot resume on {self.world}")
-        else:
-            if "step" not in state:
-                raise ValueError(f"not a hetlb data position of balanced steps: it has no 'step' "
-                                 f"(keys {sorted(state)}); expected the dict of Balancer.state_dict() "
-                                 f"or loader.state_dict()")
-            done = integer(state["step"], "checkpoint step", 0)
-            spe = self.steps_per_epoch
-            if spe is not None and self.partition is None and done > spe and \
-                    not state.get("epoch_end", False):  # (a finished epoch resumes at the next)
-                raise ValueError(f"checkpoint step={done} is past the end of this loader's epoch "
-                                 f"of {spe} steps; the checkpoint is of another dataset or loader")
-            saved = state.get("partition")
-            defer = saved is not None and self.partition is None and not self.attached
-            if (saved is None) != (self.partition is None) and not defer:
-                raise ValueError("the checkpoint was taken with a " + ("sharded" if saved is not None else "global-order") +
-                                 " loader and this loader is " + ("sharded" if self.partition is not None else
-                                 "global-order") + "; resume with the same partition= setting")
-            if saved is not None and not defer:
-                done = self.partition.load(saved, epoch, done, self.world)
-                self.steps_per_epoch = self.partition.steps
-            self.epoch, self.done = epoch, done
-            # No loader yet: its partition takes this position when it is made (set_partition).
-            self._deferred = (saved, epoch, done) if defer else None
-            self._closed = bool(state.get("epoch_end", False))
-            self._loaded_sharded = saved is not None
-        self.restored = True
-        self.generation += 1
-        self.drawn.clear()
-        self.current = None
-        self._window = None
+        epoch = self._checked_position(state)
+        if "step" not in state:
+            raise ValueError(f"not a hetlb data position of balanced steps: it has no 'step' "
+                             f"(keys {sorted(state)}); expected the dict of Balancer.state_dict() "
+                             f"or loader.state_dict()")
+        done = integer(state["step"], "checkpoint step", 0)
+        spe = self.steps_per_epoch
+        if spe is not None and self.partition is None and done > spe and \
+                not state.get("epoch_end", False):  # (a finished epoch resumes at the next)
+            raise ValueError(f"checkpoint step={done} is past the end of this loader's epoch "
+                             f"of {spe} steps; the checkpoint is of another dataset or loader")
+        saved = state.get("partition")
+        defer = saved is not None and self.partition is None and not self.attached
+        if (saved is None) != (self.partition is None) and not defer:
+            raise ValueError("the checkpoint was taken with a " + ("sharded" if saved is not None else "global-order") +
+                             " loader and this loader is " + ("sharded" if self.partition is not None else
+                             "global-order") + "; resume with the same partition= setting")
+        if saved is not None and not defer:
+            done = self.partition.load(saved, epoch, done, self.world)
+            self.steps_per_epoch = self.partition.steps
+        self.epoch, self.done = epoch, done
+        # No loader yet: its partition takes this position when it is made (set_partition).
+        self._deferred = (saved, epoch, done) if defer else None
+        self._loaded_sharded = saved is not None
+        self._closed = bool(state.get("epoch_end", False))
+        self._position_loaded(restored=True)
+

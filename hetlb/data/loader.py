@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, default_collate
 from hetlb.core.checks import flag, integer
 from hetlb.data.board import PlanBoard
 from hetlb.data.collate import EmptySafeCollate
+from hetlb.data.handout import Board
 from hetlb.data.protocol import Stateful, StepOwner
 from hetlb.data.sampler import (GlobalOrderSampler, MAX_SEED, check_sample_sizes,
                                 dataset_sample_sizes)
@@ -99,7 +100,7 @@ class BalancedLoader:
     def __init__(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True, *,
                  sample_sizes: Optional[Any] = None, seed: int = 0, drop_last: bool = False,
                  partition: Any = None, rebalance: bool = True,
-                 board: Optional[PlanBoard] = None, **dataloader_kwargs: Any) -> None:
+                 board: Optional[Board] = None, **dataloader_kwargs: Any) -> None:
         if isinstance(dataset, torch.utils.data.IterableDataset):
             raise TypeError("hetlb loader: the dataset must be map-style (__getitem__ and "
                             "__len__): the Balancer assigns each step's samples to ranks by "
@@ -335,10 +336,10 @@ def check_loader_config(state: Dict[str, Any], mine: Dict[str, Any]) -> None:
             "dataset")
 
 
-def _shard(board: PlanBoard, partition: Any, rebalance: bool, n: int,
+def _shard(board: Board, partition: Any, rebalance: bool, n: int,
            sample_sizes: Optional[np.ndarray], seed: int, shuffle: bool, drop_last: bool) -> None:
     """Put the board in sharded mode (see :mod:`hetlb.data.shards`)."""
-    if board.mode != "steps":
+    if not isinstance(board, PlanBoard):
         raise ValueError("partition= is for balanced steps; a stream shards the epoch itself")
     if board.accumulate > 1:
         raise ValueError("partition= cannot run with gradient accumulation (accumulate > 1): a "

@@ -25,19 +25,22 @@ import torch
 
 from hetlb.core.checks import flag, integer
 from hetlb.data.board import PlanBoard, StepPlan
+from hetlb.data.handout import Board
+from hetlb.data.stream import StreamBoard
 
 
 class GlobalOrderSampler:
-    """Batch sampler yielding this rank's indices of every step, drawn from a :class:`PlanBoard`.
+    """Batch sampler yielding this rank's indices of every step, drawn from a :class:`PlanBoard`
+    (or every reference batch, drawn from a :class:`StreamBoard`).
 
     Args:
         length: number of samples in the dataset.
-        board: the plan board shared with the Balancer (decisions, position).
+        board: the plan board shared with the loader's owner (decisions, position).
         shuffle, seed, drop_last: as in ``DistributedSampler``.
         sample_sizes: float64 ``[length]`` data amount of every sample, or None.
     """
 
-    def __init__(self, length: int, board: PlanBoard, shuffle: bool = True, seed: int = 0,
+    def __init__(self, length: int, board: Board, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, sample_sizes: Optional[np.ndarray] = None) -> None:
         self.length = integer(length, "dataset length", 0)
         self.board = board
@@ -79,6 +82,8 @@ class GlobalOrderSampler:
 
     def __len__(self) -> int:
         spe = self.steps_per_epoch
+        if not isinstance(self.board, PlanBoard):  # a stream's position counts no steps
+            return spe
         if self.board.epoch_finished():  # the next iteration runs the next epoch, whole
             part = self.board.partition
             return spe if part is None else math.ceil(part.work.size / part.global_batch)
@@ -130,8 +135,8 @@ class GlobalOrderSampler:
 
     def __iter__(self) -> Iterator[List[int]]:
         board = self.board
-        if board.mode == "stream":
-            yield from self._stream()
+        if isinstance(board, StreamBoard):
+            yield from self._stream(board)
             return
         if board.epoch_finished():
             return  # (a new iteration moves on to the next epoch first: PlanBoard.restart)
@@ -171,9 +176,8 @@ class GlobalOrderSampler:
             begin = s * self.global_batch + rank * q + min(rank, rem)
             yield perm[begin:begin + q + (rank < rem)].tolist()
 
-    def _stream(self) -> Iterator[List[int]]:
-        """Stream mode: this rank's reference batches of its shard (see :mod:`hetlb.data.board`)."""
-        board = self.board
+    def _stream(self, board: StreamBoard) -> Iterator[List[int]]:
+        """This rank's reference batches of its shard (see :mod:`hetlb.data.stream`)."""
         perm = self.permutation(board.epoch)
         length = self.epoch_length
         base = board.stream_offset()

@@ -53,7 +53,7 @@ from hetlb import ops
 from hetlb.comm.hook import shapes_digest
 from hetlb.core.checks import choice, instance, integer, number
 from hetlb.core.telemetry import MAX_COMPUTE, MIN_COMPUTE
-from hetlb.data.board import PlanBoard, StreamPlan
+from hetlb.data.stream import StreamBoard, StreamPlan
 from hetlb.data.loader import BalancedLoader
 from hetlb.ranks.agreement import (agree_at_start, broadcast_module_state, make_side_group,
                                    refuse_everywhere)
@@ -281,7 +281,7 @@ class DelayedSync:
             self.updates = 0  # updates applied
             self.references = 0  # reference batches trained
             self.history: Deque[IterationRecord] = deque(maxlen=4096)
-            self.board: Optional[PlanBoard] = None
+            self.board: Optional[StreamBoard] = None
             self._loader: Optional[BalancedLoader] = None
             self._used = 0  # samples of this rank's shard trained this epoch
             self.watchdog = watchdog
@@ -327,7 +327,7 @@ class DelayedSync:
         if plan is not None and plan.count == 0:  # the drain's empty batch: nothing to add
             for p in self.params:
                 p.grad = None  # a mean loss over nothing is NaN
-            self.board.current = None
+            self.board.drop_current()
             applied = self._advance(wait=True, force=True)
             self._mark = time.perf_counter()
             self._beat(None)
@@ -357,7 +357,7 @@ class DelayedSync:
         self.references += 1
         if plan is not None:
             self._used += m
-            self.board.current = None
+            self.board.drop_current()
         applied = self._advance(wait=self.fixed is not None and self._count >= self.fixed)
         self._mark = time.perf_counter()
         self._beat(None)
@@ -570,9 +570,10 @@ class DelayedSync:
             if key in dataloader_kwargs:
                 raise ValueError(f"DelayedSync.loader: {key}= is not accepted: reference batches are "
                                  f"reference_batch={self.reference_batch} samples of this rank's shard")
-        self.board = PlanBoard(self.world, self.rank, self.world * self.reference_batch, mode="stream")
-        # (also for a round restored from a checkpoint, whose shards are not posted again)
-        self.board.reference = self.reference_batch
+        # (the reference batch also for a round restored from a checkpoint, whose shards are
+        # not posted again)
+        self.board = StreamBoard(self.world, self.rank, self.world * self.reference_batch,
+                                 reference=self.reference_batch)
         loader = BalancedLoader(dataset, None, shuffle, sample_sizes=sample_sizes, seed=seed,
                                 drop_last=drop_last, board=self.board, **dataloader_kwargs)
         if self.weighting == "sizes" and loader.sample_sizes is None:
@@ -625,10 +626,7 @@ class DelayedSync:
             dist.barrier(group=self.group)  # start the epoch together: no rank's shard runs ahead
             self._beat(None)
         b = self.board
-        if b.stream_finished():  # iterated again without set_epoch: the next epoch
-            b._new_epoch(b.epoch + 1)
-        elif b.round_finished():
-            b.next_round()
+        b.move_on()  # (iterated again without set_epoch: the next epoch)
         if b.shards is None:
             self._post_round()
         self._used = int(b.used[self.rank])
@@ -663,13 +661,13 @@ class DelayedSync:
         epoch ends on every rank at the same iteration."""
         b = self.board
         if self._round_over and self._flight is None:
-            b.used = b.shards.copy()
+            b.consumed(b.shards)
             if b.stream_finished():
                 return None
             b.next_round()
             self._post_round()
             return "round"
-        b.current = StreamPlan(b.epoch, int(b.shards[self.rank]), 0, 0.0)
+        b.hand_empty()
         self._mark = time.perf_counter()
         self._beat(COMPUTING)  # an empty reference batch is one too: its step joins an iteration
         return "empty"
@@ -687,7 +685,7 @@ class DelayedSync:
         save the model and optimizer next to it. Plain values, loadable with ``torch.load``."""
         self.flush()
         if self.board is not None and self.board.shards is not None:
-            self.board.used = self._consumed()
+            self.board.consumed(self._consumed())
         return {"format": _FORMAT, "world": self.world, "iteration": self.iteration, "updates": self.updates,
                 "references": self.references, "reference_batch": self.reference_batch,
                 "history": [r.to_dict() for r in self.history],
@@ -723,23 +721,8 @@ class DelayedSync:
         self._batch, self._data, self._compute, self._count = 0, 0.0, 0.0, 0
         pos = state.get("position")
         if pos is not None and self.board is not None:
-            shards, used = pos.get("shards"), pos.get("used")
-            base = int(pos.get("base", 0))
-            finished = shards is not None and sum(shards) > 0 and list(used) == list(shards)
-            if int(state["world"]) == self.world:
-                self.board.load_position(pos)
-            elif shards is None or finished or not any(used):
-                # At a round boundary: the next round's shards are cut for the new world.
-                length = pos.get("length") or self._loader.sampler.epoch_length
-                base += sum(shards) if finished else 0
-                self.board.epoch = int(pos["epoch"]) + (1 if base >= length else 0)
-                self.board.base = 0 if base >= length else base
-                self.board.shards, self.board.used = None, np.zeros(self.world, np.int64)
-            else:
-                raise ValueError("DelayedSync resumes in the middle of a round only on the number of "
-                                 f"ranks it saved on ({state['world']}, now {self.world}); resume at an "
-                                 "epoch boundary (or after a flush at a round's end) to change it")
-            self.board.restored = False
+            length = None if self._loader is None else self._loader.sampler.epoch_length
+            self.board.restore_stream_position(pos, int(state["world"]), length)
             self._used = 0 if self.board.shards is None else int(self.board.used[self.rank])
 
 
