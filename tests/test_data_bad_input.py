@@ -338,6 +338,27 @@ def test_a_mid_epoch_checkpoint_loaded_before_a_loader_over_another_dataset_is_r
         bal.loader(Indices(25), seed=1)
 
 
+def test_a_checkpoint_loaded_early_waits_on_the_board_and_is_applied_once_when_the_loader_binds():
+    """hetlb.data.early: the board holds what a checkpoint loaded before binding still has to
+    apply (the owner's part, the loader order to check), and the binding applies it once."""
+    state = mid_epoch_state(n=20, seed=1)
+    board = PlanBoard(1, 0, 4)
+    board.load_position(state["position"])  # Balancer.load_state_dict before bal.loader()
+    board.keep_order({"loader": state["loader"], "position": state["position"]})
+    assert board.holds_checkpoint() and board.owner_state() is None
+    other = BalancedLoader(Indices(25), board=board, seed=1)
+    with pytest.raises(ValueError, match="length=20 then, 25 now"):
+        other.bind(object(), object())
+    assert other.balancer is None  # refused: not bound, and the order still waits for a loader
+    with pytest.raises(ValueError, match="length=20 then, 25 now"):
+        board.bind(other.sampler.config())
+    loader = BalancedLoader(Indices(20), board=PlanBoard(1, 0, 4), seed=1)
+    loader.load_state_dict(state)  # a hetlb.DataLoader made before its Balancer
+    assert loader.state_dict() is state  # its Balancer's part, kept for the Balancer
+    assert loader.bind(object(), object()) is state  # handed over when it binds
+    assert loader.board.owner_state() is None and loader.board.bind({}) is None  # once
+
+
 @pytest.mark.parametrize("state,match", [
     ({}, r"not a hetlb loader state .* got a dict with keys \[\]"),
     ({"steps": 3}, r"got a dict with keys \['steps'\]"),

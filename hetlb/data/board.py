@@ -10,7 +10,8 @@ between them: each side reads and writes values on the board.
 The board also owns the **data position**: the epoch and the number of its steps that have been
 *trained* (not drawn, not handed out). That is what a checkpoint records, so it is exact whatever
 the DataLoader prefetched, a batch handed to the loop but not yet trained is handed out again on
-resume, and a state loaded before the loader exists is not lost. Every rank holds an identical board: the same decisions, the same draws, the same position.
+resume, and a state loaded before the loader exists is not lost (:mod:`hetlb.data.early`). Every
+rank holds an identical board: the same decisions, the same draws, the same position.
 
 Gradient accumulation (``accumulate=K``): the full steps of an epoch are grouped into windows of
 ``K`` consecutive steps (the last window of an epoch may be shorter; a short last step is a window
@@ -124,11 +125,6 @@ class PlanBoard(Board):
         self.last_sizes: Optional[np.ndarray] = None
         self._window: Optional[tuple] = None  # (epoch, window key, sizes) of the open window
         self.partition: Optional[Partition] = None
-        #: A sharded position loaded before the loader (and its partition) exists: (partition
-        #: state, epoch, step), applied by :meth:`set_partition`.
-        self._deferred: Optional[tuple] = None
-        #: Whether the last restored position was sharded (None: nothing restored).
-        self._loaded_sharded: Optional[bool] = None
 
     # ------------------------------------------------------------------ decisions
 
@@ -304,27 +300,31 @@ class PlanBoard(Board):
         spe, cur = self.steps_per_epoch, self.current
         return spe is not None and cur is not None and cur.epoch == self.epoch and cur.step + 1 >= spe
 
-    def attach(self, steps_per_epoch: int) -> None:
-        """A loader's sampler draws from this board from now on (``steps_per_epoch``: of its
-        epochs). A sharded position restored before the loader existed must find a partition."""
-        if self._deferred is not None and self.partition is None:
-            self._deferred = None
-            raise ValueError("the checkpoint was taken with a sharded loader (partition=) and this "
-                             "loader is global-order; resume with the same partition= setting")
-        super().attach(steps_per_epoch)
-
     def set_partition(self, partition: Partition) -> None:
-        """Sharded mode (the loader's ``partition=``): a position restored before the loader
-        existed continues on it."""
-        if self._loaded_sharded is False and not self.attached:
+        """Sharded mode (the loader's ``partition=``); a position restored before the loader
+        existed continues on it when the loader binds (:meth:`bind`)."""
+        self.partition = partition
+
+    def bind(self, config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """The loader is bound (see :meth:`Board.bind`); first a sharded position restored before
+        the loader existed continues on the loader's partition, or is refused when the loader
+        differs in being sharded."""
+        early = self._early
+        if early.sharded is False and self.partition is not None:
+            self.partition = None  # (the board stays global-order: a loader without one may bind)
             raise ValueError("the checkpoint was taken with a global-order loader and this loader "
                              "is sharded (partition=); resume with the same partition= setting")
-        self.partition = partition
-        if self._deferred is not None:
-            saved, epoch, done = self._deferred
-            self._deferred = None
-            self.done = partition.load(saved, epoch, done, self.world)
-            self.steps_per_epoch = partition.steps
+        early.sharded = None
+        if early.partition is not None:
+            saved, epoch, done = early.partition
+            early.partition = None
+            if self.partition is None:
+                raise ValueError("the checkpoint was taken with a sharded loader (partition=) and "
+                                 "this loader is global-order; resume with the same partition= "
+                                 "setting")
+            self.done = self.partition.load(saved, epoch, done, self.world)
+            self.steps_per_epoch = self.partition.steps
+        return super().bind(config)
 
     def _forget(self) -> None:
         super()._forget()
@@ -379,18 +379,17 @@ class PlanBoard(Board):
             # Marks the epoch complete on its own, so a loader with another number of steps per
             # epoch (a dataset changed between runs) resumes at the next epoch, not inside this one.
             out["epoch_end"] = True
-        if self.partition is not None:
+        if self._early.partition is not None:  # (restored before the loader: not applied yet)
+            out["partition"] = self._early.partition[0]
+        elif self.partition is not None:
             out["partition"] = self.partition.state()
-        elif self._deferred is not None:
-            out["partition"] = self._deferred[0]
         return out
 
     def load_position(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`position` output; iterators started earlier refuse to go on.
 
         Before a loader draws from the board (``Balancer.load_state_dict`` before
-        ``bal.loader()``), a sharded position waits for the loader's partition
-        (:meth:`set_partition`)."""
+        ``bal.loader()``), a sharded position waits for the loader's partition (:meth:`bind`)."""
         epoch = self._checked_position(state)
         if "step" not in state:
             raise ValueError(f"not a hetlb data position of balanced steps: it has no 'step' "
@@ -412,9 +411,9 @@ class PlanBoard(Board):
             done = self.partition.load(saved, epoch, done, self.world)
             self.steps_per_epoch = self.partition.steps
         self.epoch, self.done = epoch, done
-        # No loader yet: its partition takes this position when it is made (set_partition).
-        self._deferred = (saved, epoch, done) if defer else None
-        self._loaded_sharded = saved is not None
+        # No loader yet: its partition takes this position when it binds (bind).
+        self._early.partition = (saved, epoch, done) if defer else None
+        self._early.sharded = None if self.attached else saved is not None
         self._closed = bool(state.get("epoch_end", False))
         self._position_loaded(restored=True)
 

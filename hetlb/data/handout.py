@@ -1,5 +1,5 @@
 """What every plan board shares: the ranks, the epoch, the plans drawn and handed out, the
-iterations over the loader.
+iterations over the loader, and a checkpoint loaded before the loader was bound.
 
 Two boards build on it: :class:`hetlb.data.board.PlanBoard` plans balanced steps (the
 :class:`hetlb.Balancer`'s, sharded or not) and :class:`hetlb.data.stream.StreamBoard` the rounds
@@ -13,6 +13,7 @@ from collections import deque
 from typing import Any, Deque, Dict, Optional, Tuple
 
 from hetlb.core.checks import integer
+from hetlb.data.early import EarlyState, check_loader_config
 from hetlb.data.shards import Partition
 
 
@@ -37,8 +38,6 @@ class Board:
             iterator refuses to go on (it would hand out steps the newer one trains too).
         left: ``(epoch, whole)`` of the epoch the last :meth:`set_epoch` moved off: ``whole``
             when every step of it had been handed out (an iteration over it then has nothing left).
-        restored: a position was loaded and no iteration has started from it yet
-            (:meth:`set_epoch` then checks the script resumes where the checkpoint stopped).
     """
 
     #: Sharded mode (a steps board's): which rank holds each sample (see :mod:`hetlb.data.shards`),
@@ -59,7 +58,7 @@ class Board:
         self.left: Optional[Tuple[int, bool]] = None
         self.drawn: Deque[Any] = deque()
         self.current: Any = None
-        self.restored = False
+        self._early = EarlyState()
 
     # ------------------------------------------------------------------ handing out
 
@@ -87,6 +86,43 @@ class Board:
         epochs)."""
         self.steps_per_epoch = steps_per_epoch
         self.attached = True
+
+    def bind(self, config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """The loader is bound to its owner (``config``: its sampler's order): apply what a
+        checkpoint loaded before then still holds (:mod:`hetlb.data.early`), once. Returns the
+        owner's part for the owner to load, or None."""
+        early = self._early
+        if early.order is not None:
+            check_loader_config(early.order, config)
+            early.order = None
+        owner, early.owner = early.owner, None
+        return owner
+
+    # ------------------------------------------------------------------ a checkpoint loaded early
+
+    @property
+    def restored(self) -> bool:
+        """A position was loaded and no iteration has started from it yet."""
+        return self._early.restored
+
+    def keep_for_owner(self, state: Optional[Dict[str, Any]]) -> None:
+        """Keep the owner's state loaded into the loader before binding (None: there is none),
+        for the owner to load when it binds (:meth:`bind`)."""
+        self._early.owner = state
+
+    def owner_state(self) -> Optional[Dict[str, Any]]:
+        """The owner's state kept by :meth:`keep_for_owner`, until the loader binds."""
+        return self._early.owner
+
+    def keep_order(self, order: Optional[Dict[str, Any]]) -> None:
+        """Keep a checkpoint's loader order and position (``{"loader": ..., "position": ...}``),
+        loaded into the owner before any loader was bound, for the check when one binds (None:
+        nothing to check)."""
+        self._early.order = order
+
+    def holds_checkpoint(self) -> bool:
+        """Whether a loaded checkpoint waits for the loader to be bound or iterated."""
+        return self._early.owner is not None or self._early.restored
 
     # ------------------------------------------------------------------ epochs
 
@@ -125,14 +161,14 @@ class Board:
     def _position_loaded(self, restored: bool) -> None:
         """A position was just loaded (``restored``: ``set_epoch`` checks the script resumes
         there): iterators started earlier refuse to go on, plans drawn before are forgotten."""
-        self.restored = restored
+        self._early.restored = restored
         self.generation += 1
         self._forget()
 
     def _new_iteration(self) -> None:
         """What every new iteration starts with (see :meth:`restart`)."""
         self._forget()
-        self.restored = False
+        self._early.restored = False
         self.iteration += 1
 
     def _new_epoch(self, epoch: int) -> None:

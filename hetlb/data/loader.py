@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, default_collate
 from hetlb.core.checks import flag, integer
 from hetlb.data.board import PlanBoard
 from hetlb.data.collate import EmptySafeCollate
+from hetlb.data.early import check_loader_config
 from hetlb.data.handout import Board
 from hetlb.data.protocol import Stateful, StepOwner
 from hetlb.data.sampler import (GlobalOrderSampler, MAX_SEED, check_sample_sizes,
@@ -29,7 +30,7 @@ from hetlb.data.sampler import (GlobalOrderSampler, MAX_SEED, check_sample_sizes
 from hetlb.data.shards import Migration, Partition, even_partition
 
 
-__all__ = ["BalancedLoader"]
+__all__ = ["BalancedLoader", "check_loader_config"]
 
 _REFUSED = {
     "sampler": "hetlb draws every step's indices itself (the global order); drop sampler= and pass "
@@ -152,7 +153,6 @@ class BalancedLoader:
         self.board = board
         self._owner: Optional[StepOwner] = None  # runs the steps of the batches (see bind)
         self._state: Optional[Stateful] = None  # owns the checkpoint state (see bind)
-        self._pending: Optional[Dict[str, Any]] = None  # state loaded before binding
         collate = dataloader_kwargs.pop("collate_fn", None) or default_collate
         self._steps = _Steps(self.sampler)
         self._dl = DataLoader(dataset, batch_sampler=self._steps,
@@ -218,12 +218,14 @@ class BalancedLoader:
 
     def bind(self, steps: StepOwner, state: Stateful) -> Optional[Dict[str, Any]]:
         """Bind the loader for training: ``steps`` runs the steps of its batches, ``state`` owns
-        its checkpoint state. Returns a state loaded into the loader before binding, for ``state``
-        to apply (None if there is none). Called by the Balancer and DelayedSync."""
+        its checkpoint state. A checkpoint loaded before binding is applied here
+        (:meth:`hetlb.data.handout.Board.bind`, which refuses one of another order); returns its
+        part for ``state`` to load (None if there is none). Called by the Balancer and
+        DelayedSync."""
         if self._state is not None:
             raise ValueError("this loader is already bound to a Balancer")
+        pending = self.board.bind(self.sampler.config())
         self._owner, self._state = steps, state
-        pending, self._pending = self._pending, None
         return pending
 
     def set_epoch(self, epoch: int) -> None:
@@ -256,7 +258,7 @@ class BalancedLoader:
         """A loader no Balancer is bound to iterates as a plain distributed evaluation loader
         (:meth:`GlobalOrderSampler.evaluation`): a test set's loader made by the same helper as
         the training loader works without a Balancer of its own."""
-        if self._pending is not None or self.board.restored:
+        if self.board.holds_checkpoint():
             raise RuntimeError(
                 "this hetlb loader holds a loaded checkpoint and is not bound to a Balancer yet: "
                 "make the Balancer with hetlb.Balancer(ddp_model, loader=loader) before iterating "
@@ -281,8 +283,9 @@ class BalancedLoader:
         a collective every rank must call at the same update."""
         if self._state is not None:
             return self._state.state_dict()
-        if self._pending is not None:
-            return self._pending
+        pending = self.board.owner_state()
+        if pending is not None:
+            return pending
         return {"position": self.board.position(), "loader": self.sampler.config()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -305,35 +308,10 @@ class BalancedLoader:
         if "policy" in state and isinstance(pos, dict) and pos.get("global_batch") != self.board.global_batch:
             # A Balancer's state of another global batch: its Balancer converts the position
             # when it binds this loader (or refuses it, naming why)
-            self._pending = state
+            self.board.keep_for_owner(state)
             return
         self.board.load_position(pos)
-        self._pending = state if "policy" in state else None
-
-
-def check_loader_config(state: Dict[str, Any], mine: Dict[str, Any]) -> None:
-    """A checkpoint taken in the middle of an epoch resumes only with the same global order
-    (``mine``: the resuming loader's :meth:`GlobalOrderSampler.config`).
-
-    At an epoch boundary (a checkpoint before the epoch's first step, or one that closed its
-    epoch: ``epoch_end`` in the position) any order continues correctly: the resumed loader
-    starts the next epoch over its own dataset. That is the way to move a job onto a changed
-    dataset (more samples, other sizes, another seed)."""
-    saved = state.get("loader")
-    pos = state.get("position") or {}
-    if saved is None or not pos.get("step") or pos.get("epoch_end"):
-        return  # at an epoch boundary any order continues correctly
-    # (a key the checkpoint does not have is one an older hetlb did not record)
-    diff = {k: (saved.get(k), mine[k]) for k in mine if k in saved and saved[k] != mine[k]}
-    if diff:
-        raise ValueError(
-            f"the checkpoint was taken in the middle of epoch {pos.get('epoch')} (after step "
-            f"{pos.get('step')}) with a different global order, so its remaining samples are not "
-            f"the ones left in this order: " + ", ".join(
-                f"{k}={a!r} then, {b!r} now" for k, (a, b) in diff.items()) +
-            ". Resume with the same dataset (length and sample sizes), shuffle, seed and "
-            "drop_last; or from a checkpoint taken at the end of an epoch, which resumes over any "
-            "dataset")
+        self.board.keep_for_owner(state if "policy" in state else None)
 
 
 def _shard(board: Board, partition: Any, rebalance: bool, n: int,

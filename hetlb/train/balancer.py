@@ -349,8 +349,6 @@ class Balancer:
             # The bound loader's configuration (a value: the loader holds this Balancer, not the
             # other way round), or None before a loader is bound.
             self._loader_config: Optional[Dict[str, Any]] = None
-            # A checkpoint's loader order and position, loaded before any loader was bound.
-            self._pending_check: Optional[Dict[str, Any]] = None
             if loader is not None:
                 self._bind(loader)
             if watchdog is not None and self.distributed:
@@ -436,9 +434,7 @@ class Balancer:
                 f"when its indices are, so every rank must draw them equally far ahead. Pass the "
                 f"same num_workers and prefetch_factor (or products equal) to bal.loader on every rank")
         check_rule_fits_loader(self.loop.decision, loader, self.global_batch)
-        if self._pending_check is not None:  # a checkpoint loaded before this loader existed
-            check_loader_config(self._pending_check, loader.sampler.config())
-            self._pending_check = None
+        # (a checkpoint loaded before the loader existed: checked and applied by the binding)
         pending = loader.bind(self.driver, self)
         self._loader_config = loader.sampler.config()
         self.driver.bound = True
@@ -690,9 +686,6 @@ class Balancer:
         if self._loader_config is not None:
             check_loader_config(state, self._loader_config)
         restored = None
-        # No loader yet: its order is checked against the checkpoint's when it is bound.
-        pending_check = None if self._loader_config is not None else \
-            {"loader": state.get("loader"), "position": position}
         fresh = state["policy"] is None or rescaled  # a policy switched (see the docstring)
         if world == self.world and not fresh:  # parsed before anything changes
             restored = self.loop.prepare(state, "this Balancer",
@@ -706,7 +699,9 @@ class Balancer:
             if restored is not None:
                 self.loop.restore(backup)
             raise
-        self._pending_check = pending_check
+        # No loader yet: its order is checked against the checkpoint's when it is bound.
+        self.board.keep_order(None if self._loader_config is not None else
+                              {"loader": state.get("loader"), "position": position})
         self.driver.reset(steps)
         if world != self.world or fresh:
             if rescaled:
