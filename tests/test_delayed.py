@@ -126,12 +126,12 @@ def loader_worker(rank, world, speeds, n, epochs, state=None, stop_at=None, num_
     if state is not None:
         loader.load_state_dict(state)
     seen, shards, rounds = {}, {}, {}
-    epoch = ds.board.epoch
+    epoch = ds.rounds.board.epoch
     while epoch < epochs:
         loader.set_epoch(epoch)
         for (x,) in loader:
-            shards[epoch] = ds.board.shards.tolist()
-            rounds.setdefault(epoch, {})[ds.board.base] = ds.board.shards.tolist()
+            shards[epoch] = ds.rounds.board.shards.tolist()
+            rounds.setdefault(epoch, {})[ds.rounds.board.base] = ds.rounds.board.shards.tolist()
             net(x).sum().backward()
             seen.setdefault(epoch, []).extend(int(v) for v in x[:, 0].tolist())
             if ds.step() and stop_at is not None and ds.updates == stop_at:

@@ -39,11 +39,10 @@ tail iteration's update) is made of a handful of samples.
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -52,18 +51,16 @@ import torch.distributed as dist
 from hetlb import ops
 from hetlb.comm.hook import shapes_digest
 from hetlb.core.checks import choice, instance, integer, number
-from hetlb.core.telemetry import MAX_COMPUTE, MIN_COMPUTE
-from hetlb.data.stream import StreamBoard, StreamPlan
 from hetlb.data.loader import BalancedLoader
+from hetlb.data.stream import StreamPlan
 from hetlb.ranks.agreement import (agree_at_start, broadcast_module_state, make_side_group,
                                    refuse_everywhere)
 from hetlb.ranks.watchdog import COMPUTING, WAITING, Watchdog
 from hetlb.sim.emulate import sleep_until
+from hetlb.sync.rounds import Rounds, measured_speeds  # noqa: F401 (a name of this module)
 
 
 __all__ = ["DelayedSync", "IterationRecord", "measured_speeds"]
-
-log = logging.getLogger("hetlb")
 
 #: The telemetry row each rank writes into its slots of the flat buffer. ``iteration`` (modulo
 #: :data:`_ITERATION_WRAP`, exact in float32) and ``flush`` (1 in a :meth:`DelayedSync.flush`'s
@@ -74,24 +71,6 @@ _R = {name: i for i, name in enumerate(ROW)}
 _FORMAT = "hetlb.DelayedSync/1"
 _ITERATION_WRAP = 1 << 24  # float32 holds every integer below 2 ** 24 exactly
 WEIGHTINGS = ("samples", "sizes", "none")
-
-
-def measured_speeds(records: Sequence["IterationRecord"], world: int) -> Optional[np.ndarray]:
-    """Samples per second of compute of every rank over ``records`` (the iterations in which it
-    computed), or None while some rank has none. A compute time that cannot describe work (NaN,
-    infinite, or outside ``[MIN_COMPUTE, MAX_COMPUTE]``: a broken clock) is left out with its
-    samples, as the Balancer's History refuses such records, instead of skewing every shard."""
-    samples = np.zeros(world)
-    seconds = np.zeros(world)
-    for r in records:
-        t = r.compute
-        with np.errstate(invalid="ignore"):
-            busy = (r.batch > 0) & np.isfinite(t) & (t >= MIN_COMPUTE) & (t <= MAX_COMPUTE)
-        samples[busy] += r.batch[busy]
-        seconds[busy] += t[busy]
-    if not np.all(seconds > 0):
-        return None
-    return samples / seconds
 
 
 @dataclass(frozen=True)
@@ -274,16 +253,14 @@ class DelayedSync:
             self._count = 0  # reference batches this iteration
             self._waited = 0.0  # seconds waited for all-reduces since the last send
             self._link = 0.0  # seconds the all-reduces completed since the last send took
-            self._round_over = False  # the last applied iteration finished every rank's shard
             self._flight: Optional[_Flight] = None
             self._mark = time.perf_counter()  # start of the current reference batch
             self.iteration = 0  # iterations started (all-reduces issued)
             self.updates = 0  # updates applied
             self.references = 0  # reference batches trained
             self.history: Deque[IterationRecord] = deque(maxlen=4096)
-            self.board: Optional[StreamBoard] = None
-            self._loader: Optional[BalancedLoader] = None
-            self._used = 0  # samples of this rank's shard trained this epoch
+            #: The epoch's rounds of shards: the board, the loader, this rank's progress.
+            self.rounds = Rounds(self.world, self.rank, self.reference_batch, self.probe_batches)
             self.watchdog = watchdog
         except (ValueError, TypeError) as e:
             refuse_everywhere(e, group)
@@ -323,11 +300,11 @@ class DelayedSync:
                 ``reference_batch``).
             data: its data amount for ``weighting="sizes"`` (default: the loader's plan).
         """
-        plan = self._plan()
+        plan = self.rounds.plan()
         if plan is not None and plan.count == 0:  # the drain's empty batch: nothing to add
             for p in self.params:
                 p.grad = None  # a mean loss over nothing is NaN
-            self.board.drop_current()
+            self.rounds.skipped()
             applied = self._advance(wait=True, force=True)
             self._mark = time.perf_counter()
             self._beat(None)
@@ -356,8 +333,7 @@ class DelayedSync:
         self._count += 1
         self.references += 1
         if plan is not None:
-            self._used += m
-            self.board.drop_current()
+            self.rounds.trained(m)
         applied = self._advance(wait=self.fixed is not None and self._count >= self.fixed)
         self._mark = time.perf_counter()
         self._beat(None)
@@ -383,15 +359,11 @@ class DelayedSync:
                 return False
             own = self._own_buffers()  # taken before the update overwrites them
             applied = self._complete()
-        if not self._round_over:
+        if not self.rounds.over:
             self._send(own=own)
         else:
             self._rebase()
         return applied
-
-    def _round_key(self) -> Any:
-        b = self.board
-        return None if b is None else (b.epoch, b.base)
 
     def _rebase(self) -> None:
         """Nothing in flight and nothing accumulated (a round's end, a flush): the next gradient
@@ -426,13 +398,8 @@ class DelayedSync:
         rec = IterationRecord(it, batch, table[:, _R["data"]].copy(), table[:, _R["compute"]].copy(),
                               table[:, _R["wait"]].copy(), table[:, _R["link"]].copy())
         self.history.append(rec)
-        self._table = table
         # Every shard trained and (with this update) applied: the round ends on every rank here.
-        # (Only the round the iteration was sent in: a loop left on the last update of a round and
-        # moved to the next epoch completes that update's all-reduce in the new round.)
-        self._round_over = bool(self.board is not None and self.board.shards is not None
-                                and flight.round_key == self._round_key()
-                                and np.all(table[:, _R["left"]] == 0))
+        self.rounds.applied(table[:, _R["left"]].copy(), flight.round_key)
         if self.weighting == "samples":
             total = float(batch.sum())
         elif self.weighting == "sizes":
@@ -508,7 +475,7 @@ class DelayedSync:
         :meth:`_check_matched`). ``own``: the buffers' part, when taken before an update that
         overwrote them (:meth:`_own_buffers`)."""
         row = torch.zeros(self.world * len(ROW), dtype=self.dtype, device=self.device)
-        left = self._left()
+        left = self.rounds.left()
         mine = [float(self._batch), self._data, self._compute, self._waited, self._link, float(left),
                 float(self.iteration % _ITERATION_WRAP), float(flushing)]
         self._waited = self._link = 0.0
@@ -527,7 +494,7 @@ class DelayedSync:
         delay = 0.0
         if self.emulator is not None and getattr(self.emulator, "bandwidth", None):
             delay = self.emulator.comm_delay(buf.numel() * buf.element_size())
-        self._flight = _Flight(work, buf, self.iteration, delay, self._round_key(), agreed)
+        self._flight = _Flight(work, buf, self.iteration, delay, self.rounds.key(), agreed)
         if self._buffers is not None:
             self._buffers.began()
         self.iteration += 1
@@ -564,18 +531,7 @@ class DelayedSync:
             sample_sizes: per-sample data amounts (for ``weighting="sizes"``).
             **dataloader_kwargs: passed to ``torch.utils.data.DataLoader``.
         """
-        if self._loader is not None:
-            raise ValueError("this DelayedSync already drives a loader; iterate it every epoch")
-        for key in ("batch_size", "batch_sampler", "sampler"):
-            if key in dataloader_kwargs:
-                raise ValueError(f"DelayedSync.loader: {key}= is not accepted: reference batches are "
-                                 f"reference_batch={self.reference_batch} samples of this rank's shard")
-        # (the reference batch also for a round restored from a checkpoint, whose shards are
-        # not posted again)
-        self.board = StreamBoard(self.world, self.rank, self.world * self.reference_batch,
-                                 reference=self.reference_batch)
-        loader = BalancedLoader(dataset, None, shuffle, sample_sizes=sample_sizes, seed=seed,
-                                drop_last=drop_last, board=self.board, **dataloader_kwargs)
+        loader = self.rounds.new_loader(dataset, shuffle, seed, drop_last, sample_sizes, dataloader_kwargs)
         if self.weighting == "sizes" and loader.sample_sizes is None:
             raise ValueError('weighting="sizes" needs per-sample sizes: ds.loader(dataset, sample_sizes=...)')
         # Each rank cuts its shard from the shared order: another order loses and repeats samples.
@@ -586,34 +542,9 @@ class DelayedSync:
                              f"reference_batch = {self.world * self.reference_batch}" if drop_last else "")
                              + ")")
         loader.bind(self, self)  # (a new loader: no state loaded before binding)
-        self._loader = loader
+        self.rounds.drive(loader)
         return loader
 
-    def _plan(self) -> Optional[StreamPlan]:
-        return None if self.board is None else self.board.current
-
-    def _left(self) -> int:
-        if self.board is None or self.board.shards is None:
-            return 0
-        return int(self.board.shards[self.rank]) - self._used
-
-    def _shards(self) -> np.ndarray:
-        """The round's shard sizes, proportional to each rank's measured speed (samples per
-        second of compute over the recent iterations in which it computed), largest-remainder
-        rounded; the round is the rest of the epoch. While some rank's speed is unknown the round
-        is a short probe of ``probe_batches`` reference batches per rank, equal shares. Every rank
-        computes the same from the shared history."""
-        from hetlb.core.solve import allocate_proportional
-        b = self.board
-        n = self._loader.sampler.epoch_length - b.base
-        speed = measured_speeds(list(self.history)[-256:], self.world)
-        if speed is None:
-            speed = np.ones(self.world)
-            if self.probe_batches:
-                n = min(n, self.world * self.reference_batch * self.probe_batches)
-        return allocate_proportional(speed, n)
-
-    # the loader's hooks (see hetlb.data.loader._Iteration)
     # ------------------------------------------------------------------ the loader's steps
     # (hetlb.data.protocol.StepOwner: called by the bound loader only)
 
@@ -621,26 +552,17 @@ class DelayedSync:
         """Nothing to finish: an iteration's reference batches end at :meth:`step`."""
 
     def iteration_starts(self) -> None:
+        """A new iteration over the loader: every rank starts it together, in the same round."""
         if self.world > 1 and self._flight is None:
             self._beat(WAITING)
             dist.barrier(group=self.group)  # start the epoch together: no rank's shard runs ahead
             self._beat(None)
-        b = self.board
-        b.move_on()  # (iterated again without set_epoch: the next epoch)
-        if b.shards is None:
-            self._post_round()
-        self._used = int(b.used[self.rank])
+        self.rounds.start(self.history)
         self._mark = time.perf_counter()
 
-    def _post_round(self) -> None:
-        b = self.board
-        self._round_over = False
-        self._used = 0
-        b.post_shards(self._shards(), self.reference_batch, self._loader.sampler.epoch_length)
-        log.info("epoch %d, samples %d on: shards %s", b.epoch, b.base, b.shards.tolist())
-
     def before_next(self) -> None:
-        if self.board.current is not None:
+        """The loop asks for the next reference batch: the previous one must have been stepped."""
+        if self.rounds.plan() is not None:
             raise RuntimeError("DelayedSync: call ds.step() after every reference batch's backward")
 
     def loop_left(self) -> None:
@@ -649,6 +571,7 @@ class DelayedSync:
         self._beat(None)
 
     def handed(self, plan: StreamPlan) -> None:
+        """The loop received a reference batch: its compute starts."""
         self._mark = time.perf_counter()
         self._beat(COMPUTING)
 
@@ -659,18 +582,11 @@ class DelayedSync:
         been trained and applied (every rank sees it in the same iteration): ``"round"`` when the
         epoch has more samples (their shards are cut now, by the latest speeds), else None: the
         epoch ends on every rank at the same iteration."""
-        b = self.board
-        if self._round_over and self._flight is None:
-            b.consumed(b.shards)
-            if b.stream_finished():
-                return None
-            b.next_round()
-            self._post_round()
-            return "round"
-        b.hand_empty()
-        self._mark = time.perf_counter()
-        self._beat(COMPUTING)  # an empty reference batch is one too: its step joins an iteration
-        return "empty"
+        what = self.rounds.end_of_shard(self.history, in_flight=self._flight is not None)
+        if what == "empty":
+            self._mark = time.perf_counter()
+            self._beat(COMPUTING)  # an empty reference batch is one too: its step joins an iteration
+        return what
 
     def close(self) -> None:
         """Stop the watchdog's heartbeat (training ended); nothing else to do without one.
@@ -684,18 +600,10 @@ class DelayedSync:
         """Flush (collective: see :meth:`flush`), then the counters, history and data position;
         save the model and optimizer next to it. Plain values, loadable with ``torch.load``."""
         self.flush()
-        if self.board is not None and self.board.shards is not None:
-            self.board.consumed(self._consumed())
         return {"format": _FORMAT, "world": self.world, "iteration": self.iteration, "updates": self.updates,
                 "references": self.references, "reference_batch": self.reference_batch,
                 "history": [r.to_dict() for r in self.history],
-                "position": None if self.board is None else self.board.position(),
-                "loader": None if self._loader is None else self._loader.sampler.config()}
-
-    def _consumed(self) -> np.ndarray:
-        """Every rank's trained samples of its shard, from the last table (flushed)."""
-        shards = self.board.shards
-        return np.maximum(shards - np.rint(self._table[:, _R["left"]]).astype(np.int64), 0)
+                "position": self.rounds.position(), "loader": self.rounds.config()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (load the model and optimizer as saved with it, the model
@@ -719,11 +627,7 @@ class DelayedSync:
         for a in self._acc:
             a.zero_()
         self._batch, self._data, self._compute, self._count = 0, 0.0, 0.0, 0
-        pos = state.get("position")
-        if pos is not None and self.board is not None:
-            length = None if self._loader is None else self._loader.sampler.epoch_length
-            self.board.restore_stream_position(pos, int(state["world"]), length)
-            self._used = 0 if self.board.shards is None else int(self.board.used[self.rank])
+        self.rounds.restore(state.get("position"), int(state["world"]))
 
 
 class _Flight:
