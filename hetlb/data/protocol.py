@@ -32,7 +32,7 @@ class StepOwner(Protocol):
 
     def handed(self, plan: Any) -> None:
         """The loop received the batch of ``plan`` (a :class:`~hetlb.data.board.StepPlan` or
-        :class:`~hetlb.data.board.StreamPlan`)."""
+        :class:`~hetlb.data.stream.StreamPlan`)."""
 
     def exhausted(self) -> Optional[str]:
         """The DataLoader ran out: ``"empty"`` to hand out an empty batch, ``"round"`` to start
