@@ -457,6 +457,43 @@ def test_a_mid_epoch_resume_keeps_the_reference_batch():
     assert max(trained) == 8 and sum(1 for n in trained if n < 8) <= 2, after  # (a split tail)
 
 
+def test_a_checkpoint_loaded_before_the_loader_is_made_resumes_exactly_once():
+    """ds.load_state_dict before ds.loader(): the position waits for the loader (Rounds), so the
+    epoch goes on where it stopped instead of starting over (16 samples trained twice)."""
+    data = torch.utils.data.TensorDataset(torch.arange(40, dtype=torch.float32)[:, None])
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Linear(1, 1)
+        return net, hetlb.DelayedSync(net, torch.optim.SGD(net.parameters(), lr=0.01), reference_batch=4,
+                                      batches_per_iteration=1)
+
+    net, ds = make()
+    seen = []
+    for k, (x,) in enumerate(ds.loader(data, seed=1)):
+        net(x).sum().backward()
+        ds.step()
+        seen += x[:, 0].int().tolist()
+        if k == 3:
+            break
+    state = ds.state_dict()
+    for first in ("loader", "state"):
+        net2, ds2 = make()
+        if first == "loader":
+            loader = ds2.loader(data, seed=1)
+            ds2.load_state_dict(state)
+        else:
+            ds2.load_state_dict(state)
+            loader = ds2.loader(data, seed=1)
+        assert loader.epoch == 0
+        rest = []
+        for (x,) in loader:
+            net2(x).sum().backward()
+            ds2.step()
+            rest += x[:, 0].int().tolist()
+        assert sorted(seen + rest) == list(range(40)), first
+
+
 def _compensation_run(flush_at=None):
     """One process, lam = 0.5, two epochs: for each update, how far the applied step is from the
     plain gradient it applies, split by whether that gradient was computed at the parameters it

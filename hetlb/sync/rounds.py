@@ -11,7 +11,7 @@ the shared history, so every rank cuts the same.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -63,6 +63,9 @@ class Rounds:
         self._used = 0  # samples of this rank's shard trained this round
         self._over = False  # the iteration applied last trained every shard of the round
         self._left: Optional[np.ndarray] = None  # every rank's samples left, in the last table
+        #: A position loaded before a loader drives the rounds, and the world it was saved on
+        #: (applied by :meth:`drive`).
+        self._early: Optional[Tuple[Dict[str, Any], int]] = None
 
     # ------------------------------------------------------------------ the loader
 
@@ -84,8 +87,12 @@ class Rounds:
                               drop_last=drop_last, board=self.board, **dataloader_kwargs)
 
     def drive(self, loader: BalancedLoader) -> None:
-        """``loader`` (from :meth:`new_loader`), checked and bound, draws the rounds from now on."""
+        """``loader`` (from :meth:`new_loader`), checked and bound, draws the rounds from now on,
+        from a position loaded before it was made (:meth:`restore`) if there is one."""
         self.loader = loader
+        early, self._early = self._early, None
+        if early is not None:
+            self.restore(*early)
 
     def config(self) -> Optional[Dict[str, Any]]:
         """The loader's global order (what every rank agrees on), or None without a loader."""
@@ -192,11 +199,13 @@ class Rounds:
         return b.position()
 
     def restore(self, position: Optional[Dict[str, Any]], world: int) -> None:
-        """Resume :meth:`position` saved on ``world`` ranks (nothing without a board: a
-        position loaded before the loader is made is not kept)."""
-        b = self.board
-        if position is None or b is None:
+        """Resume :meth:`position` saved on ``world`` ranks (None: nothing to resume). Before a
+        loader drives the rounds the position waits for it (:meth:`drive`)."""
+        if position is None:
             return
-        length = None if self.loader is None else self.loader.sampler.epoch_length
-        b.restore_stream_position(position, world, length)
+        if self.loader is None:
+            self._early = (position, world)
+            return
+        b = self.board
+        b.restore_stream_position(position, world, self.loader.sampler.epoch_length)
         self._used = 0 if b.shards is None else int(b.used[self.rank])
