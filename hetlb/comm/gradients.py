@@ -116,8 +116,10 @@ class BackwardEnd:
         self.telemetry = telemetry
 
     def __call__(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        if self.telemetry.core.open:
-            self.telemetry.core.last_ready()
+        core = self.telemetry.core
+        if core.open:
+            core.last_ready()
+            core.mark_reduced()  # (one process: nothing to wait for)
 
 
 class DDPTransport:

@@ -30,7 +30,7 @@ from hetlb.data.board import PlanBoard, StepPlan
 from hetlb.data.shards import Partition, epoch_rates
 from hetlb.policies.loop import DecisionLoop
 from hetlb.ranks.agreement import Peers
-from hetlb.ranks.watchdog import FLUSHING
+from hetlb.ranks.watchdog import FLUSHING, WAITING
 from hetlb.train.model_hooks import ModelHooks, unattached_message
 from hetlb.train.runlog import RunLog
 from hetlb.train.verify import RECORD_COLS, verify_table
@@ -372,8 +372,15 @@ class StepDriver:
             if not tele.hooked:
                 tele.stamp()
             # No hook carried the row (a step without gradients, or one process without DDP):
-            # all-reduce it on its own.
-            table = tele.exchange()
+            # all-reduce it on its own, waiting for the others there.
+            if self.watchdog is not None:
+                self.watchdog.beat(self._step, WAITING)
+                try:
+                    table = tele.exchange()
+                finally:
+                    self.watchdog.beat(self._step)
+            else:
+                table = tele.exchange()
         tele.close()
         self._open = None
         steps = self._block + [(self._step, plan)]  # the block's steps, each with its own table
@@ -559,13 +566,6 @@ class StepDriver:
         """The loop received ``plan``'s batch: without accumulation its step opens now."""
         if self.accumulate == 1:
             self._begin(plan, explicit=False)
-
-    def loop_left(self) -> None:
-        """The loop over the loader was left with a step open (a ``break``): to the watchdog
-        this worker is between steps until its next step opens (see :class:`hetlb.Watchdog`)."""
-        if self.watchdog is not None and self._open is not None and not self._in_with:
-            self.watchdog.beat(self._step)
-
 
     def exhausted(self) -> Optional[str]:
         """The DataLoader ran out: the iteration ends (balanced steps have no rounds)."""
