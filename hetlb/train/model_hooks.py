@@ -298,6 +298,9 @@ class ModelHooks:
         self.model = model
         self._check_models = is_ddp  # the first step looks for models trained unattached
         self._unattached: Optional[UnattachedCheck] = None  # its hooks while that step is open
+        #: Whether the step about to run searches for DDP models trained unattached (the first
+        #: step; again after a discarded one). An attribute: the driver reads it every step.
+        self.wants_check = is_ddp
         self._gate = model.register_forward_pre_hook(StepGate(board, telemetry, batch_dim, ends),
                                                      with_kwargs=True)
 
@@ -309,16 +312,11 @@ class ModelHooks:
         """One process: this Balancer's gate replaces any earlier Balancer's on the module."""
         take_over(self.model, keep=self._gate.id)
 
-    @property
-    def wants_check(self) -> bool:
-        """Whether the step about to run searches for DDP models trained unattached (the first
-        step; again after a discarded one)."""
-        return self._check_models and self._unattached is None
-
     def start_check(self, known: List[torch.nn.Module]) -> None:
         """Search the step about to run for DDP models trained unattached, besides the ``known``
         ones (the balanced model and those attached to it)."""
         self._unattached = UnattachedCheck.watch(self.model, known)
+        self.wants_check = False
 
     @property
     def checking(self) -> bool:
@@ -329,7 +327,7 @@ class ModelHooks:
         """Stop the first step's search; the class of an unattached model it found, or None."""
         found = self._unattached.found if self._unattached is not None else None
         self.stop_check()
-        self._check_models = False
+        self._check_models = self.wants_check = False
         return found
 
     def stop_check(self) -> None:
@@ -337,3 +335,4 @@ class ModelHooks:
         if self._unattached is not None:
             self._unattached.remove()
             self._unattached = None
+            self.wants_check = self._check_models
