@@ -18,7 +18,6 @@ MAX_FUNCTION = 150
 KNOWN_LARGE = {
     ("hetlb/train/balancer.py", "Balancer"): 503,
     ("hetlb/sync/delayed.py", "DelayedSync"): 524,
-    ("hetlb/sim/engine.py", "simulate"): 200,
 }
 
 
