@@ -372,13 +372,6 @@ class Federated:
             self.watchdog.beat(self.round, COMPUTING)
         return self.batch_size
 
-    def loop_left(self) -> None:
-        """A loop over the loader was left (a ``break``, an exception): the client is between
-        steps to the watchdog, so the script's own work after the loop is not taken for a
-        stalled local step."""
-        if self.watchdog is not None:
-            self.watchdog.beat(self.round, None)
-
     def close(self) -> None:
         """Stop the watchdog's heartbeat (training ended); nothing to do without one."""
         if self.watchdog is not None:
@@ -523,7 +516,7 @@ class ClientLoader:
         return np.concatenate(out)
 
     def __iter__(self) -> Iterator[Any]:
-        return _ClientPass(self)
+        return self
 
     def __next__(self) -> Any:
         idx = self.take(self.fl.batch_drawn())
@@ -550,32 +543,6 @@ class ClientLoader:
         self.offset = integer(state["offset"], "offset", 0)
         if self.offset >= len(self._order):
             raise ValueError(f"loader state offset {self.offset} is beyond the {len(self._order)} local samples")
-
-
-class _ClientPass:
-    """One ``for`` loop over a :class:`ClientLoader` (the stream itself is the loader's): when
-    the loop is left (a ``break``, an exception) the client is between steps to the watchdog
-    (:meth:`Federated.loop_left`), so the script's own work after the loop is not taken for a
-    stalled local step."""
-
-    def __init__(self, loader: ClientLoader) -> None:
-        self.loader = loader
-
-    def __iter__(self) -> "_ClientPass":
-        return self
-
-    def __next__(self) -> Any:
-        return self.loader.__next__()
-
-    def __del__(self) -> None:
-        # A loop left early gives no signal but the release of its iterator: this finaliser is
-        # how the watchdog learns that the script works outside the round (documented in
-        # hetlb.ranks.watchdog; hetlb.data.loader's iterations do the same). It holds no
-        # resource and breaks no cycle.
-        try:
-            self.loader.fl.loop_left()
-        except Exception:  # noqa: BLE001 (never raise from a finaliser)
-            pass
 
 
 # ---------------------------------------------------------------------- non-i.i.d. splits
