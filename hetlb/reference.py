@@ -357,9 +357,22 @@ def weighted_allreduce_hook(state: ReferenceHookState, bucket):  # noqa: ANN001,
     native hook, for Gloo groups (register with ``ddp.register_comm_hook(state, hook)``).
 
     ``bucket`` is a ``torch.distributed.GradBucket``; returns a ``torch.futures.Future`` of the
-    reduced bucket. (No annotations: DDP compares them with its own types, and this module's
-    postponed annotations would be strings.)
+    reduced bucket, which for the step's last bucket also marks the step's reduction finished
+    (``StepCore.reduced``, read by the watchdog). (No annotations: DDP compares them with its own
+    types, and this module's postponed annotations would be strings.)
     """
+    fut = _weigh_and_reduce(state, bucket)
+    if not bucket.is_last() or state.attached:
+        return fut
+    core = state.core
+
+    def reduced(f: torch.futures.Future) -> Tensor:
+        core.mark_reduced()
+        return f.value()
+    return fut.then(reduced)
+
+
+def _weigh_and_reduce(state: ReferenceHookState, bucket):  # noqa: ANN001, ANN202
     import torch.distributed as dist
 
     core = state.core

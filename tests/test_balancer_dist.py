@@ -1029,7 +1029,7 @@ def attach_worker(rank, world, case):
             errs.append(max((g - w).abs().max().item() for g, w in zip(got, want)))
             opt.zero_grad()
             window = []
-        return {"errs": errs, "hooked": not bal.hooks.deferred}
+        return {"errs": errs, "hooked": not bal.gradient_transport.deferred}
     except (RuntimeError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
 

@@ -74,7 +74,7 @@ def deferred_worker(rank, world, n, global_batch, options):
             ref = _reference(net, x, y, tokens, parts, options.get("weighting", "samples"))
             err = max(((p.grad - r).abs().max() / (r.abs().max() + 1e-12)).item()
                       for p, r in zip(net.parameters(), ref))
-            steps.append({"sizes": plan.sizes.tolist(), "err": err, "hooked": not bal.hooks.deferred,
+            steps.append({"sizes": plan.sizes.tolist(), "err": err, "hooked": not bal.gradient_transport.deferred,
                           "hooks_run": bal.telemetry.core.hooks_run})
             ddp.zero_grad()
     bal.flush()
@@ -152,7 +152,7 @@ def outside_worker(rank, world):
     x, y, _ = _data(8)
     for xb, yb in bal.loader(torch.utils.data.TensorDataset(x, y)):
         ddp(xb).pow(2).mean().backward()
-    assert bal.hooks.deferred
+    assert bal.gradient_transport.deferred
     try:
         ddp(x[:4]).pow(2).mean().backward()  # no batch of the loader: outside any step
     except RuntimeError as e:
@@ -175,7 +175,7 @@ def copy_worker(rank, world):
         ddp(xb).pow(2).mean().backward()
         ddp.zero_grad()
     twin(x).pow(2).mean().backward()  # the copy is plain DDP: no step needed
-    return bal.steps, bal.hooks.deferred
+    return bal.steps, bal.gradient_transport.deferred
 
 
 def test_a_model_with_a_deferred_hook_copies_and_saves():
@@ -202,7 +202,7 @@ def blocked_worker(rank, world, kind):
     kwargs = {"transport": "carry"} if kind == "carry" else {"native_hook": False} if kind == "python" \
         else {"emulator": hetlb.sim.emulate.Emulator.for_rank(rank, [1.0, 1.0])}
     bal = hetlb.Balancer(ddp, 8, policy=hetlb.Uniform(), **kwargs)
-    return not bal.hooks.deferred, bal.transport
+    return not bal.gradient_transport.deferred, bal.transport
 
 
 @pytest.mark.parametrize("kind", ["carry", "python", "emulator"])
@@ -232,7 +232,7 @@ def stamp_worker(rank, world, every):
         if table is not None:
             bal.telemetry.core.store_table(table)
         time.sleep(0.15 if step == 1 else 0.0)  # after backward: not compute
-    return {"sent": sent, "hooked": not bal.hooks.deferred,
+    return {"sent": sent, "hooked": not bal.gradient_transport.deferred,
             "compute": [float(r.compute.max()) for r in bal.history]}
 
 
@@ -285,7 +285,7 @@ def resume_worker(rank, world):
             plan = bal.board.current
             _loss(ddp(xb), yb, torch.ones(len(yb), dtype=torch.float64)).backward()
             ref = _reference(net, x, y, tokens, loader.sampler.step_indices(plan), "samples")
-            out.append((plan.sizes.tolist(), not bal.hooks.deferred,
+            out.append((plan.sizes.tolist(), not bal.gradient_transport.deferred,
                         max(((p.grad - r).abs().max() / r.abs().max()).item()
                             for p, r in zip(net.parameters(), ref))))
             ddp.zero_grad()

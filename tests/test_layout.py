@@ -15,10 +15,7 @@ MAX_FUNCTION = 150
 
 #: Over the limits today, each with its size in lines (docstring excluded). The redesign shrinks
 #: this list; a listed entry that fits again must leave it, so the list cannot go stale.
-KNOWN_LARGE = {
-    ("hetlb/sync/ps.py", "ParameterServer"): 526,
-    ("hetlb/sim/engine.py", "simulate"): 200,
-}
+KNOWN_LARGE: Dict[tuple, int] = {}
 
 
 def modules(root: str) -> Dict[str, Optional[str]]:

@@ -122,9 +122,6 @@ class _Rank:
     def exhausted(self):
         return None
 
-    def loop_left(self):
-        pass
-
     def iteration_starts(self):
         if self.open is not None:
             if self.trained:

@@ -265,22 +265,22 @@ def test_out_of_step_push_stops_the_server_and_answers_everyone():
     model = _model()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 24, 2, "lsp",
                          l=2, timeout=5.0)
-    a = ps._call(1, {"hello": True, "hardware": {}})
-    b = ps._call(2, {"hello": True, "hardware": {}})
+    a = ps.call(1, {"hello": True, "hardware": {}})
+    b = ps.call(2, {"hello": True, "hardware": {}})
     ra, rb = a.wait(), b.wait()
     assert len(ra["indices"]) == len(rb["indices"]) == 12 and ra["params"] is not None
     g = torch.zeros(DIM + 1)
-    first = ps._call(1, {"grad": g, "n": 12, "compute": 0.01, "version": 0,
-                         "indices": ra["indices"]})
+    first = ps.call(1, {"grad": g, "n": 12, "compute": 0.01, "version": 0,
+                        "indices": ra["indices"]})
     assert not first.done()  # waits for the second member of the limited synchronisation
-    bad = ps._call(2, {"grad": g, "n": 12, "compute": 0.01, "version": 0,
-                       "indices": ra["indices"]})
+    bad = ps.call(2, {"grad": g, "n": 12, "compute": 0.01, "version": 0,
+                      "indices": ra["indices"]})
     for f in (first, bad):
         with pytest.raises(RuntimeError, match="parameter server 'hetlb-ps' failed in worker 2's "
                                                "call and stopped: RuntimeError: .*does not hold"):
             f.wait()
-    ps._bye(1)  # what each worker does on the error; serve() waits for it (at most timeout)
-    ps._bye(2)
+    ps.bye(1)  # what each worker does on the error; serve() waits for it (at most timeout)
+    ps.bye(2)
     with pytest.raises(RuntimeError, match="does not hold"):
         ps.serve()
 
@@ -293,34 +293,34 @@ def test_in_process_checks_model_size_and_keeps_float64():
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)
     with pytest.raises(ValueError, match="same model"):  # the server's error keeps its type
-        ps._call(1, {"hello": True, "hardware": {}, "numel": 3}).wait()
+        ps.call(1, {"hello": True, "hardware": {}, "numel": 3}).wait()
     # The same element count in other shapes (a user audit, session 25: before, it trained).
     from hetlb.comm.hook import shapes_digest as _shapes_digest
     other = [torch.zeros(DIM + 1, 1, dtype=torch.float64)]
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)
     with pytest.raises(ValueError, match="other shapes or dtypes.*same model"):
-        ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1,
-                     "shapes": _shapes_digest(other)}).wait()
+        ps.call(1, {"hello": True, "hardware": {}, "numel": DIM + 1,
+                    "shapes": _shapes_digest(other)}).wait()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)
-    r = ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1,
-                     "shapes": _shapes_digest(list(model.parameters()))}).wait()
+    r = ps.call(1, {"hello": True, "hardware": {}, "numel": DIM + 1,
+                    "shapes": _shapes_digest(list(model.parameters()))}).wait()
     assert len(r["indices"]) == 8
     model = _model().double()
     before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)
-    r = ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1}).wait()
+    r = ps.call(1, {"hello": True, "hardware": {}, "numel": DIM + 1}).wait()
     g = torch.full((DIM + 1,), 1e-9, dtype=torch.float64) * torch.arange(1, DIM + 2)
     with pytest.raises(ValueError, match="malformed"):
-        ps._call(1, {"grad": g[:2], "n": 8, "compute": 0.1, "version": 0,
-                     "indices": r["indices"]}).wait()
+        ps.call(1, {"grad": g[:2], "n": 8, "compute": 0.1, "version": 0,
+                    "indices": r["indices"]}).wait()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.5), N, 8, 1, "asp",
                          timeout=5.0)
-    r = ps._call(1, {"hello": True, "hardware": {}, "numel": DIM + 1}).wait()
-    nxt = ps._call(1, {"grad": g * 8, "n": 8, "compute": 0.1, "version": 0,
-                       "indices": r["indices"]}).wait()
+    r = ps.call(1, {"hello": True, "hardware": {}, "numel": DIM + 1}).wait()
+    nxt = ps.call(1, {"grad": g * 8, "n": 8, "compute": 0.1, "version": 0,
+                      "indices": r["indices"]}).wait()
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert after.dtype == torch.float64
     torch.testing.assert_close(after, before - 0.5 * g, rtol=0, atol=1e-18)
@@ -387,28 +387,28 @@ def test_in_process_buffer_checks():
     model.register_buffer("mask", torch.ones(DIM, dtype=torch.bool))
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
     with pytest.raises(ValueError, match="other buffers"):
-        ps._call(1, {"hello": True, "hardware": {}, "numel": 2 * DIM + DIM + 1,
-                     "buffer_shapes": shapes_digest([torch.zeros(3)])}).wait()
+        ps.call(1, {"hello": True, "hardware": {}, "numel": 2 * DIM + DIM + 1,
+                    "buffer_shapes": shapes_digest([torch.zeros(3)])}).wait()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
-    r = ps._call(1, {"hello": True, "hardware": {}, "buffer_shapes": shapes_digest(list(model.buffers()))}).wait()
+    r = ps.call(1, {"hello": True, "hardware": {}, "buffer_shapes": shapes_digest(list(model.buffers()))}).wait()
     names = [n for n, _ in model.named_buffers()]
     assert sorted(names) == ["0.num_batches_tracked", "0.running_mean", "0.running_var", "mask"]
     assert [tuple(b.shape) for b in r["buffers"]] == [tuple(b.shape) for b in model.buffers()]
     push = {"grad": torch.zeros(2 * DIM + DIM + 1), "n": 8, "compute": 0.1, "version": 0,
             "indices": r["indices"]}
     with pytest.raises(ValueError, match="malformed buffers"):
-        ps._call(1, push).wait()
+        ps.call(1, push).wait()
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), N, 8, 1, "asp", timeout=5.0)
-    r = ps._call(1, {"hello": True, "hardware": {}}).wait()
+    r = ps.call(1, {"hello": True, "hardware": {}}).wait()
     pushed = {"0.running_mean": torch.full((DIM,), 0.5), "0.running_var": torch.full((DIM,), 0.75),
               "0.num_batches_tracked": torch.tensor(3), "mask": None}
-    r = ps._call(1, dict(push, indices=r["indices"], buffers=[pushed[n] for n in names])).wait()
+    r = ps.call(1, dict(push, indices=r["indices"], buffers=[pushed[n] for n in names])).wait()
     bn = model[0]
     torch.testing.assert_close(bn.running_mean, torch.full((DIM,), 0.5))
     torch.testing.assert_close(bn.running_var, torch.full((DIM,), 0.75))
     assert int(bn.num_batches_tracked) == 3 and bool(model.mask.all())
     stale = dict(pushed, **{"0.num_batches_tracked": torch.tensor(1)})  # a stale worker's count
-    ps._call(1, dict(push, indices=r["indices"], buffers=[stale[n] for n in names])).wait()
+    ps.call(1, dict(push, indices=r["indices"], buffers=[stale[n] for n in names])).wait()
     assert int(bn.num_batches_tracked) == 3
 
 
@@ -417,12 +417,13 @@ def test_running_statistics_stay_bounded_with_many_stale_workers():
     feedback, x <- x + m * (stat - x_{t-s}), which diverges once m > 2 sin(pi / (2 (2s + 1))):
     17 ASP workers at BatchNorm's momentum 0.1, 4 at 0.5 (running_var went negative). The
     server's exact logic, in process: 20 workers round robin, each on the version it was handed."""
-    from hetlb.sync.ps import ParameterServer, _pushed
+    from hetlb.sync.ps import ParameterServer
+    from hetlb.sync.ps.worker import pushed as _pushed
     torch.manual_seed(0)
     model = torch.nn.BatchNorm1d(1, momentum=0.5)
     ps = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.0), 10_000, 160, 20, "asp",
                          timeout=30.0)
-    futs = {w: ps._call(w, {"hello": True, "hardware": {}}) for w in range(1, 21)}  # all, then wait
+    futs = {w: ps.call(w, {"hello": True, "hardware": {}}) for w in range(1, 21)}  # all, then wait
     held = {w: f.wait() for w, f in futs.items()}
     for it in range(400):
         w = it % 20 + 1
@@ -432,9 +433,9 @@ def test_running_statistics_stay_bounded_with_many_stale_workers():
             for b, v in zip(worker.buffers(), reply["buffers"]):
                 b.copy_(v)
         worker(5.0 + torch.randn(len(reply["indices"]), 1))
-        held[w] = ps._call(w, {"grad": torch.zeros(2), "n": len(reply["indices"]), "compute": 0.1,
-                               "version": reply["version"], "indices": reply["indices"],
-                               "buffers": [_pushed(b) for b in worker.buffers()]}).wait()
+        held[w] = ps.call(w, {"grad": torch.zeros(2), "n": len(reply["indices"]), "compute": 0.1,
+                              "version": reply["version"], "indices": reply["indices"],
+                              "buffers": [_pushed(b) for b in worker.buffers()]}).wait()
     assert 4.0 < float(model.running_mean) < 6.0 and 0.3 < float(model.running_var) < 3.0, \
         (model.running_mean, model.running_var)
 

@@ -85,15 +85,13 @@ def test_a_dead_peer_fails_the_collective_not_the_checks(transport, native):
 
 def _until_stuck(rank, batches, stuck_at, train, dog):
     """Train on ``batches`` with ``train(x, y)`` (True: stop); rank 2 stops at batch ``stuck_at``
-    and stays stuck until its own watchdog has spoken, then dies. The other ranks' collective
-    fails once it is gone, which ends their loop."""
-    t0 = time.monotonic()
+    (before its forward: its own work, in which its watchdog sees no wait for the others) for
+    three stalls, while the others' watchdogs speak after one, then dies. The other ranks'
+    collective fails once it is gone, which ends their loop."""
     try:
         for i, (x, y) in enumerate(batches):
             if rank == 2 and i == stuck_at:
-                while dog.diagnosis is None and time.monotonic() - t0 < 60:
-                    time.sleep(0.1)
-                time.sleep(1.0)
+                time.sleep(3 * dog.stall)
                 os._exit(4)
             if train(x, y):
                 break
@@ -313,3 +311,33 @@ def test_the_watchdog_names_a_rank_flushing_alone():
     assert status == "ok" and text is not None, out
     assert "rank 0 made no progress for" in text and "at step 3 (flush)" in text, text
     assert "behind (alive, not progressing): rank 0 (" in text and "bal.flush() is a collective" in text, text
+
+
+def _reduced_flags(rank, world):
+    out = {}
+    for name, kwargs in (("native", {"defer_hook": False}), ("reference", {"native_hook": False}),
+                         ("deferred", {})):
+        torch.manual_seed(0)
+        net = DDP(torch.nn.Linear(4, 1))
+        bal = hetlb.Balancer(net, 8, policy=hetlb.Uniform(), **kwargs)
+        data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+        core = bal.telemetry.core
+        seen = []
+        for x, y in bal.loader(data):
+            seen.append((core.restarted, core.reduced))  # handed out, before the forward
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            seen.append((core.restarted, core.reduced))
+            loss.backward()
+            time.sleep(0.2)  # (the last bucket's continuation runs on a Gloo thread)
+            seen.append((core.restarted, core.reduced))
+        out[name] = (seen, bal.gradient_transport.deferred)
+    return out
+
+
+def test_a_step_waits_for_the_others_from_its_forward_until_its_gradient_is_reduced():
+    # The watchdog's "waiting" window (StepCore.restarted and not StepCore.reduced), for the
+    # native hook, the Python reference hook and the deferred hook.
+    for res in unwrap(run(_reduced_flags, 2)):
+        for name, (seen, deferred) in res.items():
+            assert deferred == (name == "deferred"), (name, deferred)
+            assert seen == [(False, False), (True, False), (True, True)] * 2, (name, seen)

@@ -208,6 +208,10 @@ void bind_step_core(py::module& m) {
       .def_property_readonly("pos", &StepCore::pos)
       .def_property_readonly("ship", &StepCore::ship)
       .def_property_readonly("open", &StepCore::is_open)
+      .def_property_readonly("restarted", &StepCore::restarted)
+      .def_property_readonly("reduced", &StepCore::reduced)
+      .def("mark_reduced", &StepCore::mark_reduced,
+           "The step's gradient reduction finished on this rank (the Python reference hook).")
       .def_property_readonly("compute", &StepCore::compute)
       .def_property_readonly("hooks_run", &StepCore::hooks_run)
       .def_property_readonly("last_buckets", &StepCore::last_buckets)

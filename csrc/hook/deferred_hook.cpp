@@ -21,6 +21,7 @@ void watch_output(const std::shared_ptr<StepCore>& core, const at::Tensor& out,
       core->unqueue_end();
       core->end_compute(true);
       torch::autograd::Engine::get_default_engine().queue_callback([core, side]() {
+        core->mark_reduced();  // (after DDP's own end of backward, which waits for its buckets)
         if (!core->ship()) return;
         if (auto group = side.lock()) {
           NoPythonState no_python;

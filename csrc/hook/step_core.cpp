@@ -143,6 +143,7 @@ void StepCore::open(const StepStart& s, const double* values, size_t n, RowValue
   factors_.clear();
   if (Emulation* e = emulation_if_any()) e->new_step();
   restarted_.store(false, std::memory_order_relaxed);
+  reduced_.store(false, std::memory_order_relaxed);
   compute_.store(kNaN, std::memory_order_relaxed);
   hooks_run_.store(0, std::memory_order_relaxed);
   last_buckets_.store(0, std::memory_order_relaxed);

@@ -121,6 +121,12 @@ class StepCore {
   void set_prescaled(bool v) { prescaled_.store(v, std::memory_order_relaxed); }
 
   bool is_open() const { return open_.load(std::memory_order_acquire); }
+  // Whether the step's first forward ran (restart_clock), and whether its gradient's reduction
+  // finished on this rank (the last bucket's all-reduce, or DDP's end of backward under the
+  // deferred hook): the watchdog's "waiting for the others" lies between the two.
+  bool restarted() const { return restarted_.load(std::memory_order_relaxed); }
+  bool reduced() const { return reduced_.load(std::memory_order_acquire); }
+  void mark_reduced() { reduced_.store(true, std::memory_order_release); }
   double weight() const { return weight_.load(std::memory_order_relaxed); }
   int64_t pos() const { return pos_.load(std::memory_order_relaxed); }
   bool ship() const { return ship_.load(std::memory_order_relaxed); }
@@ -192,7 +198,7 @@ class StepCore {
 
   // The open step's scalars (see the file comment for who reads them where).
   std::atomic<bool> open_{false}, ship_{true}, prescaled_{false}, side_first_{false};
-  std::atomic<bool> restarted_{false}, end_queued_{false};
+  std::atomic<bool> restarted_{false}, end_queued_{false}, reduced_{false};
   std::atomic<int64_t> pos_{0}, hooks_run_{0}, last_buckets_{0}, scaled_buckets_{0};
   std::atomic<int64_t> carry_capacity_{0};
   std::atomic<double> weight_{1.0}, t0_{0.0}, offset_{0.0}, compute_;

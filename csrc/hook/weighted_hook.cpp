@@ -130,7 +130,13 @@ class WeightedHook : public c10d::CommHookInterface {
       : core_(std::move(core)), pg_(std::move(pg)), side_(std::move(side)), attached_(attached) {}
 
   FuturePtr runHook(c10d::GradBucket& bucket) override {
-    return reduce_bucket(*core_, bucket.getBufferRef(), bucket.isLast() && !attached_, pg_, side_);
+    const bool last = bucket.isLast() && !attached_;
+    FuturePtr fut = reduce_bucket(*core_, bucket.getBufferRef(), last, pg_, side_);
+    if (last) {
+      // (runs on the thread that completes the all-reduce; an atomic store only)
+      fut->addCallback([core = core_](c10::ivalue::Future&) { core->mark_reduced(); });
+    }
+    return fut;
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override {

@@ -404,16 +404,6 @@ class _Iteration:
         self._owner.handed(self._board.hand())
         return batch
 
-    def __del__(self) -> None:
-        # The loop was left before the loader ran out (a `break`, an exception): the step of the
-        # batch handed last stays open (a next iteration finishes or forgets it), but the script
-        # no longer works in it, so its own work after the loop must not look like a stall.
-        if not getattr(self, "_done", True):
-            try:
-                self._owner.loop_left()
-            except Exception:  # noqa: BLE001 (never raise from a finaliser)
-                pass
-
     def _epoch_left(self) -> Any:
         """``set_epoch`` moved the loader off this iteration's epoch while it ran: the loop ends
         if that epoch had nothing left to hand out, and otherwise refuses to go on (its batches

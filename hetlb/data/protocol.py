@@ -5,12 +5,12 @@ Balancer's step driver, or :class:`hetlb.DelayedSync`), which it tells where the
 saves its checkpoint through an owner of state (:class:`Stateful`: the Balancer or DelayedSync),
 whose state carries the data position the loader's board keeps. It calls nothing else of them.
 
-A loop left early (``break``, an exception) tells the owner of steps nothing at once: the step
-of the batch handed out last stays open, and the next call that reads or moves the position
-(the next iteration, ``len(loader)``, ``loader.epoch``, a ``state_dict``, ``bal.steps``) settles
-it: trained if its backward ran, else handed out again. Only the watchdog is told when the
-iteration object is released (:meth:`StepOwner.loop_left`), so that the script's own work after
-the loop is not taken for a stall.
+A loop left early (``break``, an exception) tells the owner of steps nothing: the step of the
+batch handed out last stays open, and the next call that reads or moves the position (the next
+iteration, ``len(loader)``, ``loader.epoch``, a ``state_dict``, ``bal.steps``) settles it:
+trained if its backward ran, else handed out again. The watchdog needs no word of it either: it
+counts a worker as waiting for the others only inside a collective of a step (see
+:mod:`hetlb.ranks.watchdog`), which a step left before its forward or after its backward is not.
 """
 from __future__ import annotations
 
@@ -37,9 +37,6 @@ class StepOwner(Protocol):
     def exhausted(self) -> Optional[str]:
         """The DataLoader ran out: ``"empty"`` to hand out an empty batch, ``"round"`` to start
         the epoch's next round, None to end the iteration."""
-
-    def loop_left(self) -> None:
-        """The iteration was released before it ended (a ``break``)."""
 
 
 class Stateful(Protocol):

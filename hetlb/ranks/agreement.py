@@ -77,12 +77,17 @@ def refuse_everywhere(error: BaseException, group: Any, side: Any = None) -> Non
         pass
 
 
-def raise_refusals(everyone: List[Any], who: str) -> None:
-    """Raise ``ValueError`` naming the first rank whose start-up entry is a refusal."""
+#: How :func:`raise_refusals` words a refusal unless its caller gives its own wording:
+#: ``who`` (the object starting up), ``rank`` (the refusing one) and ``why`` (its reason).
+REFUSAL = "{who} on rank {rank} refused its arguments ({why}); every rank stops here"
+
+
+def raise_refusals(everyone: List[Any], who: str, wording: str = REFUSAL) -> None:
+    """Raise ``ValueError`` naming the first rank whose start-up entry is a refusal, worded by
+    ``wording`` (see :data:`REFUSAL`)."""
     for r, e in enumerate(everyone):
         if isinstance(e, dict) and e.get(REFUSED) is not None:
-            raise ValueError(f"{who} on rank {r} refused its arguments ({e[REFUSED]}); every rank "
-                             f"stops here")
+            raise ValueError(wording.format(who=who, rank=r, why=e[REFUSED]))
 
 
 def all_gather(mine: Any, group: Any, world: int, distributed: bool) -> List[Any]:
@@ -96,13 +101,23 @@ def all_gather(mine: Any, group: Any, world: int, distributed: bool) -> List[Any
 
 
 def agree_at_start(mine: Dict[str, Any], side: Any, world: int, distributed: bool, who: str,
-                   same: Sequence[Tuple[str, str]] = ()) -> List[Dict[str, Any]]:
+                   same: Sequence[Tuple[str, str]] = (), *, refused: Optional[str] = None,
+                   wording: str = REFUSAL) -> List[Dict[str, Any]]:
     """The start-up exchange of a Balancer, DelayedSync or Federated: every rank's ``mine``, in
     rank order. Raises ``ValueError`` on every rank alike when one refused its arguments
-    (:func:`refuse_everywhere`), or differs from rank 0's in one of ``same`` (``(key, what)``:
-    ``mine[key]``, named ``what`` in the message)."""
+    (:func:`refuse_everywhere`, or ``refused`` below; worded by ``wording``, see
+    :data:`REFUSAL`), or differs from rank 0's in one of ``same`` (``(key, what)``:
+    ``mine[key]``, named ``what`` in the message).
+
+    ``refused``: why this rank refuses to go on although its arguments were taken (the reason's
+    text); it travels in this rank's entry, so every rank, this one included, raises the same
+    error. A single process (``world == 1`` or not ``distributed``) raises the reason itself."""
+    if refused is not None:
+        if world == 1 or not distributed:
+            raise ValueError(refused)
+        mine = {**mine, REFUSED: refused}
     everyone = all_gather(mine, side, world, distributed)
-    raise_refusals(everyone, who)
+    raise_refusals(everyone, who, wording)
     for key, what in same:
         agree(everyone, key, what)
     return everyone

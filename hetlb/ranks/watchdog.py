@@ -26,10 +26,15 @@ resumes from its last checkpoint (``hetlb.Checkpointer``) on the workers that co
 whose agent is gone is dropped by the rendezvous (``--nnodes MIN:MAX``). ``action="log"`` only
 reports.
 
-Between steps a worker never counts as stalled (evaluation, saving and the end of training are
-the script's own business; a loop over the Balancer's, DelayedSync's or Federated's loader left with ``break``
-counts as between steps too); a worker doing long work between steps while the others wait in the
-next one calls :meth:`Watchdog.touch` now and then. The heartbeat keys live under ``hetlb/watchdog/`` in the default group's store. The thread never
+A worker counts as waiting for the others only where it may be inside a collective: in a
+Balancer's step from its first forward (a DDP forward may broadcast buffers, an FSDP forward
+gathers parameters) until its gradient's reduction has finished on this rank, in DelayedSync's
+and Federated's all-reduces, and in ``Balancer.flush()``. Its own work never counts as a stall:
+loading a batch, a plain model's compute, evaluation, saving, the script's work after a loop
+over the loader left with ``break``, the end of training. (A loop left between a step's forward
+and its backward, say by an exception caught outside it, counts as inside the step until the
+next step opens.) A worker doing long work between steps while the others wait in the next one
+calls :meth:`Watchdog.touch` now and then. The heartbeat keys live under ``hetlb/watchdog/`` in the default group's store. The thread never
 touches a process group, so it cannot itself hang in a collective.
 """
 from __future__ import annotations
@@ -42,7 +47,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 __all__ = ["Watchdog", "EXIT_CODE", "Stage", "COMPUTING", "WAITING", "FLUSHING"]
@@ -72,7 +77,7 @@ class Stage:
         self.code = (2 if hooked else 1) if code is None else code
 
 
-#: Computing its part of the step.
+#: Computing its part of the step, with no collective (a plain model's forward and backward).
 COMPUTING = Stage(False)
 #: Waiting for the others in a collective (an all-reduce, a barrier).
 WAITING = Stage(True)
@@ -111,7 +116,7 @@ class Watchdog:
         self._step = 0
         self._tele: Any = None  # the open step's StepTelemetry (its `hooked` tells "sent")
         self._progress = time.time()
-        self._last: tuple = (0, 0)
+        self._last: tuple = (0, 0, False)
         self._reported = False
         self._touched = False
         self._seen: Optional[tuple] = None  # (time, heartbeats) of the last read
@@ -159,22 +164,27 @@ class Watchdog:
 
     # ------------------------------------------------------------------ the thread
 
-    def _stage(self) -> int:
+    def _stage(self) -> Tuple[int, bool]:
+        """The stage's index in the stage names, and whether this worker may be waiting for the
+        others in it: handed to a collective (:class:`Stage`'s ``hooked``), or, in a step of a
+        :class:`hetlb.comm.hook.StepTelemetry`, from the step's first forward (a DDP or FSDP
+        forward may hold collectives) until its gradient's reduction finished."""
         tele = self._tele
         if tele is None:
-            return 0
+            return 0, False
         if isinstance(tele, Stage):
-            return tele.code
+            return tele.code, tele.hooked
         try:
-            return 2 if tele.hooked else 1
+            core = tele.core
+            return (2 if tele.hooked else 1), bool(core.restarted and not core.reduced)
         except Exception:  # noqa: BLE001 (a step closing under us: count it as computing)
-            return 1
+            return 1, True
 
     def _run(self) -> None:
         host, pid = socket.gethostname(), os.getpid()
         while not self._stop.wait(self.interval):
             now = time.time()
-            where = (self._step, self._stage())
+            where = (self._step, *self._stage())
             if where != self._last or self._touched:
                 self._last, self._progress, self._reported, self._touched = where, now, False, False
                 self._seen = None
@@ -186,9 +196,10 @@ class Watchdog:
                 self._store.set(f"{_PREFIX}{self.rank}", json.dumps(beat))
             except Exception as e:  # noqa: BLE001 (the store's server is gone: reported below)
                 store_error = e
-            # Only a rank inside a step waits for the others; between steps the script's own
-            # work (evaluation, saving, the end of training) is never a stall.
-            if where[1] == 0 or now - self._progress < self.stall / 2 or self._reported:
+            # Only a rank that may be inside a collective waits for the others; its own work
+            # (loading, a plain model's compute, evaluation, saving, a loop left with `break`,
+            # the end of training) is never a stall.
+            if not where[2] or now - self._progress < self.stall / 2 or self._reported:
                 continue
             if store_error is None:
                 try:

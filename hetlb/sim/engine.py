@@ -13,6 +13,11 @@ on the new world, as a resumed elastic job does.
 Noise follows :class:`hetlb.sim.emulate.Emulator`'s form (``time * (1 + noise * u) + jitter * v``,
 ``u ~ U(-1, 1)``, ``v ~ U(0, 1)``) drawn from one generator per run, so a simulated run is
 reproducible from ``scenario.seed`` but does not replay an emulated run's draws one by one.
+
+A run's state has three owners: the :class:`~hetlb.sim.cluster.Cluster` (the workers, who is
+active, the conditions the events set, what a step costs), the policy's side (the decision loop,
+the decisions in flight, the block of records not yet exchanged) and the trace (the per-step
+arrays of the :class:`SimResult`).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -32,6 +37,7 @@ from hetlb.core.telemetry import StepRecord, straggler_effect
 from hetlb.policies import DBS, LBB, LBBSP, WLBS, Chronica, Uniform
 from hetlb.policies.base import Context, Policy
 from hetlb.policies.loop import DecisionLoop
+from hetlb.sim.cluster import Cluster
 from hetlb.sim.scenario import Scenario, load_scenario
 
 
@@ -132,57 +138,6 @@ class SimResult:
                 "wall_seconds": self.wall_seconds, "exchanges": len(self.exchanges)}
 
 
-class _Cluster:
-    """Vectorised time models of the declared workers: polynomial ones (linear, poly) as one
-    coefficient matrix evaluated by Horner's rule, piecewise ones one by one."""
-
-    def __init__(self, sc: Scenario) -> None:
-        ws = sc.workers
-        n = len(ws)
-        self.n = n
-        self.speed = np.array([w.speed for w in ws])
-        self.sat = np.array([w.saturation for w in ws])
-        self.overhead = np.array([w.overhead for w in ws])
-        self.limit = np.array([w.limit if w.limit is not None else np.iinfo(np.int64).max for w in ws], np.int64)
-        self.noise = np.array([w.noise for w in ws])
-        self.jitter = np.array([w.jitter for w in ws])
-        self.memory = np.array([w.memory for w in ws])
-        self.cpu = np.array([w.cpu for w in ws])
-        self.bandwidth = np.array([w.bandwidth if w.bandwidth is not None else np.nan for w in ws])
-        coeffs: List[np.ndarray] = []
-        self.piecewise: List[int] = []
-        for i, w in enumerate(ws):
-            m = w.model
-            if isinstance(m, LinearModel):
-                coeffs.append(np.array([m.a1, m.a0]))
-            elif isinstance(m, PolyModel):
-                coeffs.append(np.asarray(m.coeffs, np.float64))
-            else:
-                coeffs.append(np.zeros(1))
-                self.piecewise.append(i)
-        deg = max(c.size for c in coeffs)
-        self.coeffs = np.zeros((deg, n))  # row 0 = highest degree
-        for i, c in enumerate(coeffs):
-            self.coeffs[deg - c.size:, i] = c
-        self.models = [w.model for w in ws]
-
-    def base(self, idx: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Model seconds of workers ``idx`` at batches ``b`` (saturation applied, no speed)."""
-        x = np.maximum(b.astype(np.float64), self.sat[idx])
-        c = self.coeffs[:, idx]
-        t = c[0].copy()
-        for row in c[1:]:
-            t *= x
-            t += row
-        if self.piecewise:
-            pos = {w: j for j, w in enumerate(idx.tolist())}
-            for w in self.piecewise:
-                j = pos.get(w)
-                if j is not None:
-                    t[j] = float(self.models[w].time(x[j]))
-        return np.maximum(t, 0.0)
-
-
 def _profiles(sc: Scenario, idx: np.ndarray) -> List[Dict[str, Any]]:
     """What LBB's profiling phase (:func:`hetlb.profile`) would measure on each worker: the model
     at powers of two up to the first one that reaches the global batch (noise-free), stopping at
@@ -253,45 +208,101 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     steps = sc.steps if steps is None else int(steps)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    every, adaptive, hist = exchange_settings(getattr(pol, "reads_telemetry", True), exchange_every,
+    every, adaptive, hist = exchange_settings(pol.reads_telemetry, exchange_every,
                                               adaptive_exchange, history)
-    history = max(64, every) if hist is None else hist
-    rng = np.random.default_rng(sc.seed if seed is None else seed)
+    seed = sc.seed if seed is None else seed
+    rng = np.random.default_rng(seed)
     # The samples' sizes come from a stream of their own: the same steps whatever the policy.
-    size_rng = np.random.default_rng([sc.seed if seed is None else seed, 1])
-    assign = 0.0
-    cl = _Cluster(sc)
-    W = cl.n
-    active = np.array([w.active for w in sc.workers])
-    speed_f = np.ones(W)
-    load = np.zeros(W)
-    bw = cl.bandwidth.copy()
-    sizes_out = np.zeros((steps, W), np.int64)
-    comp_out = np.full((steps, W), np.nan)
-    data_out = np.zeros((steps, W))
-    step_time = np.zeros(steps)
-    comm = np.zeros(steps)
-    se = np.zeros(steps)
-    restarts: List[int] = []
-    spent = 0.0
+    size_rng = np.random.default_rng([seed, 1])
     t_wall = time.perf_counter()
     # A name given is the label (LBBSP's two modes share the policy's name).
-    name = _policy_key(policy) if isinstance(policy, str) else getattr(pol, "name", type(pol).__name__)
-    # Events split by whether they change state at their start or apply per step.
-    disturb = [e for e in sc.events if e.kind == "disturb"]
-    state_ev = sorted([e for e in sc.events if e.kind != "disturb"], key=lambda e: e.start)
-    membership = {e.start for e in state_ev if e.kind in ("leave", "join")}
+    name = _policy_key(policy) if isinstance(policy, str) else pol.name
+    cluster = Cluster(sc)
+    run = _PolicyRun(sc, pol, profile=profile, every=every, adaptive=adaptive,
+                     history=max(64, every) if hist is None else hist)
+    trace = _Trace(steps, cluster.models.n)
+    bar = None
+    if progress:
+        from hetlb.core.progress import progress_bar
+        bar = progress_bar(total=steps, desc=f"simulate {sc.name or 'scenario'} / {name}", unit="step",
+                           leave=False, disable=None)
+    error = run.start(0, cluster.active)
+    for k in range(steps if error is None else 0):
+        if cluster.advance(k):
+            trace.restarts.append(k)
+            log.info("step %d: %d workers active, %s restarts", k, int(cluster.active.sum()), name)
+            error = run.start(k, cluster.active)
+            if error is not None:
+                break
+        error = _step(k, sc, cluster, run, trace, seed, rng, size_rng, name)
+        if error is not None:
+            break
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return trace.result(sc.name, name, error, run, time.perf_counter() - t_wall)
 
-    def start_policy(k: int) -> Optional[str]:
-        """(Re)start the policy on the active workers; the error that stops the run, or None."""
-        nonlocal idx, loop, pending, spent, block, started, length
-        started = k
-        length = 1 if adaptive else every
-        idx = np.flatnonzero(active)
+
+def _step(k: int, sc: Scenario, cluster: Cluster, run: "_PolicyRun", trace: "_Trace", seed: int,
+          rng: np.random.Generator, size_rng: np.random.Generator, name: str) -> Optional[str]:
+    """Simulate step ``k``: split the step's samples by the policy's decision, time every
+    worker's computation and the all-reduce, record the step, and let the policy decide. The
+    error that stops the run (a worker out of memory), or None."""
+    idx = run.workers
+    amounts = sc.samples.draw(size_rng, sc.global_batch) if sc.samples is not None else None
+    b, data, sq = run.split(k, amounts, seed)
+    # a rank's work: its data, plus the quadratic term of its samples (sc.work_of, summed)
+    x = (data + sc.quadratic * sq if sc.quadratic else data) if sc.work == "data" else b
+    over = cluster.out_of_memory(idx, b)
+    if over is not None:
+        w = int(idx[over])
+        return (f"step {k}: worker {w} ran out of memory (batch {int(b[over])} > limit "
+                f"{int(cluster.models.limit[w])}) under {name}")
+    t, failed = cluster.compute(k, idx, x, b, rng)
+    reported = np.where(failed, np.inf, t)
+    trace.add(k, idx, b, data, t, reported, cluster.exposed_comm(idx))
+    memory, cpu = cluster.usage(idx, b)
+    rec = StepRecord(step=k, epoch=k // sc.steps_per_epoch,
+                     epoch_end=(k + 1) % sc.steps_per_epoch == 0, batch=b.copy(),
+                     compute=reported, data=data, memory=memory, cpu=cpu,
+                     predicted=run.predicted(memory), sq=sq)
+    run.record(k, rec)
+    return None
+
+
+class _PolicyRun:
+    """The policy's side of a simulated run: the workers it runs on, its decision loop, the
+    decisions in flight (``scenario.lag`` steps), the block of records not exchanged yet and its
+    length, the exchanges, and the wall seconds spent deciding and assigning samples."""
+
+    def __init__(self, sc: Scenario, policy: Policy, *, profile: bool, every: int, adaptive: bool,
+                 history: int) -> None:
+        self.sc, self.policy, self.profile = sc, policy, profile
+        self.every, self.adaptive, self.history = every, adaptive, history
+        #: The declared workers the policy runs on (rank r is worker ``workers[r]``).
+        self.workers = np.zeros(0, np.int64)
+        self.loop: Optional[DecisionLoop] = None
+        self.pending: List[Any] = []  # the decisions of this step and the next lag ones
+        self.block: List[StepRecord] = []  # records not exchanged yet (exchange_every > 1)
+        self.started = 0  # the step the policy (re)started at: an exchange of its own
+        self.length = every  # steps of the current block
+        #: The steps whose end exchanged the telemetry.
+        self.exchanges: List[int] = []
+        self.decide_seconds = 0.0
+        self.assign_seconds = 0.0
+
+    def start(self, k: int, active: np.ndarray) -> Optional[str]:
+        """(Re)start the policy on the ``active`` workers at step ``k``; the error that stops the
+        run, or None."""
+        sc = self.sc
+        self.started = k
+        self.length = 1 if self.adaptive else self.every
+        self.workers = idx = np.flatnonzero(active)
         n = idx.size
         # As in the Balancer, only a profile that ran out of memory bounds a rank's batch, at the
         # largest size it measured (a power of two: below the worker's true limit).
-        profs = _profiles(sc, idx) if profile else []
+        profs = _profiles(sc, idx) if self.profile else []
         upper = np.array([min(p["limit"], sc.global_batch) if p["oom_at"] is not None
                           else sc.global_batch for p in profs] or [sc.global_batch] * n, np.int64)
         if upper.sum() < sc.global_batch:  # Balancer(profile=...) refuses this at construction
@@ -301,143 +312,94 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
         ctx = Context(world=n, global_batch=sc.global_batch, lower=np.full(n, sc.lower),
                       upper=upper, hardware=[{} for _ in range(n)], profiles=profs)
         t0 = time.perf_counter()
-        loop = DecisionLoop(pol, n, history=history, ranks=range(n), background=False,
-                            refusal_level=logging.DEBUG)
-        first = loop.start(ctx)
-        spent += time.perf_counter() - t0
-        block = []  # records not exchanged yet (exchange_every > 1)
-        pending = [first] * (sc.lag + 1)
+        self.loop = DecisionLoop(self.policy, n, history=self.history, ranks=range(n),
+                                 background=False, refusal_level=logging.DEBUG)
+        first = self.loop.start(ctx)
+        self.decide_seconds += time.perf_counter() - t0
+        self.block = []
+        self.pending = [first] * (sc.lag + 1)
         return None
 
-    idx = np.flatnonzero(active)
-    loop: Optional[DecisionLoop] = None
-    pending: List[Any] = []
-    block: List[StepRecord] = []
-    started = 0  # the step the policy (re)started at: an exchange of its own
-    length = every  # steps of the current block
-    exchanges: List[int] = []
-    ev_i = 0
-    error: Optional[str] = None
-    bar = None
-    if progress:
-        from hetlb.core.progress import progress_bar
-        bar = progress_bar(total=steps, desc=f"simulate {sc.name or 'scenario'} / {name}", unit="step",
-                           leave=False, disable=None)
-    error = start_policy(0)
-    done = 0
-    for k in range(steps if error is None else 0):
-        changed = False
-        while ev_i < len(state_ev) and state_ev[ev_i].start <= k:
-            e = state_ev[ev_i]
-            ev_i += 1
-            if e.kind in ("leave", "join"):
-                before = active.copy()
-                active[e.workers] = e.kind == "join"
-                changed |= not np.array_equal(before, active)
-        # A worker's speed, load and link at step k: those of the latest-started event active then
-        # (an event ending hands back to one that still runs, not to the default), else the default.
-        speed_f[:], load[:], bw[:] = 1.0, 0.0, cl.bandwidth
-        for e in state_ev[:ev_i]:
-            if e.stop is None or k < e.stop:
-                if e.kind == "speed":
-                    speed_f[e.workers] = e.speed
-                elif e.kind == "load":
-                    load[e.workers] = e.load
-                elif e.kind == "bandwidth":
-                    bw[e.workers] = e.bandwidth
-        if changed and k in membership:
-            restarts.append(k)
-            log.info("step %d: %d workers active, %s restarts", k, int(active.sum()), name)
-            error = start_policy(k)
-            if error is not None:
-                break
-        n = idx.size
-        dec = pending[0]
-        amounts = sc.samples.draw(size_rng, sc.global_batch) if sc.samples is not None else None
+    def split(self, k: int, amounts: Optional[np.ndarray],
+              seed: int) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """Step ``k``'s batch, data amount and summed squared sizes of every rank under the
+        decision in force, its samples' sizes ``amounts`` (None: no sizes)."""
+        sc, n, dec = self.sc, self.workers.size, self.pending[0]
         if isinstance(dec, ScheduleRule):  # size-aware: the step's samples by estimated time
             t0 = time.perf_counter()
             owner = schedule(np.ones(sc.global_batch) if amounts is None else dec.work(amounts),
                              dec.slope, dec.intercept, cap=dec.cap,
-                             first=dec.first(sc.seed if seed is None else seed, k // sc.steps_per_epoch,
-                                             k, sc.global_batch))
-            assign += time.perf_counter() - t0
+                             first=dec.first(seed, k // sc.steps_per_epoch, k, sc.global_batch))
+            self.assign_seconds += time.perf_counter() - t0
             b = np.bincount(owner, minlength=n).astype(np.int64)
             data = b.astype(np.float64) if amounts is None else np.bincount(owner, amounts, minlength=n)
             sq = None if amounts is None else np.bincount(owner, amounts * amounts, minlength=n)
-        else:  # contiguous slices of the step's samples, as the loader cuts them
-            b = np.asarray(dec, np.int64)
-            if amounts is None:
-                data, sq = b.astype(np.float64), None
-            else:
-                ends = np.cumsum(b)
-                csum = np.concatenate([[0.0], np.cumsum(amounts)])
-                data = csum[ends] - csum[ends - b]
-                csq = np.concatenate([[0.0], np.cumsum(amounts * amounts)])
-                sq = csq[ends] - csq[ends - b]
-        # a rank's work: its data, plus the quadratic term of its samples (sc.work_of, summed)
-        x = (data + sc.quadratic * sq if sc.quadratic else data) if sc.work == "data" else b
-        over = np.flatnonzero(b > cl.limit[idx])
-        if over.size:
-            w = int(idx[over[0]])
-            error = (f"step {k}: worker {w} ran out of memory (batch {int(b[over[0]])} > limit "
-                     f"{int(cl.limit[w])}) under {name}")
-            break
-        t = cl.base(idx, x) + cl.overhead[idx]
-        t /= cl.speed[idx] * speed_f[idx] * (1.0 - load[idx])
-        uv = rng.random((2, n))
-        t *= 1.0 + cl.noise[idx] * (2.0 * uv[0] - 1.0)
-        t += cl.jitter[idx] * uv[1]
-        failed = np.zeros(n, bool)
-        for e in disturb:
-            if e.active(k):
-                sel = np.isin(idx, e.workers)
-                t[sel] = t[sel] * e.factor + e.extra
-                if e.fail:
-                    failed |= sel
-        t = np.where(b > 0, t, 0.0)
-        # The ring runs at its slowest link; a worker without a link of its own has the network's.
-        net = np.inf if sc.network.bandwidth is None else sc.network.bandwidth
-        slowest = float(np.where(np.isnan(bw[idx]), net, bw[idx]).min(initial=np.inf))
-        c = sc.network.exposed(n, slowest if np.isfinite(slowest) else None)
-        step_time[k] = float(t.max()) + c
-        comm[k] = c
-        reported = np.where(failed, np.inf, t)
-        sizes_out[k, idx] = b
-        data_out[k, idx] = data
-        comp_out[k, idx] = reported
-        se[k] = straggler_effect(t, b)
-        lim = cl.limit[idx].astype(np.float64)
-        mem = cl.memory[idx] + np.where(lim < 2 ** 62, (1.0 - cl.memory[idx]) * b / lim, 0.0)
-        rec_mem = np.minimum(mem, 1.0)
-        cpu = np.minimum(cl.cpu[idx] + load[idx], 1.0)
-        pred = np.full(n, np.nan)
-        for r in loop.predictors:
-            pred[r] = loop.predict(r, float(rec_mem[r]))
-        rec = StepRecord(step=k, epoch=k // sc.steps_per_epoch,
-                         epoch_end=(k + 1) % sc.steps_per_epoch == 0, batch=b.copy(),
-                         compute=reported, data=data, memory=rec_mem, cpu=cpu,
-                         predicted=pred, sq=sq)
+            return b, data, sq
+        b = np.asarray(dec, np.int64)  # contiguous slices of the step's samples, as the loader cuts them
+        if amounts is None:
+            return b, b.astype(np.float64), None
+        ends = np.cumsum(b)
+        csum = np.concatenate([[0.0], np.cumsum(amounts)])
+        csq = np.concatenate([[0.0], np.cumsum(amounts * amounts)])
+        return b, csum[ends] - csum[ends - b], csq[ends] - csq[ends - b]
+
+    def predicted(self, memory: np.ndarray) -> np.ndarray:
+        """Each rank's local predictor's prediction (LB-BSP's NARX; NaN without one)."""
+        pred = np.full(self.workers.size, np.nan)
+        for r in self.loop.predictors:
+            pred[r] = self.loop.predict(r, float(memory[r]))
+        return pred
+
+    def record(self, k: int, rec: StepRecord) -> None:
+        """Keep step ``k``'s record; at the block's end exchange it: the policy decides, and the
+        decision takes effect ``lag`` steps later."""
         t0 = time.perf_counter()
-        block.append(rec)
-        nxt = pending[-1]  # inside a block the sizes are kept
-        if ships(len(block) - 1, length, restarted=k == started, epoch_last=rec.epoch_end,
-                 epoch_first=k % sc.steps_per_epoch == 0):
-            exchanges.append(k)
-            decided = loop.advance(block)  # None: the previous sizes are kept, as in the Balancer
-            block = []
-            nxt = pending[-1] if decided is None else decided
-            steady = decided is not None and decision_checksum(decided) == decision_checksum(pending[-1])
-            if adaptive:
-                length = next_block_length(length, steady, every)
-        spent += time.perf_counter() - t0
-        pending = pending[1:] + [nxt]
-        done = k + 1
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    return SimResult(scenario=sc.name, policy=name, sizes=sizes_out[:done], compute=comp_out[:done],
-                     step_time=step_time[:done], comm=comm[:done], se=se[:done], restarts=restarts,
-                     error=error, decide_seconds=spent, assign_seconds=assign,
-                     data=data_out[:done], wall_seconds=time.perf_counter() - t_wall,
-                     exchanges=exchanges)
+        self.block.append(rec)
+        nxt = self.pending[-1]  # inside a block the sizes are kept
+        if ships(len(self.block) - 1, self.length, restarted=k == self.started,
+                 epoch_last=rec.epoch_end, epoch_first=k % self.sc.steps_per_epoch == 0):
+            self.exchanges.append(k)
+            decided = self.loop.advance(self.block)  # None: the previous sizes are kept, as in the Balancer
+            self.block = []
+            nxt = self.pending[-1] if decided is None else decided
+            steady = decided is not None and decision_checksum(decided) == decision_checksum(self.pending[-1])
+            if self.adaptive:
+                self.length = next_block_length(self.length, steady, self.every)
+        self.decide_seconds += time.perf_counter() - t0
+        self.pending = self.pending[1:] + [nxt]
+
+
+class _Trace:
+    """The per-step arrays of a simulated run (over the declared workers) and its restarts."""
+
+    def __init__(self, steps: int, workers: int) -> None:
+        self.sizes = np.zeros((steps, workers), np.int64)
+        self.compute = np.full((steps, workers), np.nan)
+        self.data = np.zeros((steps, workers))
+        self.step_time = np.zeros(steps)
+        self.comm = np.zeros(steps)
+        self.se = np.zeros(steps)
+        self.restarts: List[int] = []
+        self.done = 0  # steps that ran
+
+    def add(self, k: int, idx: np.ndarray, b: np.ndarray, data: np.ndarray, t: np.ndarray,
+            reported: np.ndarray, comm: float) -> None:
+        """Step ``k`` of workers ``idx``: batches, data amounts, compute seconds (``reported``:
+        as the telemetry says, ``inf`` for a failed worker) and the exposed all-reduce."""
+        self.step_time[k] = float(t.max()) + comm
+        self.comm[k] = comm
+        self.sizes[k, idx] = b
+        self.data[k, idx] = data
+        self.compute[k, idx] = reported
+        self.se[k] = straggler_effect(t, b)
+        self.done = k + 1
+
+    def result(self, scenario: str, policy: str, error: Optional[str], run: _PolicyRun,
+               wall: float) -> SimResult:
+        """The :class:`SimResult` of the steps that ran."""
+        d = self.done
+        return SimResult(scenario=scenario, policy=policy, sizes=self.sizes[:d], compute=self.compute[:d],
+                         step_time=self.step_time[:d], comm=self.comm[:d], se=self.se[:d],
+                         restarts=self.restarts, error=error, decide_seconds=run.decide_seconds,
+                         assign_seconds=run.assign_seconds, data=self.data[:d], wall_seconds=wall,
+                         exchanges=run.exchanges)

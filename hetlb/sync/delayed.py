@@ -565,11 +565,6 @@ class DelayedSync:
         if self.rounds.plan() is not None:
             raise RuntimeError("DelayedSync: call ds.step() after every reference batch's backward")
 
-    def loop_left(self) -> None:
-        """The loop over the loader was left (a ``break``): to the watchdog this rank is between
-        reference batches, so the script's own work after the loop is not a stall."""
-        self._beat(None)
-
     def handed(self, plan: StreamPlan) -> None:
         """The loop received a reference batch: its compute starts."""
         self._mark = time.perf_counter()

@@ -68,11 +68,12 @@ import torch
 import torch.distributed as dist
 
 from hetlb.comm.hook import shapes_digest
-from hetlb.core.checks import agree, choice, flag, instance, integer, number, optional_integer
+from hetlb.core.checks import choice, flag, instance, integer, number, optional_integer
 from hetlb.core.solve import allocate_proportional
 from hetlb.core.telemetry import StepRecord
 from hetlb.policies.predictors import EMA
-from hetlb.ranks.agreement import all_gather, broadcast_module_state, make_side_group, refuse_everywhere
+from hetlb.ranks.agreement import (agree_at_start, broadcast_module_state, make_side_group,
+                                   refuse_everywhere)
 from hetlb.ranks.watchdog import COMPUTING, WAITING, Watchdog
 
 
@@ -87,6 +88,8 @@ _FORMAT = "hetlb.Federated/1"
 #: The round is sent modulo this, so it stays exact in a float32 slot.
 _ROUND_MOD = 2 ** 24
 AVERAGES = ("equal", "data")
+#: How a client's refusal reads on every client (``agree_at_start``'s wording).
+_REFUSAL = "{who} on rank {rank}: {why}"
 
 
 @dataclass(frozen=True)
@@ -234,33 +237,22 @@ class Federated:
             raise
         # Clients that differ here average out of step: another local_steps or batch table mixes
         # rounds of different lengths, another model makes the all-reduce pair unrelated elements
-        # (or Gloo abort on the sizes). One exchange at start-up compares them.
-        self._agree({"local_steps": self.local_steps, "batch": self.batch, "tune": self.tune,
-                     "average": self.average, "alpha": self.alpha, "min_batch": self.min_batch,
-                     "max_batch": self.max_batch, "dtype": str(self.dtype),
-                     "tensors": len(self.tensors), "elements": self._numel,
-                     "shapes": shapes_digest(self.tensors)}, refused)
+        # (or Gloo abort on the sizes). One exchange at start-up compares them, on a Gloo group
+        # (an NCCL one would need each rank's CUDA device set for objects).
+        side = make_side_group(group) if on and self.world > 1 else None
+        agree_at_start({"Federated": {"local_steps": self.local_steps, "batch": self.batch,
+                                      "tune": self.tune, "average": self.average, "alpha": self.alpha,
+                                      "min_batch": self.min_batch, "max_batch": self.max_batch,
+                                      "dtype": str(self.dtype), "tensors": len(self.tensors),
+                                      "elements": self._numel, "shapes": shapes_digest(self.tensors)}},
+                       side, self.world, on, "Federated", [("Federated", "Federated")],
+                       refused=refused, wording=_REFUSAL)
         # (after the comparison, which raises on every client or none: a broadcast that one
         # client skipped would leave the others waiting in it)
         if on and self.world > 1:  # FedAvg's rounds start every client from the global model
             broadcast_module_state(model, group)
         if watchdog is not None and on:
             watchdog.attach_to(group)
-
-    def _agree(self, mine: Dict[str, Any], refused: Optional[str]) -> None:
-        """Raise the same ``ValueError`` on every client when one refused its arguments
-        (``refused``: why) or one's settings differ from rank 0's."""
-        if not self._distributed or self.world == 1:
-            if refused is not None:
-                raise ValueError(refused)
-            return
-        # On a Gloo group (an NCCL one would need each rank's CUDA device set for objects).
-        everyone = all_gather({"Federated": mine, "refused": refused}, make_side_group(self.group),
-                              self.world, True)
-        for r, e in enumerate(everyone):
-            if e["refused"] is not None:
-                raise ValueError(f"Federated on rank {r}: {e['refused']}")
-        agree(everyone, "Federated", "Federated")
 
     # ------------------------------------------------------------------ the loop
 
@@ -370,6 +362,15 @@ class Federated:
         self.restart_clock()
         if self.watchdog is not None:
             self.watchdog.beat(self.round, None)
+
+    def batch_drawn(self) -> int:
+        """The loader draws this client's next batch: a round's first batch starts the round's
+        clock, and the watchdog sees the client computing. The batch's size, ``B_i``."""
+        if self._in_round == 0:
+            self.restart_clock()
+        if self.watchdog is not None:
+            self.watchdog.beat(self.round, COMPUTING)
+        return self.batch_size
 
     def close(self) -> None:
         """Stop the watchdog's heartbeat (training ended); nothing to do without one."""
@@ -515,14 +516,10 @@ class ClientLoader:
         return np.concatenate(out)
 
     def __iter__(self) -> Iterator[Any]:
-        return _ClientPass(self)
+        return self
 
     def __next__(self) -> Any:
-        if self.fl._in_round == 0:
-            self.fl.restart_clock()
-        if self.fl.watchdog is not None:
-            self.fl.watchdog.beat(self.fl.round, COMPUTING)
-        idx = self.take(self.fl.batch_size)
+        idx = self.take(self.fl.batch_drawn())
         if self._tensors is not None:
             t = torch.from_numpy(idx)
             return [x[t] for x in self._tensors]
@@ -546,29 +543,6 @@ class ClientLoader:
         self.offset = integer(state["offset"], "offset", 0)
         if self.offset >= len(self._order):
             raise ValueError(f"loader state offset {self.offset} is beyond the {len(self._order)} local samples")
-
-
-class _ClientPass:
-    """One ``for`` loop over a :class:`ClientLoader` (the stream itself is the loader's): when
-    the loop is left (a ``break``, an exception) the client is between steps to the watchdog,
-    so the script's own work after the loop is not taken for a stalled local step."""
-
-    def __init__(self, loader: ClientLoader) -> None:
-        self.loader = loader
-
-    def __iter__(self) -> "_ClientPass":
-        return self
-
-    def __next__(self) -> Any:
-        return self.loader.__next__()
-
-    def __del__(self) -> None:
-        fl = getattr(getattr(self, "loader", None), "fl", None)
-        if fl is not None and fl.watchdog is not None:
-            try:
-                fl.watchdog.beat(fl.round, None)
-            except Exception:  # noqa: BLE001 (never raise from a finaliser)
-                pass
 
 
 # ---------------------------------------------------------------------- non-i.i.d. splits

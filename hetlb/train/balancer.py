@@ -21,9 +21,7 @@ disagreement raises :class:`DecisionMismatchError` naming the ranks.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
-import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -32,7 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hetlb.comm.hook import StepTelemetry
-from hetlb.comm.probes import hardware_info
+from hetlb.comm.gradients import GradientTransport, ends_of, transport_for
 from hetlb.comm.transport import (carry_blocker, carry_penalty, choose_transport, defer_blocker,
                                   is_nccl, keep_groups)
 from hetlb.comm.weights import weights_for
@@ -45,10 +43,10 @@ from hetlb.policies.base import Context, Policy, policy_settings
 from hetlb.policies.loop import DecisionLoop
 from hetlb.ranks.agreement import Peers, agree_at_start, make_side_group, refuse_everywhere
 from hetlb.ranks.watchdog import Watchdog
-from hetlb.train.config import check_arguments, check_rule_fits_loader
+from hetlb.train.config import check_arguments, check_rule_fits_loader, model_device, start_bounds
 from hetlb.train.model_hooks import (BatchDim, check_model, layer_list, single_sample_layers,
                                      ModelHooks)
-from hetlb.train.runlog import ENV_LOG_DIR, RunLog
+from hetlb.train.runlog import RunLog, open_runlog
 from hetlb.train.steps import StepDriver, same_weights
 
 
@@ -250,7 +248,7 @@ class Balancer:
             log_dir, tensorboard = cfg.log_dir, cfg.tensorboard
             self.model, self.global_batch = model, global_batch
             self.weighting, self.emulator = weighting, emulator
-            self.device = self._device(model)
+            self.device = model_device(model)
             self.group = group
             self.watchdog = watchdog
 
@@ -274,7 +272,7 @@ class Balancer:
                                             accumulate=self.accumulate, transport=transport)
                               if is_ddp else "no DDP model"),
                     "asked": {"lower": lower_given, "upper": upper},
-                    **self._bounds(lower, upper, profile)}
+                    **start_bounds(lower, upper, profile, global_batch, self.device)}
             self._exchanged = True  # (a later error is every rank's: no second exchange)
             everyone = agree_at_start(mine, side, self.world, self.distributed, "Balancer",
                                       [("config", "Balancer"),
@@ -329,22 +327,22 @@ class Balancer:
             self.board = loader.board if loader is not None else \
                 PlanBoard(self.world, self.rank, global_batch, self.accumulate)
             self.board.configure(self.accumulate, context.lower, single_ok=not self._single)
-            #: The hooks on the user's models (the forward check, the communication hooks).
+            #: How this rank's weighted gradient reaches the others (the DDP communication hook).
+            self.gradient_transport: GradientTransport = transport_for(
+                model, self.telemetry, native=native_hook, deferred=deferred,
+                accumulate=self.accumulate)
+            #: The Balancer's other hooks on the user's model (the forward check).
             self.hooks = ModelHooks(model, self.telemetry, self.board, is_ddp=is_ddp,
-                                    native=native_hook, deferred=deferred, batch_dim=batch_dim)
+                                    batch_dim=batch_dim, ends=ends_of(self.gradient_transport))
             self.board.post(decision)
-            runlog: Optional[RunLog] = None
-            log_dir = log_dir if log_dir is not None else os.environ.get(ENV_LOG_DIR) or None
-            if log_dir is not None and self.rank == 0:
-                if tensorboard is None:
-                    tensorboard = importlib.util.find_spec("tensorboard") is not None
-                runlog = RunLog(log_dir, tensorboard=tensorboard)
             #: Runs the steps: the open step, the telemetry block, the accumulation window.
             self.driver = StepDriver(model, self.telemetry, self.board, self.loop, self.hooks,
+                                     self.gradient_transport,
                                      rank=self.rank, world=self.world, weighting=weighting,
                                      accumulate=self.accumulate, exchange_every=self.exchange_every,
                                      adaptive_exchange=self.adaptive_exchange,
-                                     transport=self.transport, watchdog=watchdog, runlog=runlog,
+                                     transport=self.transport, watchdog=watchdog,
+                                     runlog=open_runlog(log_dir, tensorboard, self.rank),
                                      peers=self.peers)
             # The bound loader's configuration (a value: the loader holds this Balancer, not the
             # other way round), or None before a loader is bound.
@@ -362,27 +360,10 @@ class Balancer:
             # the model can get a Balancer again (a registered communication hook cannot go).
             if "hooks" in self.__dict__:
                 self.hooks.remove()
+            if "gradient_transport" in self.__dict__:
+                self.gradient_transport.remove()
             raise
         del self._refusal_side  # (the telemetry holds the groups it uses)
-
-    # ------------------------------------------------------------------ setup
-
-    @staticmethod
-    def _device(model: torch.nn.Module) -> torch.device:
-        for p in model.parameters():
-            return p.device
-        return torch.device("cpu")
-
-    def _bounds(self, lower: int, upper: Optional[int], profile: Any) -> Dict[str, Any]:
-        up = self.global_batch if upper is None else checks.integer(upper, "upper", 0)
-        prof: Optional[Dict[str, Any]] = None
-        if profile is not None:
-            if getattr(profile, "oom_at", None) is not None:
-                up = min(up, int(profile.limit))  # only a real out-of-memory bound caps the batch
-            prof = {"model": profile.fit("cubic"), "linear": profile.fit("linear"),
-                    "limit": int(profile.limit), "oom_at": getattr(profile, "oom_at", None)}
-        return {"lower": int(lower), "upper": up, "hardware": hardware_info(self.device), "profile": prof}
-
 
     def loader(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True, *,
                sample_sizes: Optional[Sequence[float]] = None, seed: int = 0,
@@ -472,7 +453,7 @@ class Balancer:
         if not is_ddp:
             raise TypeError(f"bal.attach: with {self.world} ranks the model must be "
                             f"DistributedDataParallel, got {type(model).__name__}")
-        if model is self.model or any(model is m for m in self.hooks.attached):
+        if any(model is m for m in self.gradient_transport.models):
             raise ValueError("bal.attach: this model is already weighted by this Balancer "
                              "(the balanced model, or attached before)")
         pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
@@ -494,8 +475,9 @@ class Balancer:
                     f"default for such a model), or lower=0, or lower=1 if their inputs have more "
                     f"than one value per channel")
         keep_groups(model, (pg,))
-        self.hooks.attach(model, defer_blocker(model, self.group, native=True, emulator=self.emulator,
-                                               accumulate=self.accumulate, transport=self.transport))
+        self.gradient_transport.attach(
+            model, defer_blocker(model, self.group, native=True, emulator=self.emulator,
+                                 accumulate=self.accumulate, transport=self.transport))
 
     # ------------------------------------------------------------------ sizes
 
@@ -619,8 +601,6 @@ class Balancer:
         self.driver.close()
         if self.watchdog is not None:
             self.watchdog.close()
-
-    # ------------------------------------------------------------------ called by the loader
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -5,13 +5,15 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from hetlb.comm.gradients import wrapper_transport
+from hetlb.comm.probes import hardware_info
 from hetlb.comm.weights import WEIGHTINGS
 from hetlb.core import checks
 from hetlb.core.decisions import EXACT_INT, ScheduleRule
@@ -127,7 +129,7 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
     world = dist.get_world_size(group) if distributed else 1
     rank = dist.get_rank(group) if distributed else 0
     is_ddp = isinstance(model, DistributedDataParallel)
-    if world > 1 and not is_ddp:
+    if world > 1 and not is_ddp and wrapper_transport(model) is None:
         raise TypeError(f"with {world} ranks the model must be DistributedDataParallel, "
                         f"got {type(model).__name__}")
     if not is_ddp and not native_hook:
@@ -203,3 +205,24 @@ def check_rule_fits_loader(d: Any, loader: BalancedLoader, global_batch: int) ->
                         "caps hold together (%g): a step that draws enough of them fails with "
                         "an error when it comes. Raise the policy's cap= or lower the global "
                         "batch to rule it out", step, worst, float(d.cap.sum()))
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without one)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def start_bounds(lower: int, upper: Optional[int], profile: Any, global_batch: int,
+                 device: torch.device) -> Dict[str, Any]:
+    """This rank's entry of the start-up agreement: its bounds on a batch (``upper`` capped by a
+    profile's out-of-memory limit), its hardware and its profile's fitted models."""
+    up = global_batch if upper is None else checks.integer(upper, "upper", 0)
+    prof: Optional[Dict[str, Any]] = None
+    if profile is not None:
+        if getattr(profile, "oom_at", None) is not None:
+            up = min(up, int(profile.limit))  # only a real out-of-memory bound caps the batch
+        prof = {"model": profile.fit("cubic"), "linear": profile.fit("linear"),
+                "limit": int(profile.limit), "oom_at": getattr(profile, "oom_at", None)}
+    return {"lower": int(lower), "upper": up, "hardware": hardware_info(device), "profile": prof}

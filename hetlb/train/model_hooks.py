@@ -1,12 +1,12 @@
 """Everything the Balancer attaches to the user's model: the forward check of each batch against
-the plan (:class:`StepGate`, which also starts the step's compute clock), the end of backward of a
-model without DDP (:class:`BackwardEnd`), the first step's search for DDP models trained unattached
-(:class:`UnattachedCheck`), and the refusals of models the Balancer cannot train."""
+the plan (:class:`StepGate`, which also starts the step's compute clock), the first step's search for DDP
+models trained unattached (:class:`UnattachedCheck`), and the refusals of models the Balancer
+cannot train. The hooks that reduce the gradient belong to the gradient transport
+(:mod:`hetlb.comm.gradients`)."""
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -108,7 +108,7 @@ class StepGate:
         self.board, self.telemetry, self.batch_dim = board, telemetry, batch_dim
         self._sizes: Optional[np.ndarray] = None  # the latest plan's sizes and this rank's entry
         self._want = 0
-        #: One process: the handle of the same Balancer's :class:`BackwardEnd` hooks, removed
+        #: One process: the handle of the same Balancer's :class:`hetlb.comm.gradients.BackwardEnd` hooks, removed
         #: with this gate when a new Balancer takes the module over.
         self.ends = ends
 
@@ -180,17 +180,6 @@ class StepGate:
         if t is None or t.dim() <= self.batch_dim:
             return None
         return int(t.shape[self.batch_dim])
-
-
-class BackwardEnd:
-    """Gradient hook of a model without DDP (one process): its backward ran, the compute ends."""
-
-    def __init__(self, telemetry: StepTelemetry) -> None:
-        self.telemetry = telemetry
-
-    def __call__(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        if self.telemetry.core.open:
-            self.telemetry.core.last_ready()
 
 
 class UnattachedCheck:
@@ -291,112 +280,43 @@ def unattached_message(name: str, ranks: List[int]) -> str:
 
 
 class ModelHooks:
-    """The hooks on the balanced model and its attached models, and their lifetimes.
+    """The Balancer's hooks on the balanced model, and their lifetimes: the :class:`StepGate`
+    (every balanced model), and during the first step the :class:`UnattachedCheck`. (What
+    reduces the gradient is the gradient transport's: :mod:`hetlb.comm.gradients`.)
 
-    A DDP model gets the weighted communication hook at once, or, where every rank can do without
-    it and the first decision splits evenly (``deferred``), a :class:`BackwardWatch` until the
-    first step whose weights differ (DDP's own mean is the weighted one until then); a model
-    without DDP (one process) gets a :class:`BackwardEnd`. Every balanced model gets the
-    :class:`StepGate`. Registration is all or nothing: a refusal removes what was added.
+    Args:
+        model: the balanced model.
+        telemetry, board: what the gate checks batches against and whose clock it starts.
+        is_ddp: whether the model is DDP (its first step looks for models trained unattached).
+        batch_dim: see :class:`hetlb.Balancer`.
+        ends: a handle removed with the gate when a new Balancer takes a plain module over (the
+            :class:`hetlb.comm.gradients.LocalTransport`'s gradient hook), or None.
     """
 
     def __init__(self, model: torch.nn.Module, telemetry: StepTelemetry, board: PlanBoard, *,
-                 is_ddp: bool, native: bool, deferred: bool, batch_dim: BatchDim) -> None:
-        self.model, self.telemetry = model, telemetry
-        self.native = native
-        #: Whether the model is DDP: its hook delivers every step's table with the gradient once
-        #: registered (a deferred one from the first step whose weights differ).
-        self.comm_hook = is_ddp
-        #: Other DDP models trained on the same batches (``Balancer.attach``), weighted alike.
-        self.attached: List[DistributedDataParallel] = []
-        self._watch: Any = None  # the deferred hook's BackwardWatch handle (None: hooked)
+                 is_ddp: bool, batch_dim: BatchDim, ends: Any = None) -> None:
+        self.model = model
         self._check_models = is_ddp  # the first step looks for models trained unattached
         self._unattached: Optional[UnattachedCheck] = None  # its hooks while that step is open
-        ends = None
-        try:
-            if is_ddp and deferred:
-                self._watch = telemetry.defer(model)
-            elif is_ddp:
-                telemetry.register(model, native=native)
-            else:
-                params = [p for p in model.parameters() if p.requires_grad]
-                if params:  # one process: the end of backward ends the step's compute
-                    ends = torch.autograd.graph.register_multi_grad_hook(
-                        params, BackwardEnd(telemetry), mode="all")
-            self._gate = model.register_forward_pre_hook(StepGate(board, telemetry, batch_dim, ends),
-                                                         with_kwargs=True)
-        except BaseException:
-            for handle in (self._watch, ends):
-                if handle is not None:
-                    handle.remove()
-            raise
-        self._ends = ends
-
-    @property
-    def deferred(self) -> bool:
-        """Whether the communication hook still waits for the first step whose weights differ."""
-        return self._watch is not None
+        #: Whether the step about to run searches for DDP models trained unattached (the first
+        #: step; again after a discarded one). An attribute: the driver reads it every step.
+        self.wants_check = is_ddp
+        self._gate = model.register_forward_pre_hook(StepGate(board, telemetry, batch_dim, ends),
+                                                     with_kwargs=True)
 
     def remove(self) -> None:
-        """Take the forward hooks off (a Balancer refused after making them; a registered
-        communication hook cannot go)."""
-        for handle in (self._gate, self._watch, self._ends):
-            if handle is not None:
-                handle.remove()
+        """Take the forward check off (a Balancer refused after making it)."""
+        self._gate.remove()
 
     def take_over(self) -> None:
         """One process: this Balancer's gate replaces any earlier Balancer's on the module."""
         take_over(self.model, keep=self._gate.id)
 
-    def before_step(self, plan: StepPlan, equal: bool) -> None:
-        """A step is about to run with these weights: register the deferred hook before the first
-        whose weights differ, and start the first step's check for unattached models."""
-        if self._watch is not None:
-            if getattr(self.model, "_comm_hooks", None):
-                raise RuntimeError(
-                    "hetlb: a communication hook was registered on the DDP model besides the "
-                    "Balancer's; the Balancer's own hook weighs each rank's gradient by its batch "
-                    "(it is registered once the batches differ), and DDP takes one hook only. "
-                    "Register no hook of your own on a balanced model")
-            if not equal:
-                self.register_now(f"step {plan.step} of epoch {plan.epoch}: the ranks' weights "
-                                  f"differ (sizes {plan.sizes.tolist()})")
-        if self._check_models and self._unattached is None:
-            self._unattached = UnattachedCheck.watch(self.model, [self.model] + self.attached)
-
-    def register_now(self, why: str) -> None:
-        """Register the deferred communication hook now, for good (DDP cannot remove one), and
-        the attached models' hooks: the first step whose weights differ is about to run (on
-        every rank alike: plans are replicated), so DDP's mean would be wrong from here on."""
-        self.telemetry.register(self.model, native=True)  # (first: if DDP refuses, nothing changed)
-        for m in self.attached:
-            self.telemetry.register(m, native=True, attached=True)
-        self._watch.remove()
-        self._watch = None
-        log.info("%s, so the weighted communication hook is registered from now on", why)
-
-    def attach(self, model: DistributedDataParallel, blocker: Optional[str]) -> None:
-        """Weigh ``model`` as the balanced one (checked by ``Balancer.attach``); ``blocker``: why it
-        cannot wait for a deferred hook (None: it can)."""
-        if self._watch is None:  # the balanced model's hook is registered: this one's now too
-            self.telemetry.register(model, native=self.native, attached=True)
-            self.attached.append(model)
-        else:
-            self.attached.append(model)
-            if blocker is not None:  # it needs its hook now, and so the balanced model its own
-                self.register_now(f"the attached model needs its hook at once ({blocker})")
-        # bal.backward weighs the loss only where no parameter holds a gradient, of either model
-        self.telemetry.core.watch([p for m in [self.model] + self.attached for p in m.parameters()])
-
-    def no_sync(self) -> Any:
-        """``no_sync()`` of the balanced model and the attached ones (a window's weight is
-        applied once, by the hooks of its last micro-step)."""
-        if not self.attached:
-            return self.model.no_sync()
-        stack = contextlib.ExitStack()
-        for m in [self.model] + self.attached:
-            stack.enter_context(m.no_sync())
-        return stack
+    def start_check(self, known: List[torch.nn.Module]) -> None:
+        """Search the step about to run for DDP models trained unattached, besides the ``known``
+        ones (the balanced model and those attached to it)."""
+        self._unattached = UnattachedCheck.watch(self.model, known)
+        self.wants_check = False
 
     @property
     def checking(self) -> bool:
@@ -407,7 +327,7 @@ class ModelHooks:
         """Stop the first step's search; the class of an unattached model it found, or None."""
         found = self._unattached.found if self._unattached is not None else None
         self.stop_check()
-        self._check_models = False
+        self._check_models = self.wants_check = False
         return found
 
     def stop_check(self) -> None:
@@ -415,3 +335,4 @@ class ModelHooks:
         if self._unattached is not None:
             self._unattached.remove()
             self._unattached = None
+            self.wants_check = self._check_models

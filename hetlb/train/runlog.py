@@ -27,7 +27,7 @@ import numpy as np
 from hetlb.core.telemetry import StepRecord, straggler_effect
 
 
-__all__ = ["RunLog", "read_run", "LOG_NAME", "ENV_LOG_DIR"]
+__all__ = ["RunLog", "read_run", "open_runlog", "LOG_NAME", "ENV_LOG_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -143,3 +143,15 @@ def read_run(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
     if not steps:
         raise ValueError(f"{p}: no step records")
     return steps
+
+
+def open_runlog(log_dir: Optional[str], tensorboard: Optional[bool], rank: int) -> Optional["RunLog"]:
+    """The Balancer's run log: on rank 0 where ``log_dir`` (or ``$HETLB_LOG_DIR``) names a folder,
+    with TensorBoard scalars where ``tensorboard`` says so (None: where it is installed)."""
+    log_dir = log_dir if log_dir is not None else os.environ.get(ENV_LOG_DIR) or None
+    if log_dir is None or rank != 0:
+        return None
+    if tensorboard is None:
+        import importlib.util
+        tensorboard = importlib.util.find_spec("tensorboard") is not None
+    return RunLog(log_dir, tensorboard=tensorboard)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from hetlb.comm.gradients import GradientTransport
 from hetlb.comm.hook import StepTelemetry
 from hetlb.comm.weights import weights_for
 from hetlb.core.decisions import ScheduleRule, decision_checksum
@@ -29,7 +30,7 @@ from hetlb.data.board import PlanBoard, StepPlan
 from hetlb.data.shards import Partition, epoch_rates
 from hetlb.policies.loop import DecisionLoop
 from hetlb.ranks.agreement import Peers
-from hetlb.ranks.watchdog import FLUSHING
+from hetlb.ranks.watchdog import FLUSHING, WAITING
 from hetlb.train.model_hooks import ModelHooks, unattached_message
 from hetlb.train.runlog import RunLog
 from hetlb.train.verify import RECORD_COLS, verify_table
@@ -128,6 +129,7 @@ class StepDriver:
     Args:
         model: the balanced model.
         telemetry, board, loop, hooks: the Balancer's parts the steps use.
+        gradients: the gradient transport (how this rank's weighted gradient reaches the others).
         rank, world: this rank and the number of ranks.
         weighting, accumulate, exchange_every, adaptive_exchange, transport: the settings.
         watchdog: the Balancer's watchdog, or None.
@@ -136,10 +138,11 @@ class StepDriver:
     """
 
     def __init__(self, model: torch.nn.Module, telemetry: StepTelemetry, board: PlanBoard,
-                 loop: DecisionLoop, hooks: ModelHooks, *, rank: int, world: int, weighting: str,
+                 loop: DecisionLoop, hooks: ModelHooks, gradients: GradientTransport, *, rank: int, world: int, weighting: str,
                  accumulate: int, exchange_every: int, adaptive_exchange: bool, transport: str,
                  watchdog: Any, runlog: Optional[RunLog], peers: Peers) -> None:
         self.model, self.telemetry, self.board, self.loop, self.hooks = model, telemetry, board, loop, hooks
+        self.gradients = gradients
         self.rank, self.world, self.weighting = rank, world, weighting
         self.accumulate, self.exchange_every = accumulate, exchange_every
         self.adaptive_exchange, self.transport = adaptive_exchange, transport
@@ -150,7 +153,6 @@ class StepDriver:
         #: decision), excluding the user's forward and backward.
         self.last_overhead = 0.0
         self._spent = 0.0
-        self._fast_backward_noted = False
         # (sizes, data, window_len, (weight, batch, data, equal)) of _weight's latest plan
         self._weight_of: tuple = (None, None, 0, (0.0, 0.0, 0.0, True))
         self._open: Optional[_Open] = None
@@ -258,7 +260,9 @@ class StepDriver:
     def _begin(self, plan: StepPlan, explicit: bool) -> None:
         t = time.perf_counter()
         w, batch, data, equal = self._weight(plan)
-        self.hooks.before_step(plan, equal)
+        self.gradients.before_step(plan, w, equal)
+        if self.hooks.wants_check:
+            self.hooks.start_check(self.gradients.models)
         first = plan.window_pos == 0
         if first:
             self.window.data = 0.0
@@ -305,9 +309,8 @@ class StepDriver:
         self.window.check(plan)
         self._begin(plan, explicit=True)
         self._in_with = True
-        local = not plan.window_end and isinstance(self.model, DistributedDataParallel)
         try:
-            with self.hooks.no_sync() if local else contextlib.nullcontext():
+            with contextlib.nullcontext() if plan.window_end else self.gradients.local():
                 yield owner
         except BaseException:
             self._in_with = False
@@ -336,33 +339,7 @@ class StepDriver:
         if self._open is None:
             raise RuntimeError("hetlb: bal.backward(loss) outside a balanced step; call it for a "
                                "batch of the Balancer's loader, or inside `with bal.step():`")
-        core = self.telemetry.core
-        w = core.weight
-        low = loss.dtype not in (torch.float32, torch.float64) or \
-            (gradient is not None and gradient.dtype not in (torch.float32, torch.float64))
-        if self.hooks.deferred:  # no hook yet: DDP's own mean is the weighted one
-            torch.autograd.backward(loss, gradient, **kwargs)
-            return
-        if w == 1.0 or self.accumulate > 1 or low or not core.grads_clear():
-            if w != 1.0 and self.accumulate == 1 and not low and not self._fast_backward_noted:
-                self._fast_backward_noted = True
-                log.warning("bal.backward: parameters already hold gradients, so the hook weighs "
-                            "the gradient (as with loss.backward()); zero them with "
-                            "optimizer.zero_grad() (set_to_none=True, the default) to skip its pass")
-            torch.autograd.backward(loss, gradient, **kwargs)
-            return
-        if gradient is None:
-            if loss.numel() != 1:
-                raise RuntimeError(f"bal.backward: a loss of shape {tuple(loss.shape)} needs "
-                                   f"gradient= (as Tensor.backward: implicit only for scalars)")
-            gradient = torch.full_like(loss, w, memory_format=torch.preserve_format)
-        else:
-            gradient = gradient * w
-        core.prescaled = True
-        try:
-            torch.autograd.backward(loss, gradient, **kwargs)
-        finally:
-            core.prescaled = False
+        self.gradients.backward(loss, gradient, self.telemetry.core.weight, **kwargs)
 
     def _discard(self) -> None:
         """Drop the open step without finishing it (a peek, or an exception in its body)."""
@@ -385,7 +362,7 @@ class StepDriver:
             return
         table = tele.table() if tele.hooked else None
         if table is None:
-            if tele.hooked and self.hooks.comm_hook and not self.hooks.deferred:
+            if tele.hooked and self.gradients.delivers_table:
                 # The communication hook ran to its last bucket but delivered nothing: a bug in
                 # hetlb. An exchange here would be a collective the other ranks (whose tables
                 # arrived) never join, so it would hang until the timeout instead.
@@ -395,8 +372,15 @@ class StepDriver:
             if not tele.hooked:
                 tele.stamp()
             # No hook carried the row (a step without gradients, or one process without DDP):
-            # all-reduce it on its own.
-            table = tele.exchange()
+            # all-reduce it on its own, waiting for the others there.
+            if self.watchdog is not None:
+                self.watchdog.beat(self._step, WAITING)
+                try:
+                    table = tele.exchange()
+                finally:
+                    self.watchdog.beat(self._step)
+            else:
+                table = tele.exchange()
         tele.close()
         self._open = None
         steps = self._block + [(self._step, plan)]  # the block's steps, each with its own table
@@ -582,13 +566,6 @@ class StepDriver:
         """The loop received ``plan``'s batch: without accumulation its step opens now."""
         if self.accumulate == 1:
             self._begin(plan, explicit=False)
-
-    def loop_left(self) -> None:
-        """The loop over the loader was left with a step open (a ``break``): to the watchdog
-        this worker is between steps until its next step opens (see :class:`hetlb.Watchdog`)."""
-        if self.watchdog is not None and self._open is not None and not self._in_with:
-            self.watchdog.beat(self._step)
-
 
     def exhausted(self) -> Optional[str]:
         """The DataLoader ran out: the iteration ends (balanced steps have no rounds)."""
