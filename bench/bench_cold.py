@@ -98,23 +98,28 @@ def _part_targets() -> List[tuple]:
     """(owner, method, label) of the step's bookkeeping timed by ``--parts``, in the order a step
     runs them (labels indented under the part they run in)."""
     import hetlb
-    from hetlb import aggregate, balancer, plan, telemetry
+    from hetlb.comm.hook import StepTelemetry
+    from hetlb.core.telemetry import History, StepRecord
+    from hetlb.data import board, handout
+    from hetlb.policies.loop import DecisionLoop
+    from hetlb.train import steps
     return [
-        (balancer.Balancer, "_finish", "Balancer._finish (the step's end)"),
-        (aggregate.StepTelemetry, "end_kept", "  StepTelemetry.end_kept (a step inside a block)"),
-        (aggregate.StepTelemetry, "table", "  StepTelemetry.table (take the table)"),
-        (aggregate.StepTelemetry, "close", "  StepTelemetry.close"),
-        (balancer.Balancer, "_verify", "  Balancer._verify"),
-        (plan.PlanBoard, "complete", "  PlanBoard.complete"),
-        (balancer.Balancer, "_record", "  Balancer._record"),
-        (telemetry.StepRecord, "__init__", "    StepRecord(...)"),
-        (telemetry.History, "append", "    History.append"),
+        (steps.StepDriver, "_finish", "StepDriver._finish (the step's end)"),
+        (StepTelemetry, "end_kept", "  StepTelemetry.end_kept (a step inside a block)"),
+        (StepTelemetry, "table", "  StepTelemetry.table (take the table)"),
+        (StepTelemetry, "close", "  StepTelemetry.close"),
+        (steps, "verify_table", "  verify_table"),
+        (board.PlanBoard, "complete", "  PlanBoard.complete"),
+        (steps.StepDriver, "_record", "  StepDriver._record"),
+        (StepRecord, "__init__", "    StepRecord(...)"),
+        (History, "append", "    History.append"),
+        (DecisionLoop, "advance", "    DecisionLoop.advance"),
         (hetlb.Uniform, "decide", "    Uniform.decide"),
-        (plan.PlanBoard, "post", "    PlanBoard.post"),
-        (plan.PlanBoard, "draw", "PlanBoard.draw (the loader draws the next step)"),
-        (plan.PlanBoard, "hand", "PlanBoard.hand"),
-        (balancer.Balancer, "_begin", "Balancer._begin (the next step's start)"),
-        (aggregate.StepTelemetry, "start", "  StepTelemetry.start"),
+        (board.PlanBoard, "post", "    PlanBoard.post"),
+        (board.PlanBoard, "draw", "PlanBoard.draw (the loader draws the next step)"),
+        (handout.Board, "hand", "Board.hand"),
+        (steps.StepDriver, "_begin", "StepDriver._begin (the next step's start)"),
+        (StepTelemetry, "start", "  StepTelemetry.start"),
     ]
 
 

@@ -60,13 +60,14 @@ def setup(variant: str, model: str, batch: int, device: torch.device, n_batches:
     kw = {"defer_hook": False} if base == "hooked" else {}
     if every:
         kw["exchange_every"] = int(every)
-    device_of = hetlb.Balancer.__dict__["_device"]  # (the staticmethod itself)
+    import hetlb.train.balancer as balancer_module
+    device_of = balancer_module.model_device
     if flag == "hostclock":  # (diagnostic) host timing: no CUDA events, no wait for the last step's end
-        hetlb.Balancer._device = staticmethod(lambda m: torch.device("cpu"))
+        balancer_module.model_device = lambda m: torch.device("cpu")
     try:
         bal = hetlb.Balancer(ddp, batch, policy=hetlb.Uniform(), **kw)
     finally:
-        hetlb.Balancer._device = device_of
+        balancer_module.model_device = device_of
     if flag.startswith("lag"):  # (diagnostic) device times read N steps late: the host runs N ahead
         bal.telemetry.set_clock_lag(int(flag[3:]))
     loader = bal.loader(ds, seed=1, pin_memory=pin, **lkw)

@@ -70,6 +70,10 @@ class Board:
         self.current = self.drawn.popleft()
         return self.current
 
+    def hand_own(self, plan: Any) -> None:
+        """Hand out ``plan``, which the owner made itself (a step without a loader)."""
+        self.current = plan
+
     def drop_current(self) -> None:
         """The owner is done with the plan handed out last (trained, or given up)."""
         self.current = None

@@ -300,7 +300,7 @@ class StepDriver:
                                    "every step consumes exactly one batch it hands out")
         else:
             plan = self._plan_without_loader()
-            self.board.current = plan
+            self.board.hand_own(plan)
         if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync \
                 and self.accumulate == 1:
             raise RuntimeError("hetlb: ddp.no_sync() (gradient accumulation) needs "
@@ -452,7 +452,7 @@ class StepDriver:
         self.board.complete(plan)
         if not self.bound:
             self._micro = 0
-            self.board.current = None
+            self.board.drop_current()
         self._step += 1
         if self.watchdog is not None:
             self.watchdog.beat(self._step)
