@@ -62,6 +62,9 @@ class FSDP2Prototype:
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    def window_done(self, weight: float) -> None:
+        return None
+
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor], weight: float,
                  **kwargs: Any) -> None:
         gradient = torch.full_like(loss, weight) if gradient is None else gradient * weight

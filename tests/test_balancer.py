@@ -496,3 +496,32 @@ def test_a_table_that_is_not_this_steps_is_a_decision_mismatch_whatever_it_holds
              "plan": "step plan", "step": "different steps", "epoch": "different epochs"}[col]
     with pytest.raises(hetlb.DecisionMismatchError, match=words):
         verify_table(table, plan, step, sharded=False)
+
+
+@pytest.mark.parametrize("n, k", [(10, 2), (13, 3), (9, 2)])
+def test_one_process_accumulation_gives_each_window_the_mean_over_its_samples(n, k):
+    # A short window (an epoch's end) is scaled by accumulate / its length, in one process without
+    # DDP as by a DDP hook: the micro-steps' losses are each divided by accumulate.
+    torch.manual_seed(0)
+    x, y = torch.randn(n, 3), torch.randn(n, 1)
+    m = torch.nn.Linear(3, 1)
+    ref = torch.nn.Linear(3, 1)
+    ref.load_state_dict(m.state_dict())
+    bal = hetlb.Balancer(m, 4, accumulate=k)
+    windows, seen = [], 0
+    for xb, yb in bal.loader(torch.utils.data.TensorDataset(x, y), shuffle=False):
+        with bal.step():
+            (torch.nn.functional.mse_loss(m(xb), yb) / k).backward()
+        seen += len(xb)
+        if bal.synced:
+            windows.append((seen, [p.grad.clone() for p in m.parameters()]))
+            seen = 0
+            m.zero_grad()
+    assert sum(c for c, _ in windows) == n and windows[-1][0] < 4 * k  # a short last window
+    lo = 0
+    for count, grads in windows:
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x[lo:lo + count]), y[lo:lo + count]).backward()
+        for g, p in zip(grads, ref.parameters()):
+            torch.testing.assert_close(g, p.grad)
+        lo += count

@@ -56,6 +56,10 @@ class GradientTransport(Protocol):
     def local(self) -> ContextManager[Any]:
         """The context of a micro-step whose gradient stays on this rank (accumulation)."""
 
+    def window_done(self, weight: float) -> None:
+        """The backward of a window's last micro-step ran: apply ``weight`` to the window's
+        gradient where the reduction did not (one process: a short window's share)."""
+
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor], weight: float,
                  **kwargs: Any) -> None:
         """:meth:`hetlb.Balancer.backward`: the backward of ``loss`` with ``weight`` applied
@@ -95,10 +99,18 @@ class LocalTransport:
     def local(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
+    def window_done(self, weight: float) -> None:
+        """One rank's weight is 1 but for a short accumulation window (an epoch's end), whose
+        micro-steps' losses were divided by ``accumulate``: its gradient is scaled here, as a DDP
+        hook scales the window's bucket."""
+        if weight != 1.0:
+            with torch.no_grad():
+                for p in self._models[0].parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(weight)
+
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor], weight: float,
                  **kwargs: Any) -> None:
-        # One rank's weight is 1 but for a short last accumulation window, whose weight is the
-        # window's share and is not applied to a single process's gradient.
         torch.autograd.backward(loss, gradient, **kwargs)
 
     def attach(self, model: torch.nn.Module, blocker: Optional[str]) -> None:
@@ -196,6 +208,9 @@ class DDPTransport:
         for m in self.models:
             stack.enter_context(m.no_sync())
         return stack
+
+    def window_done(self, weight: float) -> None:
+        """Nothing: the hook weighed the window's bucket."""
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor], weight: float,
                  **kwargs: Any) -> None:

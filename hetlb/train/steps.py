@@ -321,6 +321,8 @@ class StepDriver:
         if self.bound:  # (without one, batch_sizes says the next step's)
             self._ended = plan.sizes
         if plan.window_end:
+            if self.accumulate > 1:  # (a window's weight, applied once: see window_done)
+                self.gradients.window_done(self._weight(plan)[0])
             self._finish()
             self.window.synced(plan)
         else:
