@@ -3,12 +3,15 @@
 Rank 0 serves, ranks 1.. work (ASP, float64 linear regression); the server checkpoints every 3
 updates through ``hetlb.Checkpointer`` and resumes from the newest on start. On the first attempt
 worker ``--kill-rank`` exits at its ``--kill-at``-th sample read (a crash: torchrun restarts the
-group). The server writes its final state to ``--out``/server.pt.
+group), and every other worker stops at its own ``--kill-at``-th read until torchrun ends it, so
+that none trains on into the next epoch while the agent reacts (the test reads the last epoch as
+trained whole by the restarted attempt). The server writes its final state to ``--out``/server.pt.
 
     torchrun --standalone --nproc-per-node 3 --max-restarts 1 tests/ps_restart_worker.py --out DIR
 """
 import argparse
 import os
+import time
 
 import torch
 
@@ -37,8 +40,10 @@ class Data(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         self.reads += 1
-        if attempt == 0 and rank == args.kill_rank and self.reads == args.kill_at:
-            os._exit(7)  # a worker process dies mid-training
+        if attempt == 0 and self.reads == args.kill_at:
+            if rank == args.kill_rank:
+                os._exit(7)  # a worker process dies mid-training
+            time.sleep(120)  # the others wait here for torchrun to end them
         return x[i], y[i]
 
 
