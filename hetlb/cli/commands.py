@@ -211,7 +211,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from hetlb.sim import (POLICY_NAMES, builtin_scenarios, generate_cluster, load_scenario,
                            make_policy, simulate, unknown_policies)
-    from hetlb.sim.engine import _policy_key
+    from hetlb.sim.engine import policy_key
 
     if args.list:
         for name, make in sorted(builtin_scenarios().items()):
@@ -257,7 +257,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if hold is not None:
         if not (0.0 <= hold < 1.0):
             raise CLIError(f"--chronica-hold must be in [0, 1), got {hold}")
-        if not any(_policy_key(p) == "chronica" for p in policies):
+        if not any(policy_key(p) == "chronica" for p in policies):
             raise CLIError("--chronica-hold sets Chronica(hold=H): add chronica to --policy")
     quad = args.chronica_quadratic
     if quad is not None:
@@ -268,11 +268,11 @@ def _simulate(args: argparse.Namespace) -> int:
                 raise CLIError(f"--chronica-quadratic must be a number >= 0 or 'fit', got {quad!r}") from None
             if not (quad >= 0.0 and math.isfinite(quad)):
                 raise CLIError(f"--chronica-quadratic must be a number >= 0 or 'fit', got {quad}")
-        if not any(_policy_key(p) == "chronica" for p in policies):
+        if not any(policy_key(p) == "chronica" for p in policies):
             raise CLIError("--chronica-quadratic sets Chronica(quadratic=C): add chronica to --policy")
     results = []
     for p in policies:
-        if _policy_key(p) == "chronica" and (hold is not None or quad is not None):
+        if policy_key(p) == "chronica" and (hold is not None or quad is not None):
             kw = {"hold": hold} if hold is not None else {}
             if quad is not None:
                 kw["quadratic"] = quad

@@ -41,7 +41,7 @@ from hetlb.sim.cluster import Cluster
 from hetlb.sim.scenario import Scenario, load_scenario
 
 
-__all__ = ["simulate", "SimResult", "make_policy", "unknown_policies", "POLICY_NAMES"]
+__all__ = ["simulate", "SimResult", "make_policy", "policy_key", "unknown_policies", "POLICY_NAMES"]
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +53,19 @@ POLICY_NAMES = ("uniform", "lbb", "lbbsp", "lbbsp-cpu", "wlbs", "dbs", "chronica
 POLICY_ALIASES = ("lbbsp-gpu", "lbb-sp")
 
 
-def _policy_key(name: str) -> str:
+def policy_key(name: str) -> str:
+    """A policy's short name as :func:`make_policy` looks it up (case and ``_``/``-`` folded)."""
     return name.strip().lower().replace("_", "-")
 
 
 def unknown_policies(names: List[str]) -> List[str]:
     """The names among ``names`` that :func:`make_policy` does not know."""
-    return [n for n in names if _policy_key(n) not in POLICY_NAMES + POLICY_ALIASES]
+    return [n for n in names if policy_key(n) not in POLICY_NAMES + POLICY_ALIASES]
 
 
 def make_policy(name: str, **kw: Any) -> Policy:
     """A fresh policy with the papers' defaults from its short name (:data:`POLICY_NAMES`)."""
-    key = _policy_key(name)
+    key = policy_key(name)
     table = {"uniform": lambda: Uniform(), "lbb": lambda: LBB(**kw),
              "lbbsp": lambda: LBBSP("gpu", **kw), "lbbsp-gpu": lambda: LBBSP("gpu", **kw),
              "lbb-sp": lambda: LBBSP("gpu", **kw), "lbbsp-cpu": lambda: LBBSP("cpu", **kw),
@@ -216,7 +217,7 @@ def simulate(scenario: Union[Scenario, str, Dict[str, Any]], policy: Union[Polic
     size_rng = np.random.default_rng([seed, 1])
     t_wall = time.perf_counter()
     # A name given is the label (LBBSP's two modes share the policy's name).
-    name = _policy_key(policy) if isinstance(policy, str) else pol.name
+    name = policy_key(policy) if isinstance(policy, str) else pol.name
     cluster = Cluster(sc)
     run = _PolicyRun(sc, pol, profile=profile, every=every, adaptive=adaptive,
                      history=max(64, every) if hist is None else hist)
