@@ -13,7 +13,10 @@ and the framework around it, not the model's compute) under ``valgrind --tool=ca
 instrumentation switched on only after the imports and ``--warm`` steps (``callgrind_control``),
 and events collected only inside three marker calls of the measured steps: ``next(it)`` inside
 ``operator.call``, the forward inside ``functools.reduce``, the backward inside
-``operator.methodcaller``. hetlb runs with a fixed block (``exchange_every``, 64 by default) and
+``operator.methodcaller``; the variant ``hetlb+loss`` also logs the loss (``bal.log_loss`` before
+the backward) and reads ``bal.finished`` after the optimizer's step, both inside ``map``'s
+``map_next`` (the phase "the loss"; reading ``finished`` ends the step, which the other variants
+end in the next batch). hetlb runs with a fixed block (``exchange_every``, 64 by default) and
 ``--warm`` chosen so that no exchange falls among the measured steps (a block's exchange is
 counted by the mean, not the median, of the wall-clock harnesses), and with its time-based
 probes (CPU load, memory) slowed to never fire (under callgrind a step takes ~100x its time, so
@@ -37,7 +40,10 @@ from typing import Dict, List
 from report import emit
 
 #: The marker functions (CPython's C functions) and the phase each one wraps.
-MARKERS = {"_operator_call": "next batch", "functools_reduce": "forward", "methodcaller_call": "backward"}
+MARKERS = {"_operator_call": "next batch", "functools_reduce": "forward", "methodcaller_call": "backward",
+           "map_next": "the loss"}
+#: Phases only some variants run (``hetlb+loss``'s logged loss); 0 for the others.
+OPTIONAL = {"the loss"}
 #: callgrind_annotate's event columns, in order.
 EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
@@ -61,6 +67,8 @@ def probe(variant: str, steps: int, warm: int, every: int, evict_mb: int, ready:
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     n = 16 * (steps + warm + 100)  # one epoch covers every step (no epoch-end exchange)
     ds = torch.utils.data.TensorDataset(torch.randn(n, 8), torch.randint(0, 2, (n,)))
+    logs = variant == "hetlb+loss"
+    finished = operator.attrgetter("finished")
     if variant == "plain":
         it = iter(DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, seed=0)))
     else:
@@ -78,14 +86,20 @@ def probe(variant: str, steps: int, warm: int, every: int, evict_mb: int, ready:
         if i < warm:
             x, y = next(it)
             loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            if logs:
+                bal.log_loss(loss)
             loss.backward()
         else:
             x, y = operator.call(next, it)
             out = functools.reduce(lambda a, b: ddp(x), [0, 0])
             loss = torch.nn.functional.cross_entropy(out, y)
+            if logs:
+                list(map(bal.log_loss, [loss]))
             backward(loss)
         opt.step()
         opt.zero_grad()
+        if logs:
+            list(map(finished, [bal])) if i >= warm else bal.finished
     dist.destroy_process_group()
 
 
@@ -132,6 +146,8 @@ def parse(text: str, steps: int) -> Dict[str, Dict[str, float]]:
         except ValueError:
             continue
         got[MARKERS[name]] = {e: v / steps for e, v in zip(EVENTS, values)}
+    for phase in OPTIONAL - set(got):
+        got[phase] = {e: 0.0 for e in EVENTS}
     missing = set(MARKERS.values()) - set(got)
     if missing:
         raise RuntimeError(f"callgrind_annotate's output has no {sorted(missing)}: did the probe run?")
@@ -144,16 +160,23 @@ def table(results: Dict[str, Dict[str, Dict[str, float]]]) -> List[str]:
     lines = ["| phase | variant | instructions | LL misses: instruction | data read | data write | "
              "all | all, added to plain |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     plain = results["plain"]
-    for phase in MARKERS.values():
-        base = plain[phase]
+    phases = [p for p in MARKERS.values()
+              if p not in OPTIONAL or any(r[p]["Ir"] for r in results.values())] + ["the step"]
+    for phase in phases:
+        base = step_total(plain) if phase == "the step" else plain[phase]
         base_ll = base["ILmr"] + base["DLmr"] + base["DLmw"]
         for variant, r in results.items():
-            e = r[phase]
+            e = step_total(r) if phase == "the step" else r[phase]
             ll = e["ILmr"] + e["DLmr"] + e["DLmw"]
             added = "" if variant == "plain" else f"{ll - base_ll:+.0f} ({e['Ir'] - base['Ir']:+,.0f} instr.)"
             lines.append(f"| {phase} | {variant} | {e['Ir']:,.0f} | {e['ILmr']:.0f} | {e['DLmr']:.0f} | "
                          f"{e['DLmw']:.0f} | {ll:.0f} | {added} |")
     return lines
+
+
+def step_total(result: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    """A variant's events per step summed over its phases."""
+    return {e: sum(phase[e] for phase in result.values()) for e in EVENTS}
 
 
 def main() -> None:
@@ -165,7 +188,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=64, help="hetlb's exchange_every")
     p.add_argument("--evict-mb", type=int, default=32, help="buffer passed over before every step")
     p.add_argument("--ll-bytes", type=int, default=8 << 20, help="simulated last-level cache")
-    p.add_argument("--variants", nargs="+", default=["plain", "hetlb"], choices=["plain", "hetlb"])
+    p.add_argument("--variants", nargs="+", default=["plain", "hetlb"], choices=["plain", "hetlb", "hetlb+loss"])
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
     p.add_argument("--out")
     p.add_argument("--probe", help=argparse.SUPPRESS)

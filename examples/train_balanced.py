@@ -49,7 +49,7 @@ def train(policy_name: str, args: argparse.Namespace, rank: int, world: int) -> 
     bal = hetlb.Balancer(ddp, args.global_batch, policy=POLICIES[policy_name](), emulator=emu)
     loader = bal.loader(dataset(args.global_batch * args.steps), seed=1)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    out: Dict[str, List[Any]] = {"time": [], "sizes": [], "loss": []}
+    out: Dict[str, List[Any]] = {"time": [], "sizes": [], "loss": []}  # loss: (step, global loss)
     bar = None
     if rank == 0:
         try:
@@ -60,6 +60,7 @@ def train(policy_name: str, args: argparse.Namespace, rank: int, world: int) -> 
     t_prev = time.perf_counter()
     for x, y in loader:  # each batch handed out is one step of the Balancer
         loss = torch.nn.functional.cross_entropy(ddp(x), y)  # mean over this rank's samples
+        bal.log_loss(loss)  # rides in the step's telemetry
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -67,10 +68,12 @@ def train(policy_name: str, args: argparse.Namespace, rank: int, world: int) -> 
         out["time"].append(now - t_prev)
         t_prev = now
         out["sizes"].append(bal.batch_sizes.tolist())
-        # The global batch's mean loss (every rank's own mean is over a batch of its own size).
-        part = torch.tensor([loss.item() * len(y) if len(y) else 0.0, float(len(y))], dtype=torch.float64)
-        dist.all_reduce(part)
-        out["loss"].append(float(part[0] / part[1]))
+        # The global batch's mean loss (the mean of the ranks' means is not: their batches
+        # differ), for the newest step that arrived: this one, or with Uniform's blocks of steps
+        # the last step of the latest block.
+        done = bal.finished
+        if done is not None and (not out["loss"] or out["loss"][-1][0] != done.step):
+            out["loss"].append((done.step, done.loss))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -128,8 +131,10 @@ def main() -> None:
     log.info("%d ranks, speeds %s, global batch %d, T(b) = %g ms + %g ms/sample", world, speeds,
              args.global_batch, 1e3 * args.a0, 1e3 * args.a1)
     for n, r in runs.items():
-        log.info("%-8s median step %7.2f ms (compute-only ideal %.2f ms), final sizes %s, global loss %.3f -> %.3f",
-                 n, 1e3 * med[n], 1e3 * ideal, r["sizes"][-1], r["loss"][0], r["loss"][-1])
+        (first, a), (last, b) = r["loss"][0], r["loss"][-1]
+        log.info("%-8s median step %7.2f ms (compute-only ideal %.2f ms), final sizes %s, global "
+                 "loss %.3f (step %d) -> %.3f (step %d)", n, 1e3 * med[n], 1e3 * ideal,
+                 r["sizes"][-1], a, first, b, last)
     log.info("speed-up of %s over Uniform: %.2fx", args.policy, med["Uniform"] / med[args.policy])
     if args.plot:
         plot(runs, ideal, args.plot)

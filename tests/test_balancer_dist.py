@@ -123,7 +123,7 @@ def grad_worker(rank, world, weighting, sizes, options, dtype_name, steps):
         else:
             loss.backward()
         scaled.append(bal.telemetry.core.scaled_buckets)
-        parts = loader.sampler.step_indices(plan)
+        parts = loader.order.step_indices(plan)
         ref = _reference(net, x, y, tokens, parts, weighting)
         errs.append(max(((p.grad.to(torch.float64) - r).abs().max() / (r.abs().max() + 1e-12)).item()
                         for p, r in zip(net.parameters(), ref)))
@@ -263,7 +263,7 @@ def accumulation_worker(rank, world, K, n, gb, steps, bal_backward=False):
         with bal.step():
             loss = _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)) / K
             bal.backward(loss) if bal_backward else loss.backward()
-        parts_all.append(loader.sampler.step_indices(plan))
+        parts_all.append(loader.order.step_indices(plan))
         syncs.append(bal.synced)
         if bal.synced:
             # The window's gradient is the mean over every sample of its micro-steps.
@@ -1013,7 +1013,7 @@ def attach_worker(rank, world, case):
                 if case == "accumulate":
                     loss = loss / 2
                 bal.backward(loss) if case == "backward" else loss.backward()
-            window.append(loader.sampler.step_indices(bal.board.current if bal.board.current is not None
+            window.append(loader.order.step_indices(bal.board.current if bal.board.current is not None
                                                       else bal.driver.last_plan))
             if not bal.synced:
                 continue

@@ -29,7 +29,8 @@ Ir         Dr         Dw         I1mr      D1mr    D1mw    ILmr    DLmr    DLmw 
 
 def test_parse_reads_each_marker_s_inclusive_events_per_step():
     got = bench_callgrind.parse(ANNOTATE, 60)
-    assert set(got) == {"next batch", "forward", "backward"}
+    assert set(got) == {"next batch", "forward", "backward", "the loss"}
+    assert got["the loss"]["Ir"] == 0  # (a phase only hetlb+loss runs)
     assert got["next batch"]["Ir"] == pytest.approx(33_106_098 / 60)
     assert got["next batch"]["DLmw"] == pytest.approx(49_784 / 60)  # not the recursive instance's
     assert got["backward"]["ILmr"] == pytest.approx(176_960 / 60) and got["backward"]["DLmw"] == 0
@@ -44,8 +45,11 @@ def test_parse_names_a_missing_marker():
 
 def test_table_adds_hetlb_s_misses_and_instructions_to_plain_s():
     plain = bench_callgrind.parse(ANNOTATE, 60)
-    more = {p: dict(e, Ir=e["Ir"] + 1000, DLmr=e["DLmr"] + 7) for p, e in plain.items()}
+    more = {p: e if p == "the loss" else dict(e, Ir=e["Ir"] + 1000, DLmr=e["DLmr"] + 7)
+            for p, e in plain.items()}
     rows = bench_callgrind.table({"plain": plain, "hetlb": more})
-    assert len(rows) == 2 + 2 * 3
+    assert len(rows) == 2 + 2 * 4  # three phases (no variant logged a loss) and the step
     hetlb_next = next(r for r in rows if r.startswith("| next batch | hetlb"))
     assert hetlb_next.endswith("| +7 (+1,000 instr.) |")
+    step = next(r for r in rows if r.startswith("| the step | hetlb"))
+    assert step.endswith("| +21 (+3,000 instr.) |")

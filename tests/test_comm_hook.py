@@ -296,7 +296,7 @@ def test_block_slots_match_the_reference(world, data):
 
 
 @settings(max_examples=30, deadline=None)
-@given(values=st.lists(st.floats(-1e6, 1e6), min_size=8, max_size=8), junk=st.integers(0, 2 ** 32 - 1),
+@given(values=st.lists(st.floats(-1e6, 1e6), min_size=9, max_size=9), junk=st.integers(0, 2 ** 32 - 1),
        pos=st.integers(0, 2), ship=st.booleans())
 def test_begin_with_numbers_opens_the_step_start_opens_with_their_row(values, junk, pos, ship):
     """StepCore.begin (the step boundary's one call, the values of ROW_VALUES as numbers) leaves
@@ -325,7 +325,7 @@ def test_end_kept_stamps_a_step_no_hook_ended_and_closes_it():
     from hetlb.core.telemetry import ROW_VALUES
     core = _C.StepCore(0, 1, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
     with pytest.raises(RuntimeError, match="set_columns\\(\\) was never called"):
-        core.begin(1.0, 0.0, True, 0, True, *range(8))
+        core.begin(1.0, 0.0, True, 0, True, *range(9))
     with pytest.raises(RuntimeError, match=f"column must be in \\[0, {NUM_FIELDS}\\), got -1"):
         core.set_columns([-1])
     with pytest.raises(RuntimeError, match=f"column {COL['epoch']} is named 0 times"):
@@ -336,11 +336,11 @@ def test_end_kept_stamps_a_step_no_hook_ended_and_closes_it():
         core.set_columns([COL["compute"]] + [COL[c] for c in ROW_VALUES if c != "data"])
     core.set_columns([COL[c] for c in ROW_VALUES])
     with pytest.raises(RuntimeError, match="begin: weight must be finite and >= 0, got -1"):
-        core.begin(-1.0, 0.0, True, 0, True, *range(8))
-    core.begin(1.0, 0.0, True, 0, True, *range(8))
+        core.begin(-1.0, 0.0, True, 0, True, *range(9))
+    core.begin(1.0, 0.0, True, 0, True, *range(9))
     assert core.end_kept() is False  # no hook ran: stamped here
     assert not core.open and core.last_buckets == 1 and core.row[COL["compute"]] >= 0
-    core.begin(1.0, 0.0, True, 0, True, *range(8))
+    core.begin(1.0, 0.0, True, 0, True, *range(9))
     core.last_ready()  # as a hook would
     stamped = core.row
     assert core.end_kept() is True and not core.open
@@ -348,7 +348,7 @@ def test_end_kept_stamps_a_step_no_hook_ended_and_closes_it():
 
 
 @settings(max_examples=30, deadline=None)
-@given(values=st.lists(st.floats(-1e6, 1e6), min_size=8, max_size=8), weight=st.floats(0, 10),
+@given(values=st.lists(st.floats(-1e6, 1e6), min_size=9, max_size=9), weight=st.floats(0, 10),
        offset=st.floats(0, 10), pos=st.integers(0, 2), ship=st.booleans(), new_window=st.booleans(),
        hooked=st.booleans())
 def test_step_calls_do_what_the_core_s_methods_do(values, weight, offset, pos, ship, new_window, hooked):
@@ -382,18 +382,18 @@ def test_step_calls_refuse_bad_arguments():
     core = _C.StepCore(0, 2, NUM_FIELDS, False, False, COL["compute"], COL["cpu"])
     begin, end_kept, restart_clock, watch = _C.step_calls(core)
     with pytest.raises(RuntimeError, match="set_columns\\(\\) was never called"):
-        begin(1.0, 0.0, True, 0, True, *range(8))
+        begin(1.0, 0.0, True, 0, True, *range(9))
     core.set_columns([COL[c] for c in ROW_VALUES])
-    with pytest.raises(TypeError, match="takes 13 arguments .*got 12"):
-        begin(1.0, 0.0, True, 0, True, *range(7))
+    with pytest.raises(TypeError, match="takes 14 arguments .*got 13"):
+        begin(1.0, 0.0, True, 0, True, *range(8))
     with pytest.raises(TypeError, match="must be real number, not str"):
-        begin(1.0, 0.0, True, 0, True, "x", *range(7))
+        begin(1.0, 0.0, True, 0, True, "x", *range(8))
     with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
-        begin(1.0, 0.0, True, 0.5, True, *range(8))
+        begin(1.0, 0.0, True, 0.5, True, *range(9))
     with pytest.raises(RuntimeError, match="begin: weight must be finite and >= 0, got -1"):
-        begin(-1.0, 0.0, True, 0, True, *range(8))
+        begin(-1.0, 0.0, True, 0, True, *range(9))
     with pytest.raises(RuntimeError, match=r"pos must be in \[0, 1\)"):
-        begin(1.0, 0.0, True, 1, True, *range(8))
+        begin(1.0, 0.0, True, 1, True, *range(9))
     assert not core.open  # (nothing was opened by a refused call)
     with pytest.raises(TypeError, match="takes no arguments"):
         end_kept(1)

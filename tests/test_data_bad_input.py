@@ -205,11 +205,11 @@ def test_recovery_on_emulated_ranks_and_loaded_before_the_loader(order):
     for b in boards:
         if order == "board":
             b.load_position(state["position"])
-            samplers.append(BalancedLoader(Indices(31), board=b, seed=2).sampler)
+            samplers.append(BalancedLoader(Indices(31), board=b, seed=2).order)
         else:
             loader = BalancedLoader(Indices(31), board=b, seed=2)
             loader.load_state_dict(state)
-            samplers.append(loader.sampler)
+            samplers.append(loader.order)
         b.post(np.array([1, 2, 3]))
         assert b.epoch_finished()
         b.restart()
@@ -351,7 +351,7 @@ def test_a_checkpoint_loaded_early_waits_on_the_board_and_is_applied_once_when_t
         other.bind(object(), object())
     assert other.balancer is None  # refused: not bound, and the order still waits for a loader
     with pytest.raises(ValueError, match="length=20 then, 25 now"):
-        board.bind(other.sampler.config())
+        board.bind(other.order.config())
     loader = BalancedLoader(Indices(20), board=PlanBoard(1, 0, 4), seed=1)
     loader.load_state_dict(state)  # a hetlb.DataLoader made before its Balancer
     assert loader.state_dict() is state  # its Balancer's part, kept for the Balancer

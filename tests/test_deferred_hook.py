@@ -70,7 +70,7 @@ def deferred_worker(rank, world, n, global_batch, options):
                 bal.backward(loss)
             else:
                 loss.backward()
-            parts = loader.sampler.step_indices(plan)
+            parts = loader.order.step_indices(plan)
             ref = _reference(net, x, y, tokens, parts, options.get("weighting", "samples"))
             err = max(((p.grad - r).abs().max() / (r.abs().max() + 1e-12)).item()
                       for p, r in zip(net.parameters(), ref))
@@ -284,7 +284,7 @@ def resume_worker(rank, world):
                 break
             plan = bal.board.current
             _loss(ddp(xb), yb, torch.ones(len(yb), dtype=torch.float64)).backward()
-            ref = _reference(net, x, y, tokens, loader.sampler.step_indices(plan), "samples")
+            ref = _reference(net, x, y, tokens, loader.order.step_indices(plan), "samples")
             out.append((plan.sizes.tolist(), not bal.gradient_transport.deferred,
                         max(((p.grad - r).abs().max() / r.abs().max()).item()
                             for p, r in zip(net.parameters(), ref))))

@@ -28,5 +28,5 @@ def test_balanced_training_example_runs_under_torchrun(tmp_path):
     assert plot.exists() and plot.stat().st_size > 10_000
     # The same samples per step, weighted to the global mean: LBB's loss curve is Uniform's,
     # whatever split it chose (the summary prints the global batch's loss, not rank 0's).
-    losses = dict(re.findall(r"(\w+)\s+median step .* global loss ([\d.]+ -> [\d.]+)", text))
+    losses = dict(re.findall(r"(\w+)\s+median step .* global loss ([\d.]+ \(step \d+\) -> [\d.]+ \(step \d+\))", text))
     assert set(losses) == {"Uniform", "LBB"} and losses["Uniform"] == losses["LBB"], losses

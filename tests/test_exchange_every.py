@@ -33,7 +33,7 @@ def block_grad_worker(rank, world, k, steps, options):
         sizes.append(plan.sizes.tolist())
         loss = _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64))
         bal.backward(loss) if options.get("bal_backward") else loss.backward()
-        parts = loader.sampler.step_indices(plan)
+        parts = loader.order.step_indices(plan)
         ref = _reference(net, x, y, tokens, parts, "samples")
         errs.append(max(((p.grad - r).abs().max() / (r.abs().max() + 1e-12)).item()
                         for p, r in zip(net.parameters(), ref)))
@@ -294,7 +294,7 @@ def block_accumulation_worker(rank, world, K, k, n, gb):
         plan = bal.board.current
         with bal.step():
             (_loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)) / K).backward()
-        parts_all.append(loader.sampler.step_indices(plan))
+        parts_all.append(loader.order.step_indices(plan))
         if bal.synced:
             parts = [np.concatenate([p[r] for p in parts_all]) for r in range(world)]
             ref = _reference(net, x, y, tokens, parts, "samples")
@@ -358,7 +358,7 @@ def flush_worker(rank, world, transport, same_iterator):
         xb, yb, _, ib = batch
         plan = bal.board.current
         _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)).backward()
-        ref = _reference(net, x, y, tokens, loader.sampler.step_indices(plan), "samples")
+        ref = _reference(net, x, y, tokens, loader.order.step_indices(plan), "samples")
         errs.append(max(((p.grad - r).abs().max() / (r.abs().max() + 1e-12)).item()
                         for p, r in zip(net.parameters(), ref)))
         ddp.zero_grad(set_to_none=True)
@@ -463,7 +463,7 @@ def adaptive_worker(rank, world, k, moves):
         sizes.append(plan.sizes.tolist())
         lens.append(len(bal.history))
         _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)).backward()
-        ref = _reference(net, x, y, tokens, loader.sampler.step_indices(plan), "samples")
+        ref = _reference(net, x, y, tokens, loader.order.step_indices(plan), "samples")
         errs.append(max(((p.grad - r).abs().max() / (r.abs().max() + 1e-12)).item()
                         for p, r in zip(net.parameters(), ref)))
         ddp.zero_grad(set_to_none=True)

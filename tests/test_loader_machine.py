@@ -108,7 +108,7 @@ class _Rank:
         self.steps = 0  # trained steps (the Balancer's step counter)
         self.board.post(self.decision())
         pending = loader.bind(self, self)  # a state loaded before binding, or None
-        self.config = loader.sampler.config()
+        self.config = loader.order.config()
         if pending is not None:
             self.load_state_dict(pending)
 
@@ -473,7 +473,7 @@ class LoaderMachine(RuleBasedStateMachine):
             if b.partition is None:
                 assert b.done == pos["step"]
             assert loader.epoch == (b.epoch + 1 if b.epoch_finished() else b.epoch)
-            spe = loader.sampler.steps_per_epoch
+            spe = loader.order.steps_per_epoch
             if b.epoch_finished():  # the next iteration runs the next epoch, whole
                 assert len(loader) == (-(-self.n // self.batch) if self.sharded else spe)
             else:

@@ -11,6 +11,8 @@ failures. Run from the repository root with the extension built in place (``PYTH
   column from ``mem_get_info``; two forward-backward passes a step are timed to the second's end.
 * ``gloo_cuda``: two Gloo ranks with CUDA tensors sharing the GPU, sizes 3:7: the gradient equals
   one process over the union, with the native hook and with the Python reference.
+* ``logged_loss``: ``bal.log_loss`` on CUDA tensors (two Gloo ranks, sizes 3:7): each step's
+  global mean loss arrives with the next step's table, equal to one process's over the union.
 * ``profile_oom``: ``hetlb.profile`` stops at a real CUDA out-of-memory and frees it.
 * ``probe``: the memory probe sees another allocation on the device.
 """
@@ -94,7 +96,7 @@ def gloo_cuda_worker(rank, world, native, bal_backward=False):
         loss = (ddp(xb.cuda()) - yb.cuda()).pow(2).sum(1).mean()
         bal.backward(loss) if bal_backward else loss.backward()  # the weight in the loss, or the hook
         scaled.append(bal.telemetry.core.scaled_buckets)
-        idx = np.concatenate(loader.sampler.step_indices(plan))
+        idx = np.concatenate(loader.order.step_indices(plan))
         ref = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
         ref.load_state_dict({k: v.cpu() for k, v in net.state_dict().items()})
         (ref(x[idx]) - y[idx]).pow(2).sum(1).mean().backward()
@@ -105,6 +107,37 @@ def gloo_cuda_worker(rank, world, native, bal_backward=False):
     if native:  # the native hook counts the buckets it weighed
         assert all(n == 0 for n in scaled) if bal_backward else all(n > 0 for n in scaled), scaled
     return {"err": max(errs), "transport": bal.transport}
+
+
+def logged_loss_worker(rank, world):
+    """bal.log_loss on CUDA: the loss stays on the device and rides in the next step's row (the
+    compute clock's lag), so each step's global loss arrives one step later, exact."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from fixed_policy import Fixed
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double().cuda()
+    ddp = DDP(net, device_ids=[0])
+    bal = hetlb.Balancer(ddp, 10, policy=Fixed([3, 7]))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    loader = bal.loader(torch.utils.data.TensorDataset(x, y), seed=2)
+    want, got = [], []
+    for step, (xb, yb) in enumerate(loader):
+        idx = np.concatenate(loader.order.step_indices(bal.board.current))
+        with torch.no_grad():  # the union's mean at these parameters (no optimizer: they stay)
+            want.append(torch.nn.functional.mse_loss(net(x[idx].cuda()), y[idx].cuda()).item())
+        loss = torch.nn.functional.mse_loss(ddp(xb.cuda()), yb.cuda())
+        bal.log_loss(loss)
+        loss.backward()
+        ddp.zero_grad()
+        done = bal.finished
+        got.append(None if done is None else (done.step, done.loss))
+    assert got[0] is None and [s for s, _ in got[1:]] == list(range(len(got) - 1)), got
+    err = max(abs(loss - want[s]) for s, loss in got[1:])
+    assert err < 1e-9, (got, want)
+    return {"err": err, "steps": len(got)}
 
 
 def delayed_worker(rank, world, device):
@@ -171,6 +204,7 @@ def main() -> int:
         "gloo_cuda (native)": lambda: _gloo(True),
         "gloo_cuda (reference)": lambda: _gloo(False),
         "gloo_cuda (bal.backward)": lambda: _gloo(True, True),
+        "logged_loss (cuda, one step late)": lambda: unwrap(run(logged_loss_worker, 2, timeout=300))[0],
         "delayed_sync (gloo, cuda tensors)": check_delayed_cuda,
         "profile_oom": check_profile_oom,
         "probe": check_probe,

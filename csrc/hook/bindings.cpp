@@ -67,14 +67,15 @@ void bind_step_core(py::module& m) {
       .def(
           "begin",
           [](StepCore& c, double weight, double offset, bool new_window, int64_t pos, bool ship,
-             double v0, double v1, double v2, double v3, double v4, double v5, double v6, double v7) {
-            const double values[] = {v0, v1, v2, v3, v4, v5, v6, v7};
-            c.open({weight, offset, new_window, pos, ship}, values, 8, RowValues::kColumns);
+             double v0, double v1, double v2, double v3, double v4, double v5, double v6, double v7,
+             double v8) {
+            const double values[] = {v0, v1, v2, v3, v4, v5, v6, v7, v8};
+            c.open({weight, offset, new_window, pos, ship}, values, 9, RowValues::kColumns);
           },
           py::arg("weight"), py::arg("offset"), py::arg("new_window"), py::arg("pos"),
           py::arg("ship"), py::arg("v0"), py::arg("v1"), py::arg("v2"), py::arg("v3"),
-          py::arg("v4"), py::arg("v5"), py::arg("v6"), py::arg("v7"),
-          "start() with the row's 8 values as numbers, in set_columns' order (compute NaN, CPU 0 "
+          py::arg("v4"), py::arg("v5"), py::arg("v6"), py::arg("v7"), py::arg("v8"),
+          "start() with the row's 9 values as numbers, in set_columns' order (compute NaN, CPU 0 "
           "until stamped): the step boundary's one call.")
       .def("end_kept", &StepCore::end_kept,
            "End a step that does not send the table (inside a block): stamp it unless a hook "

@@ -39,17 +39,18 @@ bool as_double(PyObject* o, double& out) {
   return !(out == -1.0 && PyErr_Occurred());
 }
 
-// begin(weight, offset, new_window, pos, ship, v0, ..., v7): StepCore::open with the row's
+// begin(weight, offset, new_window, pos, ship, v0, ..., v8): StepCore::open with the row's
 // set_columns() values.
 PyObject* calls_begin(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 13) {
+  constexpr int kValues = 9;
+  if (nargs != 5 + kValues) {
     PyErr_Format(PyExc_TypeError,
-                 "hetlb step begin() takes 13 arguments (weight, offset, new_window, pos, ship "
-                 "and the row's 8 values), got %zd", nargs);
+                 "hetlb step begin() takes %d arguments (weight, offset, new_window, pos, ship "
+                 "and the row's %d values), got %zd", 5 + kValues, kValues, nargs);
     return nullptr;
   }
   StepStart start{};
-  double values[8];
+  double values[kValues];
   if (!as_double(args[0], start.weight) || !as_double(args[1], start.offset)) return nullptr;
   const int new_window = PyObject_IsTrue(args[2]);
   if (new_window < 0) return nullptr;
@@ -57,13 +58,13 @@ PyObject* calls_begin(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   if (pos == -1 && PyErr_Occurred()) return nullptr;
   const int ship = PyObject_IsTrue(args[4]);
   if (ship < 0) return nullptr;
-  for (int i = 0; i < 8; ++i)
+  for (int i = 0; i < kValues; ++i)
     if (!as_double(args[5 + i], values[i])) return nullptr;
   start.new_window = new_window != 0;
   start.pos = pos;
   start.ship = ship != 0;
   try {
-    calls_of(self).core->open(start, values, 8, RowValues::kColumns);
+    calls_of(self).core->open(start, values, kValues, RowValues::kColumns);
   } catch (const std::exception& e) {
     return raise_cpp(e);
   }
@@ -112,7 +113,7 @@ PyObject* calls_watch(PyObject* self, PyObject* out) {
 
 PyMethodDef kCallDefs[] = {
     {"begin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(calls_begin)),
-     METH_FASTCALL, "StepCore.begin(weight, offset, new_window, pos, ship, v0, ..., v7), positional."},
+     METH_FASTCALL, "StepCore.begin(weight, offset, new_window, pos, ship, v0, ..., v8), positional."},
     {"end_kept", calls_end_kept, METH_NOARGS, "StepCore.end_kept()."},
     {"restart_clock", calls_restart_clock, METH_NOARGS, "StepCore.restart_clock()."},
     {"watch", calls_watch, METH_O, "watch_output(output, side) with the side group bound: the deferred hook's watch."},

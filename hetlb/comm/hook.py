@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
@@ -210,17 +211,18 @@ class StepTelemetry:
 
     def start(self, step: int, weight: float, batch: float, data: float, predicted: float,
               checksum: float, plan: float, epoch: int, *, offset: float = 0.0,
-              new_window: bool = True, sq: float = 0.0, pos: int = 0, ship: bool = True) -> None:
+              new_window: bool = True, sq: float = 0.0, pos: int = 0, ship: bool = True,
+              loss: float = math.nan) -> None:
         """Open step ``step`` (of ``epoch``): this rank's weight and row (the values of
         :data:`ROW_VALUES`; memory read here, step and epoch taken modulo 2^24 to stay exact in
         float32), the emulator's hold for it, and the compute clock (``offset``: seconds of
         earlier micro-steps). ``sq``: the sum of the squared sizes of this rank's samples (an
         emulator's quadratic work term). ``pos``, ``ship``: the step's position in its block and
-        whether it sends the table."""
+        whether it sends the table. ``loss``: the row's logged loss so far (NaN: none)."""
         # One native call with plain numbers: at the step boundary (caches cold from the step's
         # compute) filling a row array and converting it cost ~20 us more.
         self._begin(weight, offset, new_window, pos, ship, batch, data, predicted, checksum, plan,
-                    step % EXACT_INT, epoch % EXACT_INT, self.probe.memory())
+                    step % EXACT_INT, epoch % EXACT_INT, self.probe.memory(), loss)
         emu = self.emulator
         if emu is not None:
             if getattr(emu, "by", "batch") == "data":

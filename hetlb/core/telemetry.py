@@ -17,6 +17,9 @@ What the columns mean (one row per rank and step):
   ``1 - available / total`` RAM).
 * ``predicted``: the rank's own prediction of its speed for the step after next, from a rank-local
   predictor when the policy uses one (LB-BSP's per-worker NARX), else NaN.
+* ``loss``: the mean loss over the rank's samples that the training loop logged
+  (:meth:`hetlb.Balancer.log_loss`), else NaN; it is not part of a :class:`StepRecord` (policies
+  do not read it) and lags like ``compute`` (see :mod:`hetlb.train.losses`).
 
 Bad values (one place for all policies: :meth:`History.append`). A record that cannot describe a
 step is refused with :class:`UnusableTelemetry` naming the ranks and their values: negative sizes;
@@ -47,12 +50,13 @@ from hetlb.core.checks import integer
 log = logging.getLogger("hetlb.telemetry")
 
 #: Columns of the world table, in order.
-FIELDS = ("batch", "compute", "data", "memory", "cpu", "predicted", "checksum", "plan", "step", "epoch")
+FIELDS = ("batch", "compute", "data", "memory", "cpu", "predicted", "checksum", "plan", "step", "epoch",
+          "loss")
 NUM_FIELDS = len(FIELDS)
 COL = {name: i for i, name in enumerate(FIELDS)}
 #: The columns a rank fills in when its step starts, in the order ``StepCore.begin`` takes them;
 #: compute and CPU are stamped when its compute ends.
-ROW_VALUES = ("batch", "data", "predicted", "checksum", "plan", "step", "epoch", "memory")
+ROW_VALUES = ("batch", "data", "predicted", "checksum", "plan", "step", "epoch", "memory", "loss")
 
 #: The per-rank arrays of a :class:`StepRecord`, in table order.
 RECORD_ARRAYS = ("batch", "compute", "data", "memory", "cpu", "predicted")

@@ -24,8 +24,9 @@ from hetlb.data.board import PlanBoard
 from hetlb.data.collate import EmptySafeCollate
 from hetlb.data.early import check_loader_config
 from hetlb.data.handout import Board
+from hetlb.data.porting import StraySamplers, warn_unbound_training, warn_unshuffled
 from hetlb.data.protocol import Stateful, StepOwner
-from hetlb.data.sampler import (GlobalOrderSampler, MAX_SEED, check_sample_sizes,
+from hetlb.data.sampler import (GlobalOrderSampler, MAX_SEED, RankSampler, check_sample_sizes,
                                 dataset_sample_sizes)
 from hetlb.data.shards import Migration, Partition, even_partition
 
@@ -148,13 +149,20 @@ class BalancedLoader:
         self.dataset = dataset
         self.batch_size = batch_size
         self.sample_sizes = sample_sizes
-        self.sampler = GlobalOrderSampler(n, board, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                          sample_sizes=sample_sizes)
+        #: The global order this loader's steps are drawn from (its batch sampler).
+        self.order = GlobalOrderSampler(n, board, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                        sample_sizes=sample_sizes)
+        #: What scripts read of a ``DistributedSampler`` (see :class:`RankSampler`).
+        self.sampler = RankSampler(self.order, dataset)
         self.board = board
         self._owner: Optional[StepOwner] = None  # runs the steps of the batches (see bind)
         self._state: Optional[Stateful] = None  # owns the checkpoint state (see bind)
+        # DistributedSamplers over the dataset that no loader reads, found by the first training
+        # iteration (see hetlb.data.porting)
+        self._strays: Optional[StraySamplers] = None
+        self._said_unbound = False  # an evaluation iteration with gradients enabled was named
         collate = dataloader_kwargs.pop("collate_fn", None) or default_collate
-        self._steps = _Steps(self.sampler)
+        self._steps = _Steps(self.order)
         self._dl = DataLoader(dataset, batch_sampler=self._steps,
                               collate_fn=EmptySafeCollate(dataset, collate), **dataloader_kwargs)
 
@@ -202,7 +210,7 @@ class BalancedLoader:
         a step whose backward ran counts as trained)."""
         if self._owner is not None:
             self._owner.settle()
-        return len(self.sampler)
+        return len(self.order)
 
     @property
     def lag(self) -> int:
@@ -224,8 +232,10 @@ class BalancedLoader:
         DelayedSync."""
         if self._state is not None:
             raise ValueError("this loader is already bound to a Balancer")
-        pending = self.board.bind(self.sampler.config())
+        pending = self.board.bind(self.order.config())
         self._owner, self._state = steps, state
+        if not self.order.shuffle:
+            warn_unshuffled(self.board.rank)
         return pending
 
     def set_epoch(self, epoch: int) -> None:
@@ -242,11 +252,11 @@ class BalancedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         n = len(self.dataset)
-        if n != self.sampler.length:
+        if n != self.order.length:
             raise ValueError(
-                f"len(dataset) is {n} now, {self.sampler.length} when this loader was made: the "
+                f"len(dataset) is {n} now, {self.order.length} when this loader was made: the "
                 f"loader's global order (every rank's, and the checkpoint's position) covers the "
-                f"first {self.sampler.length} samples, so the dataset must not change length under "
+                f"first {self.order.length} samples, so the dataset must not change length under "
                 f"it. To train on the changed dataset, checkpoint at the end of an epoch and make a "
                 f"new Balancer and loader over it (in a restarted job); the checkpoint resumes "
                 f"there at the next epoch")
@@ -270,6 +280,9 @@ class BalancedLoader:
                 "holds only its shard, so it cannot serve as an evaluation loader. Bind it with "
                 "hetlb.Balancer(ddp_model, loader=loader), or evaluate with a loader without "
                 "partition=")
+        if torch.is_grad_enabled() and not self._said_unbound:
+            self._said_unbound = True
+            warn_unbound_training(self.board.rank)
         self._steps.evaluating = True
         try:  # the DataLoader asks its batch sampler for an iterator here, and only here
             return iter(self._dl)
@@ -286,7 +299,7 @@ class BalancedLoader:
         pending = self.board.owner_state()
         if pending is not None:
             return pending
-        return {"position": self.board.position(), "loader": self.sampler.config()}
+        return {"position": self.board.position(), "loader": self.order.config()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (or the Balancer's: they are the same); before
@@ -303,7 +316,7 @@ class BalancedLoader:
             got = f"a dict with keys {sorted(state)}" if isinstance(state, dict) else type(state).__name__
             raise ValueError("not a hetlb loader state (loader.state_dict() or bal.state_dict(): a "
                              f"dict with a 'position'), got {got}")
-        check_loader_config(state, self.sampler.config())
+        check_loader_config(state, self.order.config())
         pos = state["position"]
         if "policy" in state and isinstance(pos, dict) and pos.get("global_batch") != self.board.global_batch:
             # A Balancer's state of another global batch: its Balancer converts the position
@@ -359,6 +372,9 @@ class _Iteration:
         self._generation = self._board.generation
         self._iteration = self._board.iteration
         self._epoch = self._board.epoch
+        if loader._strays is None:
+            loader._strays = StraySamplers(loader.dataset, self._board.rank)
+        loader._strays.check(self._epoch)
         self._dl = loader._dl
         self._it = iter(self._dl)
         self._collate = loader._dl.collate_fn
@@ -435,7 +451,7 @@ class _Steps:
         self.evaluating = False
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return len(self.order)
 
     def __iter__(self) -> Iterator[List[int]]:
         return self.sampler.evaluation() if self.evaluating else iter(self.sampler)

@@ -191,6 +191,72 @@ class GlobalOrderSampler:
             yield idx.tolist()
 
 
+class RankSampler:
+    """``loader.sampler`` of a :class:`hetlb.DataLoader`: what scripts read of the
+    ``DistributedSampler`` of a loader, over the loader's global order.
+
+    ``len(loader.sampler)`` is the samples per rank of an epoch as ``DistributedSampler`` counts
+    them, ``ceil(N / world)`` (``N`` the samples an epoch reads: the dataset, less the short last
+    step with ``drop_last``), the same on every rank; ``len(loader)`` is the loader's steps. A
+    loader bound to no Balancer (an evaluation loader) reads exactly that many samples on some
+    ranks and one fewer on the others, every sample once and none repeated to pad, so a script's
+    "leftover" pass over ``len(loader.sampler) * world`` onward finds nothing left. A loader bound
+    to a Balancer reads what the Balancer's sizes give each rank: ``N / world`` on average, never
+    a fixed count. ``set_epoch``, ``epoch``, ``num_replicas``, ``rank``, ``shuffle``, ``seed``,
+    ``drop_last``, ``num_samples``, ``total_size`` and ``dataset`` are ``DistributedSampler``'s.
+    It draws no indices: iterate the loader.
+    """
+
+    def __init__(self, order: GlobalOrderSampler, dataset: Any) -> None:
+        self.order, self.dataset = order, dataset
+
+    @property
+    def num_replicas(self) -> int:
+        return self.order.board.world
+
+    @property
+    def rank(self) -> int:
+        return self.order.board.rank
+
+    @property
+    def epoch(self) -> int:
+        return self.order.board.epoch
+
+    @property
+    def shuffle(self) -> bool:
+        return self.order.shuffle
+
+    @property
+    def seed(self) -> int:
+        return self.order.seed
+
+    @property
+    def drop_last(self) -> bool:
+        return self.order.drop_last
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per rank of an epoch, ``ceil(N / world)``."""
+        return -(-self.order.epoch_length // self.num_replicas)
+
+    @property
+    def total_size(self) -> int:
+        """``num_samples * world``, as ``DistributedSampler`` has it (at least ``N``)."""
+        return self.num_samples * self.num_replicas
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (see :meth:`hetlb.data.loader.BalancedLoader.set_epoch`)."""
+        self.order.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("loader.sampler of a hetlb.DataLoader describes its split of the global "
+                        "order (len, set_epoch, num_replicas, rank) and draws no indices: "
+                        "iterate the loader itself")
+
+
 def dataset_sample_sizes(dataset: Any) -> Optional[np.ndarray]:
     """Per-sample data amounts a dataset declares itself, or None: a ``sample_size(index)``
     method, or (CHRONICA's convention) ``__sizeof__`` overridden to take an index. Every object has

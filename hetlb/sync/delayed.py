@@ -535,8 +535,8 @@ class DelayedSync:
         if self.weighting == "sizes" and loader.sample_sizes is None:
             raise ValueError('weighting="sizes" needs per-sample sizes: ds.loader(dataset, sample_sizes=...)')
         # Each rank cuts its shard from the shared order: another order loses and repeats samples.
-        self._agree(loader.sampler.config(), "loader")
-        if loader.sampler.epoch_length == 0:
+        self._agree(loader.order.config(), "loader")
+        if loader.order.epoch_length == 0:
             raise ValueError(f"DelayedSync.loader: an epoch has no sample to train (dataset of "
                              f"{len(dataset)} samples" + (f", drop_last=True with fewer than world * "
                              f"reference_batch = {self.world * self.reference_batch}" if drop_last else "")

@@ -96,7 +96,7 @@ class Rounds:
 
     def config(self) -> Optional[Dict[str, Any]]:
         """The loader's global order (what every rank agrees on), or None without a loader."""
-        return None if self.loader is None else self.loader.sampler.config()
+        return None if self.loader is None else self.loader.order.config()
 
     # ------------------------------------------------------------------ reference batches
 
@@ -169,7 +169,7 @@ class Rounds:
         b = self.board
         self._over = False
         self._used = 0
-        b.post_shards(self._shards(history), self.reference_batch, self.loader.sampler.epoch_length)
+        b.post_shards(self._shards(history), self.reference_batch, self.loader.order.epoch_length)
         log.info("epoch %d, samples %d on: shards %s", b.epoch, b.base, b.shards.tolist())
 
     def _shards(self, history: Sequence[Any]) -> np.ndarray:
@@ -178,7 +178,7 @@ class Rounds:
         rounded; the round is the rest of the epoch. While some rank's speed is unknown the round
         is a short probe of ``probe_batches`` reference batches per rank, equal shares. Every rank
         computes the same from the shared history."""
-        n = self.loader.sampler.epoch_length - self.board.base
+        n = self.loader.order.epoch_length - self.board.base
         speed = measured_speeds(list(history)[-256:], self.world)
         if speed is None:
             speed = np.ones(self.world)
@@ -207,5 +207,5 @@ class Rounds:
             self._early = (position, world)
             return
         b = self.board
-        b.restore_stream_position(position, world, self.loader.sampler.epoch_length)
+        b.restore_stream_position(position, world, self.loader.order.epoch_length)
         self._used = 0 if b.shards is None else int(b.used[self.rank])

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -33,7 +33,6 @@ from hetlb.comm.hook import StepTelemetry
 from hetlb.comm.gradients import GradientTransport, ends_of, transport_for
 from hetlb.comm.transport import (carry_blocker, carry_penalty, choose_transport, defer_blocker,
                                   is_nccl, keep_groups)
-from hetlb.comm.weights import weights_for
 from hetlb.core import checks
 from hetlb.core.decisions import ScheduleRule, rescale_position
 from hetlb.core.telemetry import History
@@ -44,10 +43,11 @@ from hetlb.policies.loop import DecisionLoop
 from hetlb.ranks.agreement import Peers, agree_at_start, make_side_group, refuse_everywhere
 from hetlb.ranks.watchdog import Watchdog
 from hetlb.train.config import check_arguments, check_rule_fits_loader, model_device, start_bounds
+from hetlb.train.losses import FinishedStep
 from hetlb.train.model_hooks import (BatchDim, check_model, layer_list, single_sample_layers,
                                      ModelHooks)
 from hetlb.train.runlog import RunLog, open_runlog
-from hetlb.train.steps import StepDriver, same_weights
+from hetlb.train.steps import StepDriver, equal_weights
 
 
 log = logging.getLogger("hetlb.balancer")
@@ -308,7 +308,7 @@ class Balancer:
             # travels by the side transport. (A start that is already uneven, e.g. LBB from
             # profiles, keeps the hook and the transport it would have had.)
             deferred = defer_hook and all(e["defer"] is None for e in everyone) and \
-                self._equal_weights(decision)
+                equal_weights(weighting, decision)
             self.transport = choose_transport([e["transport"] for e in everyone],
                                               [e["carry"] for e in everyone],
                                               [e["carry_penalty"] for e in everyone],
@@ -402,7 +402,7 @@ class Balancer:
         if self.weighting == "sizes" and loader.sample_sizes is None:
             raise ValueError('weighting="sizes" needs per-sample sizes: '
                              'bal.loader(dataset, sample_sizes=...)')
-        everyone = self.peers.gather({"loader": loader.sampler.config(), "lag": loader.lag})
+        everyone = self.peers.gather({"loader": loader.order.config(), "lag": loader.lag})
         checks.agree(everyone, "loader", "loader")
         lags = [e["lag"] for e in everyone]
         if any(lag != lags[0] for lag in lags):
@@ -417,7 +417,7 @@ class Balancer:
         check_rule_fits_loader(self.loop.decision, loader, self.global_batch)
         # (a checkpoint loaded before the loader existed: checked and applied by the binding)
         pending = loader.bind(self.driver, self)
-        self._loader_config = loader.sampler.config()
+        self._loader_config = loader.order.config()
         self.driver.bound = True
         if pending is not None:
             self.load_state_dict(pending)
@@ -483,12 +483,37 @@ class Balancer:
 
     @property
     def batch_sizes(self) -> np.ndarray:
-        """int64 ``[world]``: sizes of the step in progress, else of the batch handed out last
-        (also once its ``with bal.step():`` has ended it, or its accumulation window), else of
-        the next step to be drawn (without the Balancer's loader: of the next step, to draw its
-        batch by); under a size-aware rule (:class:`hetlb.Chronica`), whose sizes
-        are drawn with each step's samples, of the last step (zeros before any)."""
+        """int64 ``[world]`` (a NumPy array, a fresh copy): sizes of the step in progress, else of
+        the batch handed out last (also once its ``with bal.step():`` has ended it, or its
+        accumulation window), else of the next step to be drawn (without the Balancer's loader:
+        of the next step, to draw its batch by); under a size-aware rule
+        (:class:`hetlb.Chronica`), whose sizes are drawn with each step's samples, of the last
+        step (zeros before any). A step that has ended: :attr:`finished` ``.sizes``."""
         return self.driver.batch_sizes()
+
+    @property
+    def span(self) -> Tuple[int, int]:
+        """``(start, stop)``: this rank's positions in the global batch of the step whose sizes
+        :attr:`batch_sizes` gives (``start = sum(batch_sizes[:rank])``), for a loop that reads
+        its own data sequentially (docs/quickstart.md, "A loop that reads its own data")."""
+        return self.driver.span()
+
+    @property
+    def finished(self) -> Optional[FinishedStep]:
+        """The newest step (accumulation window) whose telemetry arrived: its step, epoch, sizes,
+        every rank's logged loss and the step's global mean loss
+        (:class:`hetlb.train.losses.FinishedStep`); None before one. A CPU model's step arrives
+        when it ends, a CUDA model's one step later; with ``exchange_every > 1`` a block's steps
+        arrive at its exchange (docs/balancer.md, "The logged loss")."""
+        return self.driver.finished
+
+    def log_loss(self, loss: Any) -> None:
+        """Send this rank's loss of the step in progress (the mean over its samples: a tensor of
+        one element, or a number; with accumulation each micro-step's, undivided) with the step's
+        telemetry, for :attr:`finished` ``.loss``: no collective, no wait for a device. Call it
+        between the forward and the backward: ``RuntimeError`` outside a step or after the
+        backward (the row has been sent), ``ValueError`` for a tensor of several elements."""
+        self.driver.log_loss(loss)
 
     @property
     def last_overhead(self) -> float:
@@ -528,13 +553,6 @@ class Balancer:
         return self.driver.synced
 
     # ------------------------------------------------------------------ the step
-
-    def _equal_weights(self, decision: Any) -> bool:
-        """Whether a whole step of ``decision`` weighs every rank ``1 / world`` (a size-aware
-        rule's plans, or "sizes" weighting, depend on the samples drawn: not known here)."""
-        if not isinstance(decision, np.ndarray) or self.weighting == "sizes":
-            return False
-        return same_weights(weights_for(self.weighting, decision, decision))
 
     @contextlib.contextmanager
     def step(self) -> Iterator["Balancer"]:

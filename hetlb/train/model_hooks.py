@@ -1,11 +1,12 @@
 """Everything the Balancer attaches to the user's model: the forward check of each batch against
-the plan (:class:`StepGate`, which also starts the step's compute clock), the first step's search for DDP
+the plan (:class:`StepGate`, which also starts the step's compute clock), the search for DDP
 models trained unattached (:class:`UnattachedCheck`), and the refusals of models the Balancer
 cannot train. The hooks that reduce the gradient belong to the gradient transport
 (:mod:`hetlb.comm.gradients`)."""
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -21,6 +22,14 @@ from hetlb.train.errors import BatchSizeError
 log = logging.getLogger("hetlb.balancer")
 
 BatchDim = Union[None, int, Callable[[tuple, dict], Optional[int]]]
+
+#: The error for a forward or step that DDP will not synchronise without ``accumulate``.
+NOT_SYNCING = ("hetlb: this DDP model does not synchronise its gradient in this step "
+               "(ddp.no_sync(), or model.require_backward_grad_sync = False, which nanoGPT sets "
+               "on all but a window's last micro-step). Gradient accumulation needs "
+               "Balancer(..., accumulate=K) with each micro-step in `with bal.step():`, which "
+               "enters no_sync itself on all but the window's last and weights the whole window "
+               "exactly: remove the no_sync() or the require_backward_grad_sync lines")
 
 
 def check_model(model: torch.nn.Module, is_ddp: bool, accumulate: int) -> None:
@@ -129,9 +138,7 @@ class StepGate:
                                    "synchronise; do not wrap `with bal.step():` in ddp.no_sync() "
                                    "(bal.step() manages it)")
         elif not syncing:
-            raise RuntimeError(
-                "hetlb: ddp.no_sync() (gradient accumulation) needs Balancer(..., accumulate=K): "
-                "bal.step() then enters no_sync itself and weights the whole window exactly")
+            raise RuntimeError(NOT_SYNCING)
         if self.batch_dim is not None:
             n = self._size(args, kwargs)
             if n is not None and n != self._planned(plan.sizes):
@@ -183,10 +190,10 @@ class StepGate:
 
 
 class UnattachedCheck:
-    """Forward pre-hook, during the Balancer's first step only, on the balanced model and on every
-    other DDP model alive then without a Balancer of its own (found once through gc): refuses
-    an other model that trains on the step's samples unattached, whose gradient DDP would
-    average over the ranks' uneven batches, unweighted.
+    """Forward pre-hook, during one step, on the balanced model and on every other DDP model
+    alive then without a Balancer of its own (:func:`ddp_models`): refuses an other model that
+    trains on the step's samples unattached, whose gradient DDP would average over the ranks'
+    uneven batches, unweighted. The steps it runs in are :class:`ModelHooks`' to choose.
 
     "On the step's samples" is read off its forward's inputs against the balanced model's: a
     tensor of the same storage (two branches on one batch: whichever runs first), or a gradient
@@ -216,10 +223,7 @@ class UnattachedCheck:
     def watch(cls, balanced: torch.nn.Module, known: List[torch.nn.Module]) -> "UnattachedCheck":
         """The hook, registered on the balanced model and the other DDP models (:meth:`remove`
         when the step ends)."""
-        import gc
-        # (by type: isinstance would ask a dead weak proxy among the objects, which raises)
-        others = [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)
-                  and not any(o is m for m in known)
+        others = [o for o in ddp_models() if not any(o is m for m in known)
                   and not any(isinstance(h, StepGate) for h in o._forward_pre_hooks.values())]
         hook = cls(balanced, others)
         hook.handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
@@ -251,6 +255,62 @@ class UnattachedCheck:
             self.seen[ptr] = (t, module)
 
 
+class _DDPModels:
+    """The DDP models of the process, known without searching the heap each time: the ones alive
+    when the first Balancer of a DDP model is made (found once through the garbage collector's
+    traversal, tens of milliseconds in a process with torch loaded), and every one made since,
+    seen by a global module-registration hook (torch calls it when a module is assigned to
+    another's attribute, as DDP's ``self.module = module``; never in a forward), which also
+    counts them, so the step driver can tell by one comparison whether a search for unattached
+    models may find a new one. The models are the user's: they are held weakly, so none is kept
+    alive by hetlb (a DDP model's reducer must not outlive its process group)."""
+
+    count = 0
+    _known: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
+    _hook: Any = None
+
+    @classmethod
+    def watch(cls) -> None:
+        """Start watching (once per process)."""
+        if cls._hook is None:
+            cls._known.update(_ddp_models_alive())
+            cls._hook = torch.nn.modules.module.register_module_module_registration_hook(cls._seen)
+
+    @classmethod
+    def _seen(cls, module: torch.nn.Module, name: str, submodule: torch.nn.Module) -> None:
+        if name == "module" and isinstance(module, DistributedDataParallel):
+            cls.count += 1
+            cls._known.add(module)
+
+    @classmethod
+    def alive(cls) -> List[DistributedDataParallel]:
+        return list(cls._known)
+
+
+def ddp_made() -> int:
+    """The count of DDP models made in this process since hetlb watches (:class:`_DDPModels`)."""
+    return _DDPModels.count
+
+
+def ddp_models() -> List[DistributedDataParallel]:
+    """Every DDP model alive in the process (:class:`_DDPModels`)."""
+    _DDPModels.watch()
+    return _DDPModels.alive()
+
+
+def _ddp_models_alive() -> List[DistributedDataParallel]:
+    """The DDP models alive now, found by the collector's traversal (the objects that refer to the
+    class, or a subclass, as their type)."""
+    import gc
+    classes, todo = [], [DistributedDataParallel]
+    while todo:
+        c = todo.pop()
+        classes.append(c)
+        todo.extend(c.__subclasses__())
+    # (by type: isinstance would ask a dead weak proxy among the referrers, which raises)
+    return [o for o in gc.get_referrers(*classes) if type(o) in classes]
+
+
 def storage_address(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -270,19 +330,26 @@ def parameters_upstream(tensors: List[torch.Tensor]) -> set:
     return out
 
 
-def unattached_message(name: str, ranks: List[int]) -> str:
+def unattached_message(name: str, ranks: List[int], step: int) -> str:
     return (f"hetlb: a second DistributedDataParallel model ({name}; seen on ranks {ranks}) trains "
             f"on this Balancer's samples without being attached to it: DDP averaged its gradient "
             f"over the ranks' uneven batches unweighted, which is not the mean over the step's "
-            f"samples (found in the first step, refused at its end). Attach it to the Balancer on "
-            f"every rank before training, bal.attach(model): its gradient is then weighted as the "
-            f"balanced model's")
+            f"samples (found in step {step}, refused at its end; the Balancer looks in steps 0, "
+            f"1, 2, 4, 8, ... and in the step after a DDP model is made). Attach it to the "
+            f"Balancer on every rank before it trains, bal.attach(model): its gradient is then "
+            f"weighted as the balanced model's")
 
 
 class ModelHooks:
     """The Balancer's hooks on the balanced model, and their lifetimes: the :class:`StepGate`
-    (every balanced model), and during the first step the :class:`UnattachedCheck`. (What
-    reduces the gradient is the gradient transport's: :mod:`hetlb.comm.gradients`.)
+    (every balanced model), and for a DDP model the :class:`UnattachedCheck` in the steps that
+    look for models trained unattached: the first, the step after a DDP model was made (the
+    process's count of them changed: :func:`ddp_made`), and the steps numbered by a power of two
+    (1, 2, 4, ...: a model made earlier that starts training later is found within as many steps
+    as it trained). Each costs a forward hook on the other DDP models for the step and a gather of
+    what the ranks found (the first Balancer's first search also a traversal of the heap:
+    :class:`_DDPModels`); the other steps one comparison. (What reduces the gradient is the gradient transport's:
+    :mod:`hetlb.comm.gradients`.)
 
     Args:
         model: the balanced model.
@@ -296,10 +363,16 @@ class ModelHooks:
     def __init__(self, model: torch.nn.Module, telemetry: StepTelemetry, board: PlanBoard, *,
                  is_ddp: bool, batch_dim: BatchDim, ends: Any = None) -> None:
         self.model = model
-        self._check_models = is_ddp  # the first step looks for models trained unattached
+        #: Whether steps look for DDP models trained unattached (a DDP model's).
+        self.searches = is_ddp
+        if is_ddp:
+            _DDPModels.watch()
+        #: The count of DDP models made (:func:`ddp_made`) when the latest search started.
+        self.made = ddp_made()
         self._unattached: Optional[UnattachedCheck] = None  # its hooks while that step is open
         #: Whether the step about to run searches for DDP models trained unattached (the first
-        #: step; again after a discarded one). An attribute: the driver reads it every step.
+        #: step, a step the driver names, again after a discarded one). An attribute: the driver
+        #: reads it every step.
         self.wants_check = is_ddp
         self._gate = model.register_forward_pre_hook(StepGate(board, telemetry, batch_dim, ends),
                                                      with_kwargs=True)
@@ -315,24 +388,25 @@ class ModelHooks:
     def start_check(self, known: List[torch.nn.Module]) -> None:
         """Search the step about to run for DDP models trained unattached, besides the ``known``
         ones (the balanced model and those attached to it)."""
+        self.made = ddp_made()
         self._unattached = UnattachedCheck.watch(self.model, known)
         self.wants_check = False
 
     @property
     def checking(self) -> bool:
-        """Whether the open step is the first, with the search for unattached models running."""
+        """Whether the open step searches for unattached models."""
         return self._unattached is not None
 
     def end_check(self) -> Optional[str]:
-        """Stop the first step's search; the class of an unattached model it found, or None."""
+        """Stop the open step's search; the class of an unattached model it found, or None."""
         found = self._unattached.found if self._unattached is not None else None
-        self.stop_check()
-        self._check_models = self.wants_check = False
+        self._unattached.remove()
+        self._unattached = None
         return found
 
     def stop_check(self) -> None:
-        """Take the search's hooks off (its step was discarded; the next step searches again)."""
+        """Take the search's hooks off (its step was discarded; the next step searches instead)."""
         if self._unattached is not None:
             self._unattached.remove()
             self._unattached = None
-            self.wants_check = self._check_models
+            self.wants_check = True

@@ -31,7 +31,8 @@ from hetlb.data.shards import Partition, epoch_rates
 from hetlb.policies.loop import DecisionLoop
 from hetlb.ranks.agreement import Peers
 from hetlb.ranks.watchdog import FLUSHING, WAITING
-from hetlb.train.model_hooks import ModelHooks, unattached_message
+from hetlb.train.losses import FinishedStep, LossLog, global_loss
+from hetlb.train.model_hooks import NOT_SYNCING, ModelHooks, ddp_made, unattached_message
 from hetlb.train.runlog import RunLog
 from hetlb.train.verify import RECORD_COLS, verify_table
 
@@ -42,6 +43,14 @@ log = logging.getLogger("hetlb.balancer")
 def same_weights(weights: np.ndarray) -> bool:
     """Whether every rank's weight is the same (each ``1 / world``: DDP's own mean)."""
     return bool((weights == weights[0]).all())
+
+
+def equal_weights(weighting: str, decision: Any) -> bool:
+    """Whether a whole step of ``decision`` weighs every rank ``1 / world`` (a size-aware rule's
+    plans, or "sizes" weighting, depend on the samples drawn: not known in advance)."""
+    if not isinstance(decision, np.ndarray) or weighting == "sizes":
+        return False
+    return same_weights(weights_for(weighting, decision, decision))
 
 
 @dataclass(slots=True)  # (one a step)
@@ -156,6 +165,8 @@ class StepDriver:
         # (sizes, data, window_len, (weight, batch, data, equal)) of _weight's latest plan
         self._weight_of: tuple = (None, None, 0, (0.0, 0.0, 0.0, True))
         self._open: Optional[_Open] = None
+        #: This rank's logged losses of the open window (:meth:`log_loss`).
+        self.losses = LossLog(telemetry)
         self.reset(0)
 
     def reset(self, steps: int) -> None:
@@ -179,6 +190,10 @@ class StepDriver:
         self._ship_next = True
         # Steps of the current block: exchange_every, or with adaptive_exchange from 1 up to it.
         self._block_len = 1 if self.adaptive_exchange else self.exchange_every
+        self.losses.reset()
+        # The newest step whose telemetry arrived: (step, plan, record columns, table), or its
+        # FinishedStep once read (see `finished`).
+        self._last: Any = None
 
     @property
     def in_step(self) -> bool:
@@ -214,6 +229,29 @@ class StepDriver:
             return d.copy()
         last = self.board.last_sizes
         return last.copy() if last is not None else np.zeros(self.world, np.int64)
+
+    def span(self) -> Tuple[int, int]:
+        """:attr:`hetlb.Balancer.span`."""
+        if isinstance(self.loop.decision, ScheduleRule):
+            raise RuntimeError(f"bal.span: {self.loop.name} assigns each step's samples to ranks "
+                               f"one by one (not in contiguous spans); it needs the Balancer's "
+                               f"loader")
+        sizes = self.batch_sizes().tolist()
+        start = sum(sizes[:self.rank])
+        return start, start + sizes[self.rank]
+
+    @property
+    def finished(self) -> Optional[FinishedStep]:
+        """:attr:`hetlb.Balancer.finished`."""
+        self.settle()
+        last = self._last
+        if isinstance(last, tuple):
+            step, plan, cols, table = last
+            losses = table[:, COL["loss"]].copy()  # (from the table that completed the record)
+            weights = weights_for(self.weighting, plan.sizes, cols[COL["data"]])
+            last = self._last = FinishedStep(step=step, epoch=plan.epoch, sizes=plan.sizes.copy(),
+                                             losses=losses, loss=global_loss(weights, losses))
+        return last
 
     @property
     def steps(self) -> int:
@@ -261,8 +299,9 @@ class StepDriver:
         t = time.perf_counter()
         w, batch, data, equal = self._weight(plan)
         self.gradients.before_step(plan, w, equal)
-        if self.hooks.wants_check:
-            self.hooks.start_check(self.gradients.models)
+        hooks = self.hooks
+        if hooks.wants_check or (hooks.searches and hooks.made != ddp_made()):  # see ModelHooks
+            hooks.start_check(self.gradients.models)
         first = plan.window_pos == 0
         if first:
             self.window.data = 0.0
@@ -277,7 +316,8 @@ class StepDriver:
             else math.nan
         tele.start(self._step, w, batch, data, predicted, self.board.checksum, plan.checksum,
                    plan.epoch, offset=offset, new_window=first,
-                   sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship)
+                   sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship,
+                   loss=self.losses.value())
         self._open = _Open(plan, explicit, ship)
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
@@ -303,9 +343,7 @@ class StepDriver:
             self.board.hand_own(plan)
         if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync \
                 and self.accumulate == 1:
-            raise RuntimeError("hetlb: ddp.no_sync() (gradient accumulation) needs "
-                               "Balancer(..., accumulate=K): bal.step() then enters no_sync itself "
-                               "and weights the whole window exactly")
+            raise RuntimeError(NOT_SYNCING)
         self.window.check(plan)
         self._begin(plan, explicit=True)
         self._in_with = True
@@ -329,6 +367,7 @@ class StepDriver:
             t = time.perf_counter()
             self.telemetry.stamp(end_window=False)
             self.window.micro_step(float(plan.data[self.rank]))
+            self.losses.micro_step_done()
             self.telemetry.close()
             self._open = None
             if not self.bound:
@@ -343,9 +382,22 @@ class StepDriver:
                                "batch of the Balancer's loader, or inside `with bal.step():`")
         self.gradients.backward(loss, gradient, self.telemetry.core.weight, **kwargs)
 
+    def log_loss(self, loss: Any) -> None:
+        """:meth:`hetlb.Balancer.log_loss`."""
+        if self._open is None:
+            raise RuntimeError("hetlb: bal.log_loss(loss) outside a balanced step; call it for a "
+                               "batch of the Balancer's loader (or inside `with bal.step():`), "
+                               "between the forward and the backward")
+        if self.telemetry.hooked:
+            raise RuntimeError("hetlb: bal.log_loss(loss) after this step's backward: its "
+                               "telemetry row, which carries the loss to the other ranks, has "
+                               "been sent. Call bal.log_loss(loss) before loss.backward()")
+        self.losses.log(loss)
+
     def _discard(self) -> None:
         """Drop the open step without finishing it (a peek, or an exception in its body)."""
         self.telemetry.close()
+        self.losses.discard()
         self._open = None
         self.hooks.stop_check()
 
@@ -354,6 +406,7 @@ class StepDriver:
         t = time.perf_counter()
         plan, ship = self._open.plan, self._open.ship
         tele = self.telemetry
+        self.losses.window_done()
         if not ship:  # inside a block: the row stays in the core until the block's exchange
             tele.end_kept()
             self._open = None
@@ -445,17 +498,19 @@ class StepDriver:
 
     def _advance(self, plan: StepPlan) -> None:
         """``plan``'s step is done: the position, the step count and the watchdog move on."""
-        if self.hooks.checking:  # the first step ran with its models checked
+        if self.hooks.checking:  # the step ran with its models checked (see ModelHooks)
             found = self.hooks.end_check()
-            everyone = self.peers.gather({"found": found})  # (once: the first step)
+            everyone = self.peers.gather({"found": found})  # (every rank checks the same steps)
             seen = [r for r, e in enumerate(everyone) if e["found"] is not None]
             if seen:
-                raise RuntimeError(unattached_message(everyone[seen[0]]["found"], seen))
+                raise RuntimeError(unattached_message(everyone[seen[0]]["found"], seen, self._step))
         self.board.complete(plan)
         if not self.bound:
             self._micro = 0
             self.board.drop_current()
         self._step += 1
+        if not self._step & (self._step - 1) and self.hooks.searches:  # (steps 1, 2, 4, ...)
+            self.hooks.wants_check = True
         if self.watchdog is not None:
             self.watchdog.beat(self._step)
 
@@ -491,6 +546,7 @@ class StepDriver:
             cols[COL["compute"]] = table[:, COL["compute"]]
             if plan.window_len != 1:
                 cols[COL["compute"]] /= plan.window_len
+            self._last = (done, plan, cols, table)  # (made a FinishedStep when it is read)
             records.append(StepRecord(step=done, epoch=plan.epoch, epoch_end=self._epoch_last(plan),
                                       batch=plan.sizes, compute=cols[COL["compute"]],
                                       data=cols[COL["data"]], memory=cols[COL["memory"]],
