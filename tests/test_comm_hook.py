@@ -516,13 +516,14 @@ def hold_worker(rank, world, model_based):
             return super().forward(x)
 
     kw = {"model": LinearModel(0.03, 0.004)} if model_based else {}
-    emu = Counting(speed=[1.0, 0.5][rank], rank=rank, **kw)
+    speeds = [1.0, 0.5] if model_based else [1.0, 0.1]
+    emu = Counting(speed=speeds[rank], rank=rank, **kw)
     ddp = DDP(Slow(4, 2).double())
     bal = hetlb.Balancer(ddp, 10, policy=Fixed([4, 6]), emulator=emu)
     for step in range(4):
         with bal.step():
             ddp(torch.randn(int(bal.batch_sizes[rank]), 4, dtype=torch.float64)).sum().backward()
-    targets = [[Emulator(speed=s, **kw).target(k, b, measured=1e-3) for s, b in zip([1.0, 0.5], [4, 6])]
+    targets = [[Emulator(speed=s, **kw).target(k, b, measured=1e-3) for s, b in zip(speeds, [4, 6])]
                for k in range(4)]
     return {"stretch_calls": Counting.calls, "compute": [r.compute.tolist() for r in bal.history],
             "targets": targets}
@@ -530,13 +531,15 @@ def hold_worker(rank, world, model_based):
 
 @pytest.mark.parametrize("model_based", [True, False])
 def test_native_hook_holds_an_emulated_step_without_python(model_based):
+    # Lower bounds only: a hold sleeps until its target, so a busy machine can only make a step
+    # later: how soon after its target a step is stamped is a timing claim, not checked here.
     for out in unwrap(run(hold_worker, 2, model_based, timeout=120)):
         assert out["stretch_calls"] == 0
         for got, want in zip(out["compute"], out["targets"]):
-            if model_based:  # held to the target (0.046 s and 0.108 s), stamped just after
-                assert all(w <= g < w + 0.04 for g, w in zip(got, want)), (got, want)
-            else:  # the half-speed rank reports twice its real compute (~40 ms against ~20 ms)
-                assert got[0] >= 0.02 and got[1] >= 0.04 and got[1] > 1.5 * got[0], got
+            if model_based:  # held to the target (0.046 s and 0.108 s), not stamped twice
+                assert all(w <= g < w + 1.0 for g, w in zip(got, want)), (got, want)
+            else:  # the tenth-speed rank reports ten times its compute (>= 10 x the 20 ms sleep)
+                assert got[0] >= 0.02 and got[1] >= 0.2, got
 
 
 # name: (carry transport, side table on a group of its own, side_first)
