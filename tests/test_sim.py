@@ -353,30 +353,43 @@ def emulated_scenario_worker(rank, world, name, steps):
     loader = bal.loader(torch.utils.data.TensorDataset(torch.randn(sc.global_batch * steps, 4)))
     for (xb,) in loader:
         ddp(xb).sum().backward()
-    return {"sizes": [r.batch.tolist() for r in bal.history],
-            "compute": [r.compute.tolist() for r in bal.history]}
+    return list(bal.history)  # the telemetry every rank's policy decided from, a record a step
 
 
 def test_simulator_agrees_with_a_real_emulated_run():
     """The same scenario (1:2:3:4, +50 ms on worker 1 from step 30) on 4 real Gloo ranks with
-    LBB and in the simulator: the same sizes within a few samples, before and after the
-    disturbance (the step times are compared in bench/bench_sim.py)."""
+    LBB, and the simulator's policy side stepped on the real run's telemetry: the simulator
+    makes the real run's decision at every step. Each real rank's compute time is held at least
+    to its scenario worker's at the size it ran; a busy machine can only lengthen it, which
+    moves the decisions of both alike. How close the simulator's own times and sizes come to a
+    real run's depends on the machine: bench/bench_sim.py --part agree reports them."""
     from distributed import run, unwrap
+    from hetlb.core.exchange import exchange_settings
+    from hetlb.sim.engine import _PolicyRun
     steps = 90  # LBB's fine-tuning (one sample per step) settles by about step 75 after the +50 ms
-    real = unwrap(run(emulated_scenario_worker, 4, "lbb-disturbance", steps))[0]
-    sim = simulate("lbb-disturbance", "lbb", steps=steps)
-    rs, ss = np.array(real["sizes"]), sim.sizes
-    assert rs.shape == ss.shape
-    for k in (29, steps - 1):  # settled before the disturbance, and at the end
-        assert np.abs(rs[k] - ss[k]).max() <= 4, (k, rs[k], ss[k])
-    # compute times: each real rank is held to its scenario worker's time at the size it ran
-    # (never less; more only when the machine is busy, which can also shift a decision)
+    records = unwrap(run(emulated_scenario_worker, 4, "lbb-disturbance", steps))[0]
+    assert [r.step for r in records] == list(range(steps))
     sc = load_scenario("lbb-disturbance")
-    rc = np.array(real["compute"])
+    # The policy side simulate() makes for LBB (its decision loop, the decisions in flight, the
+    # exchange blocks), fed each step the real record instead of its cluster's.
+    policy = hetlb.LBB()
+    every, adaptive, history = exchange_settings(policy.reads_telemetry, None, None, None)
+    replay = _PolicyRun(sc, policy, profile=False, every=every, adaptive=adaptive,
+                        history=max(64, every) if history is None else history)
+    assert replay.start(0, np.ones(sc.world, bool)) is None
+    for k, rec in enumerate(records):
+        b, _, _ = replay.split(k, None, sc.seed)
+        assert b.tolist() == rec.batch.tolist(), (k, b, rec.batch)
+        replay.record(k, rec)
+    rs = np.array([r.batch for r in records])
+    # the disturbance moved most of worker 1's samples off it (balanced: about 100, then about 20)
+    assert rs[-1, 1] < rs[29, 1] / 2, (rs[29], rs[-1])
+    # compute times: each real rank is held to its scenario worker's time at the size it ran
+    # (never less; more only when the machine is busy)
+    rc = np.array([r.compute for r in records])
     want = np.stack([sc.workers[r].time_model.time(rs[:, r]) for r in range(4)], 1)
     want[30:, 1] += 0.05
-    ratio = rc / want
-    assert ratio.min() > 0.99 and np.median(ratio) < 1.1, ratio
+    assert (rc / want).min() > 0.99, rc / want
 
 
 def test_yaml_scenarios(tmp_path, monkeypatch):
