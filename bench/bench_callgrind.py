@@ -48,7 +48,8 @@ OPTIONAL = {"the loss"}
 EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
-def probe(variant: str, steps: int, warm: int, every: int, evict_mb: int, ready: str) -> None:
+def probe(variant: str, steps: int, warm: int, every: int, evict_mb: int, ready: str,
+          no_gc: bool = False) -> None:
     """The measured loop (run under callgrind by :func:`measure`)."""
     import functools
     import operator
@@ -82,6 +83,9 @@ def probe(variant: str, steps: int, warm: int, every: int, evict_mb: int, ready:
     while not os.path.exists(ready + ".go"):  # callgrind's instrumentation is being switched on
         time.sleep(0.1)
     for i in range(steps + warm):
+        if i == warm and no_gc:
+            import gc
+            gc.disable()
         buf += 1.0
         if i < warm:
             x, y = next(it)
@@ -111,6 +115,7 @@ def measure(variant: str, args: argparse.Namespace, tmp: str) -> Dict[str, Dict[
     cmd += [f"--toggle-collect={m}" for m in MARKERS]
     cmd += [sys.executable, os.path.abspath(__file__), "--probe", variant, "--steps", str(args.steps),
             "--warm", str(args.warm), "--every", str(args.every), "--evict-mb", str(args.evict_mb),
+            *(["--no-gc"] if args.no_gc else []),
             "--ready", ready]
     with open(os.path.join(tmp, f"{variant}.log"), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -190,12 +195,17 @@ def main() -> None:
     p.add_argument("--ll-bytes", type=int, default=8 << 20, help="simulated last-level cache")
     p.add_argument("--variants", nargs="+", default=["plain", "hetlb"], choices=["plain", "hetlb", "hetlb+loss"])
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
+    p.add_argument("--no-gc", action="store_true",
+                   help="disable Python's collector during the measured steps: its collections "
+                        "fall inside or outside the measured phases by allocation counts (one "
+                        "generation-1 collection is ~2 M instructions, ~35 k a step of 60), so two "
+                        "trees that allocate a few objects more or less a step compare without it")
     p.add_argument("--out")
     p.add_argument("--probe", help=argparse.SUPPRESS)
     p.add_argument("--ready", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.probe:
-        probe(args.probe, args.steps, args.warm, args.every, args.evict_mb, args.ready)
+        probe(args.probe, args.steps, args.warm, args.every, args.evict_mb, args.ready, args.no_gc)
         return
     if "plain" not in args.variants:
         p.error("--variants must include plain (the baseline)")
@@ -203,7 +213,8 @@ def main() -> None:
         results = {v: measure(v, args, tmp) for v in args.variants}
     lines = [f"### Per step, counted by callgrind ({datetime.date.today()}): {args.steps} steps after "
              f"{args.warm}, caches cold ({args.evict_mb} MB pass, {args.ll_bytes >> 20} MB LL simulated), "
-             f"hetlb exchange_every={args.every}", "", *table(results)]
+             f"hetlb exchange_every={args.every}" + (", collector off" if args.no_gc else ""), "",
+             *table(results)]
     emit(lines, args.out)
 
 

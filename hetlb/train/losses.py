@@ -75,6 +75,9 @@ class LossLog:
 
     def __init__(self, telemetry: Any) -> None:
         self.telemetry = telemetry
+        #: Whether a loss was ever logged: until then the step driver asks nothing of this (its
+        #: rows carry NaN), so a loop that logs none pays no call a step.
+        self.used = False
         self.reset()
 
     def reset(self) -> None:
@@ -95,37 +98,48 @@ class LossLog:
 
     def log(self, loss: Any) -> None:
         """Add a micro-step's mean loss to the open window (see :meth:`hetlb.Balancer.log_loss`)."""
+        lag = self.telemetry.lag
         if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(f"bal.log_loss(loss): the loss must be one number (the mean over "
-                                 f"this rank's samples), got a tensor of shape {tuple(loss.shape)}")
-            v = loss.detach().reshape(())
-            # (a device's value stays there when the row lags: reading it would wait for the device)
-            v = v.to(torch.float64) if self.telemetry.lag and v.device.type == "cuda" else float(v)
+            if lag and loss.device.type == "cuda":  # (stays there: reading it would wait)
+                if loss.numel() != 1:
+                    raise ValueError(_NOT_ONE.format(tuple(loss.shape)))
+                v: Any = loss.detach().to(torch.float64).reshape(())
+            else:
+                try:
+                    v = loss.item()
+                except RuntimeError:  # (more than one element)
+                    raise ValueError(_NOT_ONE.format(tuple(loss.shape))) from None
         elif isinstance(loss, (int, float, np.floating, np.integer)) and not isinstance(loss, bool):
             v = float(loss)
         else:
             raise TypeError(f"bal.log_loss(loss): the loss must be a tensor of one element or a "
                             f"number, got {type(loss).__name__}")
         self._open.append(v)
-        if not self.telemetry.lag:
-            self.telemetry.core.set(COL["loss"], _mean(self._window + self._open))
+        self.used = True
+        if not lag:
+            w, o = self._window, self._open
+            self.telemetry.core.set(_LOSS, (sum(w) + sum(o)) / (len(w) + len(o)))
 
     def micro_step_done(self) -> None:
         """A micro-step other than its window's last ended: its losses join the window's."""
-        self._window += self._open
-        self._open = []
+        if self._open:
+            self._window += self._open
+            self._open = []
 
     def discard(self) -> None:
         """The open micro-step was dropped untrained: its losses go too."""
-        self._open = []
+        if self._open:
+            self._open = []
 
     def window_done(self) -> None:
-        """The open window ended (lagged: its mean is kept for the row ``lag`` windows later)."""
-        values, self._window, self._open = self._window + self._open, [], []
+        """The open window ended (lagged: its mean is kept for the row ``lag`` windows later).
+        Allocates nothing when nothing was logged (it runs every step)."""
         lag = self.telemetry.lag
         if not lag:
+            if self._window or self._open:
+                self._window, self._open = [], []
             return
+        values, self._window, self._open = self._window + self._open, [], []
         if not values:
             self._pending.append(math.nan)
         elif any(isinstance(v, torch.Tensor) for v in values):
@@ -138,6 +152,11 @@ class LossLog:
             self._pending.append(_mean(values))
         if len(self._pending) >= lag:
             self._due = self._pending.popleft()
+
+
+_LOSS = COL["loss"]
+_NOT_ONE = ("bal.log_loss(loss): the loss must be one number (the mean over this rank's samples), "
+            "got a tensor of shape {}")
 
 
 def _mean(values: List[Any]) -> Any:

@@ -255,7 +255,7 @@ class UnattachedCheck:
             self.seen[ptr] = (t, module)
 
 
-class _DDPModels:
+class DDPModels:
     """The DDP models of the process, known without searching the heap each time: the ones alive
     when the first Balancer of a DDP model is made (found once through the garbage collector's
     traversal, tens of milliseconds in a process with torch loaded), and every one made since,
@@ -287,15 +287,10 @@ class _DDPModels:
         return list(cls._known)
 
 
-def ddp_made() -> int:
-    """The count of DDP models made in this process since hetlb watches (:class:`_DDPModels`)."""
-    return _DDPModels.count
-
-
 def ddp_models() -> List[DistributedDataParallel]:
-    """Every DDP model alive in the process (:class:`_DDPModels`)."""
-    _DDPModels.watch()
-    return _DDPModels.alive()
+    """Every DDP model alive in the process (:class:`DDPModels`)."""
+    DDPModels.watch()
+    return DDPModels.alive()
 
 
 def _ddp_models_alive() -> List[DistributedDataParallel]:
@@ -344,11 +339,11 @@ class ModelHooks:
     """The Balancer's hooks on the balanced model, and their lifetimes: the :class:`StepGate`
     (every balanced model), and for a DDP model the :class:`UnattachedCheck` in the steps that
     look for models trained unattached: the first, the step after a DDP model was made (the
-    process's count of them changed: :func:`ddp_made`), and the steps numbered by a power of two
+    process's count of them changed: :attr:`DDPModels.count`), and the steps numbered by a power of two
     (1, 2, 4, ...: a model made earlier that starts training later is found within as many steps
     as it trained). Each costs a forward hook on the other DDP models for the step and a gather of
     what the ranks found (the first Balancer's first search also a traversal of the heap:
-    :class:`_DDPModels`); the other steps one comparison. (What reduces the gradient is the gradient transport's:
+    :class:`DDPModels`); the other steps one comparison. (What reduces the gradient is the gradient transport's:
     :mod:`hetlb.comm.gradients`.)
 
     Args:
@@ -366,9 +361,9 @@ class ModelHooks:
         #: Whether steps look for DDP models trained unattached (a DDP model's).
         self.searches = is_ddp
         if is_ddp:
-            _DDPModels.watch()
-        #: The count of DDP models made (:func:`ddp_made`) when the latest search started.
-        self.made = ddp_made()
+            DDPModels.watch()
+        #: The count of DDP models made (:attr:`DDPModels.count`) when the latest search started.
+        self.made = DDPModels.count
         self._unattached: Optional[UnattachedCheck] = None  # its hooks while that step is open
         #: Whether the step about to run searches for DDP models trained unattached (the first
         #: step, a step the driver names, again after a discarded one). An attribute: the driver
@@ -388,7 +383,7 @@ class ModelHooks:
     def start_check(self, known: List[torch.nn.Module]) -> None:
         """Search the step about to run for DDP models trained unattached, besides the ``known``
         ones (the balanced model and those attached to it)."""
-        self.made = ddp_made()
+        self.made = DDPModels.count
         self._unattached = UnattachedCheck.watch(self.model, known)
         self.wants_check = False
 

@@ -32,7 +32,7 @@ from hetlb.policies.loop import DecisionLoop
 from hetlb.ranks.agreement import Peers
 from hetlb.ranks.watchdog import FLUSHING, WAITING
 from hetlb.train.losses import FinishedStep, LossLog, global_loss
-from hetlb.train.model_hooks import NOT_SYNCING, ModelHooks, ddp_made, unattached_message
+from hetlb.train.model_hooks import NOT_SYNCING, DDPModels, ModelHooks, unattached_message
 from hetlb.train.runlog import RunLog
 from hetlb.train.verify import RECORD_COLS, verify_table
 
@@ -300,7 +300,7 @@ class StepDriver:
         w, batch, data, equal = self._weight(plan)
         self.gradients.before_step(plan, w, equal)
         hooks = self.hooks
-        if hooks.wants_check or (hooks.searches and hooks.made != ddp_made()):  # see ModelHooks
+        if hooks.wants_check or (hooks.searches and hooks.made != DDPModels.count):  # see ModelHooks
             hooks.start_check(self.gradients.models)
         first = plan.window_pos == 0
         if first:
@@ -317,7 +317,7 @@ class StepDriver:
         tele.start(self._step, w, batch, data, predicted, self.board.checksum, plan.checksum,
                    plan.epoch, offset=offset, new_window=first,
                    sq=0.0 if plan.sq is None else float(plan.sq[self.rank]), pos=pos, ship=ship,
-                   loss=self.losses.value())
+                   loss=self.losses.value() if self.losses.used else math.nan)
         self._open = _Open(plan, explicit, ship)
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
@@ -406,7 +406,8 @@ class StepDriver:
         t = time.perf_counter()
         plan, ship = self._open.plan, self._open.ship
         tele = self.telemetry
-        self.losses.window_done()
+        if self.losses.used:
+            self.losses.window_done()
         if not ship:  # inside a block: the row stays in the core until the block's exchange
             tele.end_kept()
             self._open = None
