@@ -1,6 +1,6 @@
-"""The mistakes a port of a real DDP script makes that used to run cleanly and train (or report)
-wrong, each fixed in the library or said at the moment it happens (docs/quickstart.md's porting
-checklist): what scripts read of a DistributedSampler's loader, ``shuffle=False`` kept from the
+"""The mistakes a port of a real DDP script makes which, unchecked, run cleanly and train (or
+report) wrong, each fixed in the library or said at the moment it happens (docs/quickstart.md's
+porting checklist): what scripts read of a DistributedSampler's loader, ``shuffle=False`` kept from the
 sampler idiom, a DistributedSampler kept in a variable, a forgotten Balancer, sequential readers,
 the logged loss, a DDP model that joins late, and the smaller ones.
 
@@ -68,11 +68,11 @@ def validate_worker(rank, world, n, batch):
                                  batch_size=batch)
                 for _, _, i in aux:
                     reads += i.tolist()
-        s = loader.sampler
+        s = loader.sampler  # (read by name: what a script reads of it)
         out[name] = {"reads": reads, "len_sampler": len(s), "len_loader": len(loader),
-                     "replicas": s.num_replicas, "rank": s.rank}
+                     "replicas": getattr(s, "num_replicas", None), "rank": getattr(s, "rank", None)}
     loader.sampler.set_epoch(1)
-    out["epoch"] = loader.sampler.epoch
+    out["epoch"] = getattr(loader.sampler, "epoch", None)
     return out
 
 

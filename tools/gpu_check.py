@@ -78,18 +78,24 @@ def nccl_balancer_worker(rank, world, lag=1, passes=1):
     return {"transport": bal.transport, "compute_ms": float(np.median(compute) * 1e3)}
 
 
-def gloo_cuda_worker(rank, world, native, bal_backward=False):
+def _gloo_cuda_setup(**balancer_kw):
+    """A CUDA model in DDP on a Gloo rank, balanced 3:7, and its data: (net, ddp, bal, loader, x, y)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from fixed_policy import Fixed
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double().cuda()
     ddp = DDP(net, device_ids=[0])
-    bal = hetlb.Balancer(ddp, 10, policy=Fixed([3, 7]), native_hook=native)
+    bal = hetlb.Balancer(ddp, 10, policy=Fixed([3, 7]), **balancer_kw)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(40, 5, generator=g, dtype=torch.float64)
     y = torch.randn(40, 3, generator=g, dtype=torch.float64)
     loader = bal.loader(torch.utils.data.TensorDataset(x, y), seed=2)
+    return net, ddp, bal, loader, x, y
+
+
+def gloo_cuda_worker(rank, world, native, bal_backward=False):
+    net, ddp, bal, loader, x, y = _gloo_cuda_setup(native_hook=native)
     errs, scaled = [], []
     for step, (xb, yb) in enumerate(loader):
         plan = bal.board.current
@@ -112,17 +118,7 @@ def gloo_cuda_worker(rank, world, native, bal_backward=False):
 def logged_loss_worker(rank, world):
     """bal.log_loss on CUDA: the loss stays on the device and rides in the next step's row (the
     compute clock's lag), so each step's global loss arrives one step later, exact."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from fixed_policy import Fixed
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double().cuda()
-    ddp = DDP(net, device_ids=[0])
-    bal = hetlb.Balancer(ddp, 10, policy=Fixed([3, 7]))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(40, 5, generator=g, dtype=torch.float64)
-    y = torch.randn(40, 3, generator=g, dtype=torch.float64)
-    loader = bal.loader(torch.utils.data.TensorDataset(x, y), seed=2)
+    net, ddp, bal, loader, x, y = _gloo_cuda_setup()
     want, got = [], []
     for step, (xb, yb) in enumerate(loader):
         idx = np.concatenate(loader.order.step_indices(bal.board.current))
