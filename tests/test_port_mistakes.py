@@ -133,31 +133,50 @@ def _train_epoch(model, loader):
     return seen
 
 
-def test_a_distributed_sampler_kept_in_a_variable_is_named_and_a_resume_past_it_refused(caplog):
-    caplog.set_level(logging.WARNING, logger="hetlb.port")
-    ds = Indexed(12)
-    train_sampler = DistributedSampler(ds, num_replicas=1, rank=0)  # the script's variable
-    used = DistributedSampler(ds, num_replicas=1, rank=0)  # read by a DataLoader: not stray
+def stray_worker(rank, world):
+    ds = Indexed(24)
+    train_sampler = DistributedSampler(ds)  # the script's variable, read by no loader
+    used = DistributedSampler(ds)  # read by a DataLoader (an evaluation one, say): not stray
     evaluation = DataLoader(ds, batch_size=4, sampler=used)
-    model = torch.nn.Linear(4, 1).double()
+    out = {"fresh": [], "error": None}
+    logs = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())
+    logging.getLogger("hetlb.port").addHandler(handler)
+    ddp = DDP(torch.nn.Linear(4, 1).double())
     loader = hetlb.DataLoader(ds, batch_size=4)
-    hetlb.Balancer(model, loader=loader, policy=hetlb.Uniform())
-    # a fresh run: the sampler follows the loader's epochs, nothing refused; named once
-    for epoch in range(2):
+    hetlb.Balancer(ddp, loader=loader, policy=hetlb.Uniform())
+    for epoch in range(2):  # a fresh run: the sampler follows the loader's epochs, nothing refused
         train_sampler.set_epoch(epoch)
-        assert sorted(_train_epoch(model, loader)) == list(range(12))
-    said = _port_log(caplog)
-    assert len(said) == 1 and "1 torch DistributedSampler" in said[0] and "train_sampler.set_epoch" in said[0]
+        out["fresh"].append(_train_epoch(ddp, loader))
     # "--resume" at epoch 3 without the loader's state: the loader would train epoch 0's order
-    model = torch.nn.Linear(4, 1).double()
+    ddp = DDP(torch.nn.Linear(4, 1).double())
     loader = hetlb.DataLoader(ds, batch_size=4)
-    hetlb.Balancer(model, loader=loader, policy=hetlb.Uniform())
+    hetlb.Balancer(ddp, loader=loader, policy=hetlb.Uniform())
     train_sampler.set_epoch(3)
-    with pytest.raises(RuntimeError, match=r"set to epoch 3 .*about to train epoch 0.*load_state_dict"):
-        _train_epoch(model, loader)
+    try:
+        _train_epoch(ddp, loader)
+    except RuntimeError as e:
+        out["error"] = str(e)
     loader.set_epoch(3)  # what the message says: the loader's own epoch
-    assert sorted(_train_epoch(model, loader)) == list(range(12))
+    out["after"] = _train_epoch(ddp, loader)
+    out["logs"] = logs
     del evaluation
+    return out
+
+
+def test_a_distributed_sampler_kept_in_a_variable_is_named_and_a_resume_past_it_refused():
+    res = unwrap(run(stray_worker, 2))
+    for epoch in range(2):
+        assert sorted(res[0]["fresh"][epoch] + res[1]["fresh"][epoch]) == list(range(24))
+    assert sorted(res[0]["after"] + res[1]["after"]) == list(range(24))
+    for r in res:
+        assert "was set to epoch 3 " in r["error"] and "about to train epoch 0" in r["error"] \
+            and "load_state_dict" in r["error"], r["error"]
+    # named once per training loader, on rank 0: one stray (the evaluation loader's is read)
+    said = [m for m in res[0]["logs"] if "DistributedSampler(s)" in m]
+    assert len(said) == 2 and all(m.startswith("1 torch DistributedSampler") for m in said), said
+    assert "train_sampler.set_epoch" in said[0] and not res[1]["logs"]
 
 
 # ------------------------------------------------------------- 4. the Balancer forgotten

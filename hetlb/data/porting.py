@@ -21,6 +21,7 @@ import gc
 import logging
 from typing import Any, List
 
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -71,13 +72,21 @@ class StraySamplers:
     a script driving a sampler hetlb does not read, so the loader's order is not the one the
     script believes (a resume that did not restore the loader's state replays an earlier epoch).
 
+    They are found through the objects that refer to the dataset, which the garbage collector
+    finds by traversing the heap (tens of milliseconds with torch loaded, once per training
+    loader), and only in a process of a process group: the scripts with the idiom are
+    distributed ones, and a process without a group (one process training alone, or many loaders
+    made in a row, as tests make them) pays nothing.
+
     Args:
         dataset: the loader's dataset.
         rank: this rank (rank 0 says what it found).
     """
 
     def __init__(self, dataset: Any, rank: int) -> None:
-        samplers = [s for s in _owners(dataset, DistributedSampler) if not _owners(s, DataLoader)]
+        samplers: List[Any] = []
+        if dist.is_available() and dist.is_initialized():
+            samplers = [s for s in _owners(dataset, DistributedSampler) if not _owners(s, DataLoader)]
         self.samplers = samplers
         if samplers and rank == 0:
             log.warning(
