@@ -29,7 +29,7 @@ which round-level interleaving leaves in. A round is then a block of ``--steps``
 reported is the median over rounds of each round's median per-turn ratio, with min and max. (The
 variants share the caches: every step starts after another model's, alike for all.)
 
-``side@first`` and ``side+backward@first`` issue the side transport's table before the last
+``side@first`` and ``side+backward@first`` issue the side route's table before the last
 bucket's all-reduce, as hetlb did before session 12 (now: once that all-reduce is done).
 ``NAME@psutil`` reads the memory probe through ``psutil.virtual_memory()``, as hetlb did before
 session 21 (now: ``/proc/meminfo`` read directly on Linux).

@@ -3,7 +3,7 @@
 FSDP2 (``fully_shard``) has no communication hook, so the weight goes on the loss side: every
 FSDP module reduce-scatters with a plain sum (divide factor 1), and :meth:`backward` scales the
 loss by the rank's weight, so the reduced gradient is the one-large-batch gradient. The table
-travels by the side transport (``delivers_table`` False). A backward that does not go through
+travels by the side route (``delivers_table`` False). A backward that does not go through
 ``bal.backward`` would be unweighted: the watch on the model's outputs refuses it. Not part of
 the package: the FSDP2 support proper (HSDP, per-rank micro-steps, checkpoints through
 ``torch.distributed.checkpoint``) is its own work.
@@ -22,9 +22,25 @@ from hetlb.comm.hook import tensors_in
 class FSDP2Prototype:
     """:class:`hetlb.comm.gradients.GradientTransport` for a ``fully_shard`` model."""
 
-    def __init__(self, model: torch.nn.Module, telemetry: Any, accumulate: int) -> None:
-        if accumulate != 1:
+    name = "FSDP2"
+    takes_over = False
+
+    @staticmethod
+    def admit(model: torch.nn.Module, settings: Any, balanced: bool) -> None:
+        if settings.accumulate != 1:
             raise ValueError("the prototype runs without accumulation")
+
+    @staticmethod
+    def capabilities(model: torch.nn.Module, settings: Any) -> dict:
+        return {"carry": "no communication hook", "carry_penalty": None,
+                "defer": "no communication hook"}
+
+    @staticmethod
+    def inner(model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def __init__(self, model: torch.nn.Module, telemetry: Any, settings: Any, *,
+                 deferred: bool = False) -> None:
         self.model = model
         for m in model.modules():
             if isinstance(m, FSDPModule):
@@ -51,6 +67,14 @@ class FSDP2Prototype:
     def delivers_table(self) -> bool:
         return False
 
+    @property
+    def registry(self) -> None:
+        return None
+
+    @staticmethod
+    def no_sync_on(model: torch.nn.Module) -> Optional[str]:
+        return None
+
     def before_step(self, plan: Any, weight: float, equal: bool) -> None:
         return None
 
@@ -74,7 +98,10 @@ class FSDP2Prototype:
         finally:
             self._weighted = False
 
-    def attach(self, model: torch.nn.Module, blocker: Optional[str]) -> None:
+    def check_attach(self, model: torch.nn.Module, balanced: bool) -> bool:
+        raise TypeError("the prototype reduces one model")
+
+    def attach(self, model: torch.nn.Module) -> None:
         raise TypeError("the prototype reduces one model")
 
     def remove(self) -> None:

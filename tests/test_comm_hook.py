@@ -189,23 +189,23 @@ def test_a_start_up_that_raises_leaves_the_reducer_no_last_owner_of_its_group():
 def test_transport_choice_over_the_ranks():
     # (Ranks of one DDP job cannot differ in parameter dtype, but can in device, e.g. CPU and
     # CUDA ranks in one Gloo job: the choice works from each rank's carry blocker.)
-    from hetlb.comm.transport import carry_blocker, choose_transport
-    assert choose_transport([None, None], [None, None]) == "carry"
-    assert choose_transport([None, None], [None, "the group uses NCCL"]) == "side"
-    assert choose_transport(["side", None], [None, None]) == "side"
-    assert choose_transport([None, "carry"], [None, None]) == "carry"
+    from hetlb.comm.route import carry_blocker, choose_route
+    assert choose_route([None, None], [None, None]) == "carry"
+    assert choose_route([None, None], [None, "the group uses NCCL"]) == "side"
+    assert choose_route(["side", None], [None, None]) == "side"
+    assert choose_route([None, "carry"], [None, None]) == "carry"
     with pytest.raises(ValueError, match="rank 1: a parameter is torch.bfloat16"):
-        choose_transport(["carry", None], [None, "a parameter is torch.bfloat16 on cpu"])
+        choose_route(["carry", None], [None, "a parameter is torch.bfloat16 on cpu"])
     with pytest.raises(ValueError, match="rank 0: 'side', rank 2: 'carry'"):
-        choose_transport(["side", None, "carry"], [None] * 3)
+        choose_route(["side", None, "carry"], [None] * 3)
     assert carry_blocker(torch.nn.Linear(2, 2).to(torch.bfloat16), None) == "a parameter is torch.bfloat16 on cpu"
     assert carry_blocker(torch.nn.Linear(2, 2), None) is None
     # A penalty (one rank's DDP would copy the carried bucket back) moves the default to "side";
     # an explicit "carry" is still honoured.
     view = "DDP(gradient_as_bucket_view=True) would copy the carried bucket back"
-    assert choose_transport([None, None], [None, None], [None, view]) == "side"
-    assert choose_transport([None, None], [None, None], [None, None]) == "carry"
-    assert choose_transport(["carry", None], [None, None], [view, view]) == "carry"
+    assert choose_route([None, None], [None, None], [None, view]) == "side"
+    assert choose_route([None, None], [None, None], [None, None]) == "carry"
+    assert choose_route(["carry", None], [None, None], [view, view]) == "carry"
 
 
 def outside_worker(rank, world):

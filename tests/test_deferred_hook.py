@@ -1,7 +1,7 @@
 """The deferred communication hook (``Balancer(defer_hook=True)``, the default on CPU Gloo).
 
 While every rank's weight is ``1 / world`` the model runs without a hook (DDP's own mean is the
-weighted one) and the table travels by the side transport from the end of backward; the weighted
+weighted one) and the table travels by the side route from the end of backward; the weighted
 hook is registered before the first step whose weights differ. Every step's gradient is checked
 against the single-process gradient of the union of the ranks' samples, before, at and after
 that switch, and the telemetry against the plan.
@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hetlb  # before init_process_group in the spawned workers
 from distributed import run, unwrap
 from fixed_policy import Fixed
-from hetlb.comm.transport import choose_transport
+from hetlb.comm.route import choose_route
 from test_balancer_dist import _data, _loss, _net, _reference
 
 
@@ -211,10 +211,10 @@ def test_the_hook_is_registered_at_once_where_it_cannot_wait(kind):
         assert hooked and transport == "carry"
 
 
-def test_choose_transport_picks_side_for_a_deferred_hook():
-    assert choose_transport([None, None], [None, None], deferred=True) == "side"
-    assert choose_transport(["side", None], [None, None], deferred=True) == "side"
-    assert choose_transport([None, None], [None, None], deferred=False) == "carry"
+def test_choose_route_picks_side_for_a_deferred_hook():
+    assert choose_route([None, None], [None, None], deferred=True) == "side"
+    assert choose_route(["side", None], [None, None], deferred=True) == "side"
+    assert choose_route([None, None], [None, None], deferred=False) == "carry"
 
 
 def stamp_worker(rank, world, every):

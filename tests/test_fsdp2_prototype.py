@@ -23,11 +23,11 @@ def _data(step: int):
 
 def fsdp2_worker(rank: int, world: int, plain_backward: bool):
     import hetlb
-    from hetlb.comm import gradients
+    from hetlb.comm import wrappers
     from fsdp2_prototype import FSDP2Prototype
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    gradients.WRAPPERS[FSDPModule] = FSDP2Prototype
+    wrappers.WRAPPERS[FSDPModule] = FSDP2Prototype
     try:
         model = _model()
         fully_shard(model[0])
@@ -57,7 +57,7 @@ def fsdp2_worker(rank: int, world: int, plain_backward: bool):
                                                for a, r in zip(got, ref.parameters()))))
         return {"errors": errors, "steps": bal.steps, "records": len(bal.history)}
     finally:
-        del gradients.WRAPPERS[FSDPModule]
+        del wrappers.WRAPPERS[FSDPModule]
 
 
 def test_a_prototype_fsdp2_transport_trains_the_one_large_batch_gradient():
@@ -87,3 +87,24 @@ def refused_worker(rank: int, world: int) -> str:
 def test_without_a_transport_for_it_an_fsdp2_model_is_refused():
     for msg in unwrap(run(refused_worker, 2)):
         assert "must be DistributedDataParallel" in msg
+
+
+def mixed_worker(rank: int, world: int) -> str:
+    import hetlb
+    from hetlb.comm import wrappers
+    from fsdp2_prototype import FSDP2Prototype
+
+    # Each rank's own transport class for the same model type: the ranks disagree on the wrapper.
+    wrappers.WRAPPERS[torch.nn.Linear] = type("Named", (FSDP2Prototype,), {"name": f"wrapper {rank}"})
+    try:
+        hetlb.Balancer(torch.nn.Linear(4, 2), 8, policy=hetlb.Uniform())
+    except ValueError as e:
+        return str(e)
+    finally:
+        del wrappers.WRAPPERS[torch.nn.Linear]
+    return "accepted"
+
+
+def test_ranks_whose_models_have_different_wrappers_are_refused_at_start_up():
+    msgs = unwrap(run(mixed_worker, 2))
+    assert msgs[0] == msgs[1] and "disagree on the model" in msgs[0] and "wrapper 1" in msgs[0], msgs

@@ -175,3 +175,34 @@ def test_every_public_name_resolves():
         module = importlib.import_module(package)
         missing = [n for n in module.__all__ if not hasattr(module, n)]
         assert not missing, f"{package}.__all__ names missing attributes: {missing}"
+
+
+#: Names of model wrappers that only their gradient transports (``hetlb/comm/``) may use.
+WRAPPER_NAMES = ("DistributedDataParallel", "FSDPModule")
+
+
+def wrapper_mentions(root: str, subpackages: tuple) -> List[str]:
+    """``file:line`` of every line under ``root``'s ``subpackages`` that names a model wrapper
+    (code, messages and docstrings alike: a wrapper named there is a wrapper branched on or
+    worded for, which its transport owns)."""
+    out = []
+    for sub in subpackages:
+        for dirpath, _, files in os.walk(os.path.join(root, sub)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    for i, line in enumerate(open(path), 1):
+                        if any(w in line for w in WRAPPER_NAMES):
+                            out.append(f"{os.path.relpath(path, root)}:{i}")
+    return out
+
+
+def test_no_module_of_train_or_data_names_a_model_wrapper():
+    """The gradient transport owns everything about its wrapper (``docs/architecture.md``)."""
+    assert wrapper_mentions(PACKAGE, ("train", "data")) == []
+
+
+def test_the_wrapper_check_finds_a_wrapper_named(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "x.py").write_text("import torch\n\nif isinstance(m, FSDPModule):\n    pass\n")
+    assert wrapper_mentions(str(tmp_path), ("train", "data")) == ["train/x.py:3"]

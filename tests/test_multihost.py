@@ -98,7 +98,7 @@ def test_two_hosts_train_like_one_process(uncapped):
     out, run = uncapped
     assert run["world"] == 4 and sorted(run["host"]) == [0, 0, 1, 1]
     # LBB starts from an even split, so the hook waits for its first move (defer_hook) and the
-    # table goes by the side transport.
+    # table goes by the side route.
     assert run["info"]["transport"] == "side"
     batches = global_batches(run)
     assert len(batches) == STEPS and all(len(b) == GLOBAL for b in batches)

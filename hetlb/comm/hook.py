@@ -18,11 +18,11 @@ memory probe). The Balancer owns it; DDP's reducer holds its core; it refers to 
 
 While every rank's weight is ``1 / world`` the hook can wait (:class:`BackwardWatch`,
 ``Balancer(defer_hook=True)``, the default where it applies): DDP's own mean is then the weighted
-one, and the table goes by the side transport from the end of backward.
+one, and the table goes by the side route from the end of backward.
 
 With ``block=k`` (``Balancer(exchange_every=k)``) the core keeps each step's stamped row and only
 a step started with ``ship=True`` sends a table: the rows of the block's positions ``0..pos`` of
-every rank, ``[(pos + 1) * world, F]`` step-major, by the same transport. The other steps send
+every rank, ``[(pos + 1) * world, F]`` step-major, by the same route. The other steps send
 nothing but the gradient (no carry copy, no side all-reduce).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from hetlb import _C
 from hetlb.comm.eager import never_compiled
 from hetlb.comm.probes import Probe
-from hetlb.comm.transport import TRANSPORTS, keep_groups
+from hetlb.comm.route import ROUTES, keep_groups
 from hetlb.core.checks import integer
 from hetlb.core.decisions import EXACT_INT
 from hetlb.core.telemetry import COL, NUM_FIELDS, ROW_VALUES
@@ -128,10 +128,10 @@ class StepTelemetry:
 
     Args:
         rank, world: this rank and the number of ranks.
-        transport: "side" or "carry" (the same on every rank).
+        route: the table's route, "side" or "carry" (the same on every rank; :mod:`hetlb.comm.route`).
         group: the gradient process group (None: the default group; None also for a single
             process without torch.distributed).
-        side_group: the group of the side transport and of :meth:`exchange` (a Gloo group).
+        side_group: the group of the side route and of :meth:`exchange` (a Gloo group).
         nccl: whether ``group`` is NCCL (weighting rides in PREMUL_SUM).
         device: the model's device; CUDA compute times come from device events, one step late.
         emulator: an :class:`hetlb.sim.emulate.Emulator` for this rank, or None.
@@ -139,17 +139,17 @@ class StepTelemetry:
         block: steps whose rows one table carries (see the module docstring; 1: every step).
     """
 
-    def __init__(self, rank: int, world: int, *, transport: str = "side", group: Any = None,
+    def __init__(self, rank: int, world: int, *, route: str = "side", group: Any = None,
                  side_group: Any = None, nccl: bool = False, device: Optional[torch.device] = None,
                  emulator: Any = None, probe: Optional[Probe] = None, block: int = 1) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         device = torch.device("cpu") if device is None else torch.device(device)
-        self.rank, self.world, self.transport = int(rank), int(world), transport
+        self.rank, self.world, self.route = int(rank), int(world), route
         self.group, self.side_group = group, side_group if side_group is not None else group
         self.device, self.emulator = device, emulator
         self.probe = probe if probe is not None else Probe(device)
-        self.core = _C.StepCore(self.rank, self.world, NUM_FIELDS, transport == "carry", bool(nccl),
+        self.core = _C.StepCore(self.rank, self.world, NUM_FIELDS, route == "carry", bool(nccl),
                                 COL["compute"], COL["cpu"], device if device.type != "cpu" else None)
         self.core.set_columns([COL[c] for c in ROW_VALUES])
         # The calls every step makes, as plain builtins bound to the core: at the step boundary
@@ -199,10 +199,10 @@ class StepTelemetry:
 
     def defer(self, model: Any) -> Any:
         """Watch the end of the DDP ``model``'s backward without a communication hook (see
-        :class:`BackwardWatch`; the side transport); returns the forward hook's handle, removed
+        :class:`BackwardWatch`; the side route); returns the forward hook's handle, removed
         when :meth:`register` is called later."""
-        if self.transport != "side":
-            raise ValueError(f"a deferred hook sends the table by the side transport, not {self.transport!r}")
+        if self.route != "side":
+            raise ValueError(f"a deferred hook sends the table by the side route, not {self.route!r}")
         # (The reducer holds the gradient group even without a hook: it must not be its last owner.)
         self._keep_groups(model)
         return model.register_forward_hook(BackwardWatch(self))
@@ -253,10 +253,6 @@ class StepTelemetry:
     def stamp(self, end_window: bool = True) -> float:
         """End the compute now (no hook ran); returns the host seconds."""
         return float(self.core.last_ready(end_window))
-
-    def row(self) -> np.ndarray:
-        """A copy of this step's row."""
-        return self.core.row
 
     def table(self) -> Optional[np.ndarray]:
         """The table delivered with the gradient (waiting for the side all-reduce), or None:

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from hetlb.comm.transport import is_nccl
+from hetlb.comm.route import is_nccl
 from hetlb.core.checks import agree
 
 

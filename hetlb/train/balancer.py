@@ -26,13 +26,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from hetlb.comm.hook import StepTelemetry
-from hetlb.comm.gradients import GradientTransport, ends_of, transport_for
-from hetlb.comm.transport import (carry_blocker, carry_penalty, choose_transport, defer_blocker,
-                                  is_nccl, keep_groups)
+from hetlb.comm.gradients import GradientTransport
+from hetlb.comm.route import choose_route, is_nccl
+from hetlb.comm.wrappers import ends_of
 from hetlb.core import checks
 from hetlb.core.decisions import ScheduleRule, rescale_position
 from hetlb.core.telemetry import History
@@ -44,7 +42,7 @@ from hetlb.ranks.agreement import Peers, agree_at_start, make_side_group, refuse
 from hetlb.ranks.watchdog import Watchdog
 from hetlb.train.config import check_arguments, check_rule_fits_loader, model_device, start_bounds
 from hetlb.train.losses import FinishedStep
-from hetlb.train.model_hooks import (BatchDim, check_model, layer_list, single_sample_layers,
+from hetlb.train.model_hooks import (BatchDim, has_balancer, layer_list, single_sample_layers,
                                      ModelHooks)
 from hetlb.train.runlog import RunLog, open_runlog
 from hetlb.train.steps import StepDriver, equal_weights
@@ -87,7 +85,7 @@ class Balancer:
     """Per-rank batch sizes for synchronous data-parallel training on uneven workers.
 
     Args:
-        model: the ``DistributedDataParallel`` model (a plain module is accepted when the world
+        model: the DDP model (``torch.nn.parallel``'s; a plain module is accepted when the world
             has one rank). The Balancer registers its communication hook and a forward pre-hook.
             A copy of the model (``copy.deepcopy``, ``torch.save``; an EMA model, say) is not
             balanced: its hook is DDP's own, its forward checks nothing.
@@ -129,13 +127,14 @@ class Balancer:
         batch_dim: where the model's forward finds the batch size to check against the plan: a
             dimension of the first tensor argument (default 0), a callable ``(args, kwargs) ->
             int``, or None for no check.
-        transport: how the telemetry table travels: "carry" (in the last gradient bucket; Gloo
+        transport: the telemetry table's route (:mod:`hetlb.comm.route`; not the gradient
+            transport, which follows the model's wrapper): "carry" (in the last gradient bucket; Gloo
             with CPU float32/float64 only) or "side" (its own small all-reduce on a Gloo group of
             its own, issued with the last bucket; the one to pair with :meth:`backward` on
             Gloo). None (default): "carry" where every rank can, else "side"; also "side" when
             some rank's DDP has ``gradient_as_bucket_view=True`` (DDP would copy the carried
             bucket back into its gradient views), and when the hook is deferred (``defer_hook``:
-            no hook to carry the table). Ranks that ask for different transports get
+            no hook to carry the table). Ranks that ask for different routes get
             an error.
         native_hook: False registers the pure-Python reference hook instead of the native one
             (debugging; same collectives, so ranks may mix).
@@ -181,7 +180,7 @@ class Balancer:
             samples drawn):
             DDP's own averaging, which it fuses into its copy into buckets, is then the weighted
             mean, so the gradient costs what plain DDP's costs. The table travels by the side
-            transport, issued once DDP has reduced the gradient, and the compute time is taken
+            route, issued once DDP has reduced the gradient, and the compute time is taken
             when the backward's compute ends (:class:`hetlb.comm.hook.BackwardWatch`). Before the
             first step whose weights differ (an uneven split, an idle rank, a short last step
             that does not split evenly) the weighted hook is registered, on every rank at the
@@ -207,7 +206,8 @@ class Balancer:
             read without a host synchronisation; with ``exchange_every > 1``, Uniform's default,
             the records of a block arrive at its exchange).
         context: the :class:`hetlb.policies.Context` the policy was started with.
-        transport: the telemetry transport every rank uses.
+        route: the telemetry table's route every rank uses ("carry" or "side"; also readable as
+            ``transport``, the argument's name).
         last_overhead: seconds the Balancer itself spent in the latest step (row, table check,
             record, decision), excluding the user's forward and backward.
 
@@ -243,7 +243,8 @@ class Balancer:
             self.accumulate, self.max_bad_steps = cfg.accumulate, cfg.max_bad_steps
             self.exchange_every, self.adaptive_exchange = cfg.exchange_every, cfg.adaptive_exchange
             policy, global_batch, lower, upper = cfg.policy, cfg.global_batch, cfg.lower, cfg.upper
-            lower_given, single, is_ddp, history = cfg.lower_given, cfg.single, cfg.is_ddp, cfg.history
+            lower_given, single, history = cfg.lower_given, cfg.single, cfg.history
+            wrapper, wrapping = cfg.wrapper, cfg.wrapper_settings
             native_hook, defer_hook, batch_dim = cfg.native_hook, cfg.defer_hook, cfg.batch_dim
             log_dir, tensorboard = cfg.log_dir, cfg.tensorboard
             self.model, self.global_batch = model, global_batch
@@ -252,10 +253,6 @@ class Balancer:
             self.group = group
             self.watchdog = watchdog
 
-            if is_ddp and self.distributed:
-                # From the start, so a start-up that raises (ranks disagree, a policy refuses)
-                # leaves no reducer as its group's last owner either (see keep_groups).
-                keep_groups(model, (model.process_group,))
             # One exchange at start-up (not per step): configuration, hook capabilities, bounds.
             nccl = self.distributed and is_nccl(group)
             side = self._refusal_side = make_side_group(group) if self.distributed else None
@@ -266,17 +263,15 @@ class Balancer:
                                "defer_hook": defer_hook, "one_sample_refused": bool(single)},
                     "policy_settings": policy_settings(policy),
                     "transport": transport,
-                    "carry": carry_blocker(model, group) if is_ddp else "no DDP model",
-                    "carry_penalty": carry_penalty(model),
-                    "defer": (defer_blocker(model, group, native=native_hook, emulator=emulator,
-                                            accumulate=self.accumulate, transport=transport)
-                              if is_ddp else "no DDP model"),
+                    "wrapper": {"wrapper": wrapper.name},
+                    **wrapper.capabilities(model, wrapping),
                     "asked": {"lower": lower_given, "upper": upper},
                     **start_bounds(lower, upper, profile, global_batch, self.device)}
             self._exchanged = True  # (a later error is every rank's: no second exchange)
             everyone = agree_at_start(mine, side, self.world, self.distributed, "Balancer",
                                       [("config", "Balancer"),
-                                       ("policy_settings", f"{type(policy).__name__} policy")])
+                                       ("policy_settings", f"{type(policy).__name__} policy"),
+                                       ("wrapper", "model")])
             context = Context(self.world, global_batch, [e["lower"] for e in everyone],
                               [e["upper"] for e in everyone],
                               hardware=[e["hardware"] for e in everyone],
@@ -305,34 +300,33 @@ class Balancer:
                             self.exchange_every)
             # The hook waits for the first step whose weights differ (see BackwardWatch) where
             # every rank can do without it and the first decision splits evenly; the table then
-            # travels by the side transport. (A start that is already uneven, e.g. LBB from
-            # profiles, keeps the hook and the transport it would have had.)
+            # travels by the side route. (A start that is already uneven, e.g. LBB from
+            # profiles, keeps the hook and the route it would have had.)
             deferred = defer_hook and all(e["defer"] is None for e in everyone) and \
                 equal_weights(weighting, decision)
-            self.transport = choose_transport([e["transport"] for e in everyone],
-                                              [e["carry"] for e in everyone],
-                                              [e["carry_penalty"] for e in everyone],
-                                              deferred=deferred)
-            if self.transport == "side" and self.distributed and not nccl:
+            self.route = choose_route([e["transport"] for e in everyone],
+                                      [e["carry"] for e in everyone],
+                                      [e["carry_penalty"] for e in everyone], deferred=deferred)
+            if self.route == "side" and self.distributed and not nccl:
                 side = make_side_group(group, own=True)  # not queued behind the gradient's transfers
-            self._side = side
             #: Small values gathered from every rank between steps (through the side group).
             self.peers = Peers(side, self.world, self.distributed)
-            self.telemetry = StepTelemetry(self.rank, self.world, transport=self.transport,
+            self.telemetry = StepTelemetry(self.rank, self.world, route=self.route,
                                            group=group if self.distributed else None, side_group=side,
                                            nccl=nccl, device=self.device, emulator=emulator,
                                            block=self.exchange_every)
             self.telemetry.core.watch(list(model.parameters()))
-            self._native, self._lower_given = native_hook, lower_given
+            self._lower_given = lower_given
             self.board = loader.board if loader is not None else \
                 PlanBoard(self.world, self.rank, global_batch, self.accumulate)
             self.board.configure(self.accumulate, context.lower, single_ok=not self._single)
-            #: How this rank's weighted gradient reaches the others (the DDP communication hook).
-            self.gradient_transport: GradientTransport = transport_for(
-                model, self.telemetry, native=native_hook, deferred=deferred,
-                accumulate=self.accumulate)
+            #: How this rank's weighted gradient reaches the others (for a DDP model its
+            #: communication hook): everything about the model's wrapper.
+            self.gradient_transport: GradientTransport = wrapper(model, self.telemetry, wrapping,
+                                                                 deferred=deferred)
             #: The Balancer's other hooks on the user's model (the forward check).
-            self.hooks = ModelHooks(model, self.telemetry, self.board, is_ddp=is_ddp,
+            self.hooks = ModelHooks(model, self.telemetry, self.board,
+                                    transport=self.gradient_transport, wrapper=wrapper,
                                     batch_dim=batch_dim, ends=ends_of(self.gradient_transport))
             self.board.post(decision)
             #: Runs the steps: the open step, the telemetry block, the accumulation window.
@@ -341,7 +335,7 @@ class Balancer:
                                      rank=self.rank, world=self.world, weighting=weighting,
                                      accumulate=self.accumulate, exchange_every=self.exchange_every,
                                      adaptive_exchange=self.adaptive_exchange,
-                                     transport=self.transport, watchdog=watchdog,
+                                     route=self.route, watchdog=watchdog,
                                      runlog=open_runlog(log_dir, tensorboard, self.rank),
                                      peers=self.peers)
             # The bound loader's configuration (a value: the loader holds this Balancer, not the
@@ -351,7 +345,7 @@ class Balancer:
                 self._bind(loader)
             if watchdog is not None and self.distributed:
                 watchdog.attach_to(group)
-            if not is_ddp:
+            if wrapper.takes_over:
                 self.hooks.take_over()
         except (ValueError, TypeError) as e:
             if not self.__dict__.get("_exchanged", False):
@@ -443,25 +437,13 @@ class Balancer:
         ``ValueError`` for the balanced model itself, a model already attached or balanced, one
         DDP reduces over another process group, and what the Balancer refuses of its own model
         (a hook of your own, sparse gradients, ``static_graph`` with ``accumulate``)."""
-        checks.instance(model, "model", torch.nn.Module, "a DistributedDataParallel model")
+        checks.instance(model, "model", torch.nn.Module, "a DDP model")
         if self.driver.in_step:
             raise RuntimeError("bal.attach(model) inside a step; attach models between steps, "
                                "before they train")
-        is_ddp = isinstance(model, DistributedDataParallel)
-        if not is_ddp and self.world == 1:
+        if not self.gradient_transport.check_attach(model, has_balancer(model)):
             return  # (one process: no all-reduce to weigh)
-        if not is_ddp:
-            raise TypeError(f"bal.attach: with {self.world} ranks the model must be "
-                            f"DistributedDataParallel, got {type(model).__name__}")
-        if any(model is m for m in self.gradient_transport.models):
-            raise ValueError("bal.attach: this model is already weighted by this Balancer "
-                             "(the balanced model, or attached before)")
-        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-        if model.process_group is not pg:
-            raise ValueError("bal.attach: the model's DDP reduces over another process group than "
-                             "the Balancer's; wrap it in DistributedDataParallel over the same group")
-        check_model(model, True, self.accumulate)
-        single = single_sample_layers(model.module)
+        single = single_sample_layers(self.hooks.inner(model))
         if single and not self._single and self._lower_given != 1:
             if self._lower_given == 0:  # no split may hand a rank exactly one sample from now on
                 self._single = True
@@ -474,10 +456,12 @@ class Balancer:
                     f"(lower={int(self.context.lower.min())}): make the Balancer with lower=2 (its "
                     f"default for such a model), or lower=0, or lower=1 if their inputs have more "
                     f"than one value per channel")
-        keep_groups(model, (pg,))
-        self.gradient_transport.attach(
-            model, defer_blocker(model, self.group, native=True, emulator=self.emulator,
-                                 accumulate=self.accumulate, transport=self.transport))
+        self.gradient_transport.attach(model)
+
+    @property
+    def transport(self) -> str:
+        """:attr:`route`, under the name of the argument that asks for it."""
+        return self.route
 
     # ------------------------------------------------------------------ sizes
 

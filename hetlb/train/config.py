@@ -10,9 +10,9 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from hetlb.comm.gradients import wrapper_transport
+from hetlb.comm.gradients import WrapperSettings
+from hetlb.comm.wrappers import wrapper_of
 from hetlb.comm.probes import hardware_info
 from hetlb.comm.weights import WEIGHTINGS
 from hetlb.core import checks
@@ -20,7 +20,7 @@ from hetlb.core.decisions import EXACT_INT, ScheduleRule
 from hetlb.core.exchange import exchange_settings
 from hetlb.data.loader import BalancedLoader
 from hetlb.ranks.watchdog import Watchdog
-from hetlb.train.model_hooks import BatchDim, check_model, layer_list, single_sample_layers
+from hetlb.train.model_hooks import BatchDim, has_balancer, layer_list, single_sample_layers
 
 
 log = logging.getLogger("hetlb.balancer")
@@ -39,7 +39,10 @@ class BalancerConfig:
     distributed: bool
     world: int
     rank: int
-    is_ddp: bool
+    #: The transport class of the model's wrapper (:func:`hetlb.comm.wrappers.wrapper_of`) and
+    #: what it is told of the settings.
+    wrapper: Any
+    wrapper_settings: WrapperSettings
     # bounds: lower resolved (2 for a model whose layers refuse one sample), as given, upper
     lower: int
     lower_given: Optional[int]
@@ -71,7 +74,8 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
                     defer_hook: bool) -> BalancerConfig:
     """:class:`hetlb.Balancer`'s arguments checked, with their defaults resolved: a wrong type raises
     ``TypeError``, a wrong value ``ValueError``, each naming the argument, the value received and
-    what is accepted. Touches neither the model nor the process group."""
+    what is accepted. Touches neither the model nor the process group, but for what the
+    wrapper's transport keeps from the start (:meth:`hetlb.comm.gradients.Wrapper.admit`)."""
     # Every argument is checked before anything touches the model (hooks) or the group.
     checks.instance(model, "model", torch.nn.Module, "a torch.nn.Module (DDP-wrapped with "
                     "more than one rank)")
@@ -112,8 +116,7 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
     # (checked with the policy below: their defaults depend on it)
     lower_given = lower  # (a size-aware rule cannot honour bounds: see below)
     # Layers that refuse a one-sample batch in training: no rank gets exactly one.
-    single = single_sample_layers(model.module if isinstance(model, DistributedDataParallel)
-                                  else model)
+    single = single_sample_layers(wrapper_of(model, 1).inner(model))
     lower = (2 if single else 1) if lower is None else checks.integer(lower, "lower", 0)
     if single and lower == 1:  # the user's choice: one sample is fine for these inputs
         log.warning("lower=1: a rank may train a batch of one sample, which the model's "
@@ -128,13 +131,10 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
     rank = dist.get_rank(group) if distributed else 0
-    is_ddp = isinstance(model, DistributedDataParallel)
-    if world > 1 and not is_ddp and wrapper_transport(model) is None:
-        raise TypeError(f"with {world} ranks the model must be DistributedDataParallel, "
-                        f"got {type(model).__name__}")
-    if not is_ddp and not native_hook:
-        raise ValueError("native_hook=False selects the hook of a DistributedDataParallel model")
-    check_model(model, is_ddp, accumulate)
+    wrapper = wrapper_of(model, world)
+    settings = WrapperSettings(group=group, native=native_hook, accumulate=accumulate,
+                               emulator=emulator, route=transport)
+    wrapper.admit(model, settings, has_balancer(model))
     if loader is not None:
         if not isinstance(loader, BalancedLoader):
             raise TypeError(f"loader must be a hetlb.DataLoader, got {type(loader).__name__}")
@@ -172,7 +172,8 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
         getattr(policy, "reads_telemetry", True), exchange_every, adaptive_exchange, history)
     return BalancerConfig(
         global_batch=global_batch, policy=policy, distributed=distributed, world=world, rank=rank,
-        is_ddp=is_ddp, lower=lower, lower_given=lower_given, upper=upper, single=single,
+        wrapper=wrapper, wrapper_settings=settings, lower=lower, lower_given=lower_given, upper=upper,
+        single=single,
         accumulate=accumulate, batch_dim=batch_dim, history=history, max_bad_steps=max_bad_steps,
         transport=transport, native_hook=native_hook, defer_hook=defer_hook,
         exchange_every=exchange_every, adaptive_exchange=adaptive_exchange, log_dir=log_dir,

@@ -1,19 +1,18 @@
 """Everything the Balancer attaches to the user's model: the forward check of each batch against
-the plan (:class:`StepGate`, which also starts the step's compute clock), the search for DDP
-models trained unattached (:class:`UnattachedCheck`), and the refusals of models the Balancer
-cannot train. The hooks that reduce the gradient belong to the gradient transport
+the plan (:class:`StepGate`, which also starts the step's compute clock) and the search for
+models of the same wrapper trained unattached (:class:`UnattachedCheck`). The hooks that reduce
+the gradient, and the checks of the wrapper, belong to the gradient transport
 (:mod:`hetlb.comm.gradients`)."""
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from hetlb.comm.eager import never_compiled
+from hetlb.comm.gradients import GradientTransport
 from hetlb.comm.hook import StepTelemetry, first_tensor, tensors_in
 from hetlb.data.board import PlanBoard, StepPlan
 from hetlb.train.errors import BatchSizeError
@@ -23,46 +22,18 @@ log = logging.getLogger("hetlb.balancer")
 
 BatchDim = Union[None, int, Callable[[tuple, dict], Optional[int]]]
 
-#: The error for a forward or step that DDP will not synchronise without ``accumulate``.
-NOT_SYNCING = ("hetlb: this DDP model does not synchronise its gradient in this step "
-               "(ddp.no_sync(), or model.require_backward_grad_sync = False, which nanoGPT sets "
-               "on all but a window's last micro-step). Gradient accumulation needs "
-               "Balancer(..., accumulate=K) with each micro-step in `with bal.step():`, which "
-               "enters no_sync itself on all but the window's last and weights the whole window "
-               "exactly: remove the no_sync() or the require_backward_grad_sync lines")
+def not_syncing(how: str) -> str:
+    """The error for a forward or step that the wrapper will not synchronise without
+    ``accumulate`` (``how``: how its no-sync was switched on, the transport's words)."""
+    return (f"hetlb: this model does not synchronise its gradient in this step ({how}). Gradient "
+            f"accumulation needs Balancer(..., accumulate=K) with each micro-step in `with "
+            f"bal.step():`, which enters no_sync itself on all but the window's last and weights "
+            f"the whole window exactly: remove what switches synchronisation off")
 
 
-def check_model(model: torch.nn.Module, is_ddp: bool, accumulate: int) -> None:
-    """Refuse, before anything touches it, a model this Balancer could not train correctly: a
-    DDP model that already has a Balancer or a communication hook of its own, sparse gradients
-    on a DDP model, DDP's static graph with accumulation. (A plain module, one process, may get
-    a new Balancer: :func:`take_over` then removes the earlier one's forward check.)"""
-    if not is_ddp:
-        return
-    if any(isinstance(h, StepGate) for h in model._forward_pre_hooks.values()):
-        raise ValueError(
-            "this model already has a Balancer (its hooks stay on the model for the model's life; "
-            "DDP cannot remove a communication hook): make one Balancer per DDP model. To change "
-            "the policy or the settings, wrap the module in a new DistributedDataParallel and "
-            "make the new Balancer for that")
-    if getattr(model, "_comm_hooks", None):
-        raise ValueError(
-            "a communication hook is already registered on this DDP model; DDP takes one hook, and "
-            "the Balancer needs its own (it weighs each rank's gradient by its batch once the "
-            "batches differ). Make the Balancer for a DDP model without a hook of your own")
-    sparse = [name or type(m).__name__ for name, m in model.module.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
-              and m.weight.requires_grad]  # (a frozen one gives DDP no gradient)
-    if sparse:
-        raise ValueError(
-            f"the model has sparse gradients ({', '.join(sparse[:3])}"
-            f"{', ...' if len(sparse) > 3 else ''}: sparse=True): the Balancer weighs and "
-            f"all-reduces dense gradient buckets only. Build the embeddings with sparse=False")
-    if accumulate > 1 and getattr(model, "static_graph", False):
-        raise ValueError(
-            f"accumulate={accumulate} enters ddp.no_sync() on all but a window's last micro-step, "
-            f"which DDP(static_graph=True) does not support (torch fails with an internal "
-            f"assertion): build the DDP model with static_graph=False")
+def has_balancer(model: torch.nn.Module) -> bool:
+    """Whether ``model`` carries a Balancer's forward check (:class:`StepGate`)."""
+    return any(isinstance(h, StepGate) for h in model._forward_pre_hooks.values())
 
 
 def single_sample_layers(model: torch.nn.Module) -> List[str]:
@@ -113,11 +84,12 @@ class StepGate:
         return (CopiedGate, ())
 
     def __init__(self, board: PlanBoard, telemetry: StepTelemetry, batch_dim: BatchDim,
-                 ends: Any = None) -> None:
+                 no_sync_on: Callable[[torch.nn.Module], Optional[str]], ends: Any = None) -> None:
         self.board, self.telemetry, self.batch_dim = board, telemetry, batch_dim
+        self._no_sync_on = no_sync_on  # (the wrapper's function of the model: see Wrapper)
         self._sizes: Optional[np.ndarray] = None  # the latest plan's sizes and this rank's entry
         self._want = 0
-        #: One process: the handle of the same Balancer's :class:`hetlb.comm.gradients.BackwardEnd` hooks, removed
+        #: One process: the handle of the same Balancer's :class:`hetlb.comm.local.BackwardEnd` hooks, removed
         #: with this gate when a new Balancer takes the module over.
         self.ends = ends
 
@@ -126,19 +98,19 @@ class StepGate:
         plan = self.board.current
         if plan is None or not module.training or not torch.is_grad_enabled():
             return
-        syncing = getattr(module, "require_backward_grad_sync", True)
+        off = self._no_sync_on(module)
         if self.board.accumulate > 1:
             if not self.telemetry.core.open:
                 raise RuntimeError(
                     f"hetlb: with accumulate={self.board.accumulate} every micro-step runs inside "
-                    f"`with bal.step():` (it enters ddp.no_sync() on all but a window's last "
+                    f"`with bal.step():` (it enters no_sync on all but a window's last "
                     f"micro-step and weights the whole window)")
-            if plan.window_end and not syncing:
-                raise RuntimeError("hetlb: the last micro-step of an accumulation window must "
-                                   "synchronise; do not wrap `with bal.step():` in ddp.no_sync() "
-                                   "(bal.step() manages it)")
-        elif not syncing:
-            raise RuntimeError(NOT_SYNCING)
+            if plan.window_end and off is not None:
+                raise RuntimeError(f"hetlb: the last micro-step of an accumulation window must "
+                                   f"synchronise; do not switch synchronisation off around `with "
+                                   f"bal.step():` ({off}): bal.step() manages it")
+        elif off is not None:
+            raise RuntimeError(not_syncing(off))
         if self.batch_dim is not None:
             n = self._size(args, kwargs)
             if n is not None and n != self._planned(plan.sizes):
@@ -190,23 +162,25 @@ class StepGate:
 
 
 class UnattachedCheck:
-    """Forward pre-hook, during one step, on the balanced model and on every other DDP model
-    alive then without a Balancer of its own (:func:`ddp_models`): refuses an other model that
-    trains on the step's samples unattached, whose gradient DDP would average over the ranks'
+    """Forward pre-hook, during one step, on the balanced model and on every other model of its
+    wrapper alive then without a Balancer of its own
+    (:attr:`hetlb.comm.gradients.GradientTransport.registry`): refuses an other model that trains
+    on the step's samples unattached, whose gradient its wrapper would average over the ranks'
     uneven batches, unweighted. The steps it runs in are :class:`ModelHooks`' to choose.
 
     "On the step's samples" is read off its forward's inputs against the balanced model's: a
     tensor of the same storage (two branches on one batch: whichever runs first), or a gradient
     path from one model's parameters into the other's inputs (an encoder and a head, a GAN's
-    generator and discriminator, either way round). Another DDP model trained on batches of its
+    generator and discriminator, either way round). Another model trained on batches of its
     own (a separate loop interleaved with this one) is left alone. What it finds is kept
     (:attr:`found`) and agreed between the ranks when the step ends, so every rank raises there
     if any rank found one. Per model and for one step: a hook every step, or a global one, would
     cost forwards (a global forward hook sends every module through torch's slow path, and
     ``torch.compile(module)`` warns of one)."""
 
-    def __init__(self, balanced: torch.nn.Module, others: List[torch.nn.Module]) -> None:
-        self.balanced = balanced
+    def __init__(self, balanced: torch.nn.Module, others: List[torch.nn.Module],
+                 inner: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        self.balanced, self.inner = balanced, inner
         # Parameters by their storage: the graph's AccumulateGrad nodes may hand back another
         # Python object for the same parameter, so ids would not match.
         self.owner = {storage_address(p): m for m in others for p in m.parameters() if p.numel()}
@@ -220,12 +194,14 @@ class UnattachedCheck:
         self.handles: List[Any] = []
 
     @classmethod
-    def watch(cls, balanced: torch.nn.Module, known: List[torch.nn.Module]) -> "UnattachedCheck":
-        """The hook, registered on the balanced model and the other DDP models (:meth:`remove`
-        when the step ends)."""
-        others = [o for o in ddp_models() if not any(o is m for m in known)
-                  and not any(isinstance(h, StepGate) for h in o._forward_pre_hooks.values())]
-        hook = cls(balanced, others)
+    def watch(cls, balanced: torch.nn.Module, transport: GradientTransport,
+              inner: Callable[[torch.nn.Module], torch.nn.Module]) -> "UnattachedCheck":
+        """The hook, registered on the balanced model and the transport's other models but
+        those with a Balancer of their own (:meth:`remove` when the step ends)."""
+        known = transport.models
+        others = [o for o in transport.registry.alive()
+                  if not any(o is m for m in known) and not has_balancer(o)]
+        hook = cls(balanced, others, inner)
         hook.handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
                         for m in [balanced] + others]
         return hook
@@ -245,65 +221,14 @@ class UnattachedCheck:
             hit = [self.owner[p] for p in upstream if p in self.owner] + \
                 [self.seen[s][1] for s in tensors if s in self.seen]
             if hit and self.found is None:
-                self.found = type(hit[0].module).__name__
+                self.found = type(self.inner(hit[0])).__name__
             return
         if not any(p.requires_grad for p in module.parameters()):
             return
         if (any(s in self.storages for s in tensors) or upstream & self.mine) and self.found is None:
-            self.found = type(module.module).__name__
+            self.found = type(self.inner(module)).__name__
         for ptr, t in tensors.items():
             self.seen[ptr] = (t, module)
-
-
-class DDPModels:
-    """The DDP models of the process, known without searching the heap each time: the ones alive
-    when the first Balancer of a DDP model is made (found once through the garbage collector's
-    traversal, tens of milliseconds in a process with torch loaded), and every one made since,
-    seen by a global module-registration hook (torch calls it when a module is assigned to
-    another's attribute, as DDP's ``self.module = module``; never in a forward), which also
-    counts them, so the step driver can tell by one comparison whether a search for unattached
-    models may find a new one. The models are the user's: they are held weakly, so none is kept
-    alive by hetlb (a DDP model's reducer must not outlive its process group)."""
-
-    count = 0
-    _known: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
-    _hook: Any = None
-
-    @classmethod
-    def watch(cls) -> None:
-        """Start watching (once per process)."""
-        if cls._hook is None:
-            cls._known.update(_ddp_models_alive())
-            cls._hook = torch.nn.modules.module.register_module_module_registration_hook(cls._seen)
-
-    @classmethod
-    def _seen(cls, module: torch.nn.Module, name: str, submodule: torch.nn.Module) -> None:
-        if name == "module" and isinstance(module, DistributedDataParallel):
-            cls.count += 1
-            cls._known.add(module)
-
-    @classmethod
-    def alive(cls) -> List[DistributedDataParallel]:
-        return list(cls._known)
-
-
-def ddp_models() -> List[DistributedDataParallel]:
-    """Every DDP model alive in the process (:class:`DDPModels`)."""
-    DDPModels.watch()
-    return DDPModels.alive()
-
-
-def _ddp_models_alive() -> List[DistributedDataParallel]:
-    """The DDP models alive now, found by the collector's traversal (the objects that refer to the
-    class, or a subclass, as their type)."""
-    import gc
-    classes, todo = [], [DistributedDataParallel]
-    while todo:
-        c = todo.pop()
-        classes.append(c)
-        todo.extend(c.__subclasses__())
-    # (by type: isinstance would ask a dead weak proxy among the referrers, which raises)
-    return [o for o in gc.get_referrers(*classes) if type(o) in classes]
 
 
 def storage_address(t: torch.Tensor) -> int:
@@ -325,52 +250,55 @@ def parameters_upstream(tensors: List[torch.Tensor]) -> set:
     return out
 
 
-def unattached_message(name: str, ranks: List[int], step: int) -> str:
-    return (f"hetlb: a second DistributedDataParallel model ({name}; seen on ranks {ranks}) trains "
-            f"on this Balancer's samples without being attached to it: DDP averaged its gradient "
-            f"over the ranks' uneven batches unweighted, which is not the mean over the step's "
-            f"samples (found in step {step}, refused at its end; the Balancer looks in steps 0, "
-            f"1, 2, 4, 8, ... and in the step after a DDP model is made). Attach it to the "
-            f"Balancer on every rank before it trains, bal.attach(model): its gradient is then "
-            f"weighted as the balanced model's")
+def unattached_message(wrapper: str, name: str, ranks: List[int], step: int) -> str:
+    return (f"hetlb: a second {wrapper} model ({name}; seen on ranks {ranks}) trains on this "
+            f"Balancer's samples without being attached to it: its gradient was averaged over the "
+            f"ranks' uneven batches unweighted, which is not the mean over the step's samples "
+            f"(found in step {step}, refused at its end; the Balancer looks in steps 0, 1, 2, 4, "
+            f"8, ... and in the step after such a model is made). Attach it to the Balancer on "
+            f"every rank before it trains, bal.attach(model): its gradient is then weighted as "
+            f"the balanced model's")
 
 
 class ModelHooks:
     """The Balancer's hooks on the balanced model, and their lifetimes: the :class:`StepGate`
-    (every balanced model), and for a DDP model the :class:`UnattachedCheck` in the steps that
-    look for models trained unattached: the first, the step after a DDP model was made (the
-    process's count of them changed: :attr:`DDPModels.count`), and the steps numbered by a power of two
-    (1, 2, 4, ...: a model made earlier that starts training later is found within as many steps
-    as it trained). Each costs a forward hook on the other DDP models for the step and a gather of
-    what the ranks found (the first Balancer's first search also a traversal of the heap:
-    :class:`DDPModels`); the other steps one comparison. (What reduces the gradient is the gradient transport's:
+    (every balanced model), and where its transport has a :attr:`~GradientTransport.registry` of models, the
+    :class:`UnattachedCheck` in the steps that look for models trained unattached: the first, the
+    step after a model of the wrapper was made (the registry's count changed), and the
+    steps numbered by a power of two (1, 2, 4, ...: a model made earlier that starts training
+    later is found within as many steps as it trained). Each costs a forward hook on the other
+    models for the step and a gather of what the ranks found (a DDP transport's first search in
+    the process also a traversal of the heap: :class:`hetlb.comm.ddp.DDPModels`); the other steps
+    one comparison. (What reduces the gradient is the gradient transport's:
     :mod:`hetlb.comm.gradients`.)
 
     Args:
         model: the balanced model.
         telemetry, board: what the gate checks batches against and whose clock it starts.
-        is_ddp: whether the model is DDP (its first step looks for models trained unattached).
+        transport: the model's gradient transport (its other models).
+        wrapper: its class (:class:`hetlb.comm.gradients.Wrapper`: the user's module inside a
+            model of the wrapper, for messages; whether the wrapper's no-sync is on).
         batch_dim: see :class:`hetlb.Balancer`.
         ends: a handle removed with the gate when a new Balancer takes a plain module over (the
-            :class:`hetlb.comm.gradients.LocalTransport`'s gradient hook), or None.
+            :class:`hetlb.comm.local.LocalTransport`'s gradient hook), or None.
     """
 
     def __init__(self, model: torch.nn.Module, telemetry: StepTelemetry, board: PlanBoard, *,
-                 is_ddp: bool, batch_dim: BatchDim, ends: Any = None) -> None:
-        self.model = model
-        #: Whether steps look for DDP models trained unattached (a DDP model's).
-        self.searches = is_ddp
-        if is_ddp:
-            DDPModels.watch()
-        #: The count of DDP models made (:attr:`DDPModels.count`) when the latest search started.
-        self.made = DDPModels.count
+                 transport: GradientTransport, wrapper: Any, batch_dim: BatchDim,
+                 ends: Any = None) -> None:
+        self.model, self.transport, self.inner = model, transport, wrapper.inner
+        #: The process's models of the wrapper (None: steps look for none trained unattached).
+        self.registry = transport.registry
+        self.searches = self.registry is not None
+        #: The registry's count of models made when the latest search started.
+        self.made = self.registry.count if self.searches else 0
         self._unattached: Optional[UnattachedCheck] = None  # its hooks while that step is open
-        #: Whether the step about to run searches for DDP models trained unattached (the first
+        #: Whether the step about to run searches for models trained unattached (the first
         #: step, a step the driver names, again after a discarded one). An attribute: the driver
         #: reads it every step.
-        self.wants_check = is_ddp
-        self._gate = model.register_forward_pre_hook(StepGate(board, telemetry, batch_dim, ends),
-                                                     with_kwargs=True)
+        self.wants_check = self.searches
+        self._gate = model.register_forward_pre_hook(
+            StepGate(board, telemetry, batch_dim, wrapper.no_sync_on, ends), with_kwargs=True)
 
     def remove(self) -> None:
         """Take the forward check off (a Balancer refused after making it)."""
@@ -380,11 +308,11 @@ class ModelHooks:
         """One process: this Balancer's gate replaces any earlier Balancer's on the module."""
         take_over(self.model, keep=self._gate.id)
 
-    def start_check(self, known: List[torch.nn.Module]) -> None:
-        """Search the step about to run for DDP models trained unattached, besides the ``known``
-        ones (the balanced model and those attached to it)."""
-        self.made = DDPModels.count
-        self._unattached = UnattachedCheck.watch(self.model, known)
+    def start_check(self) -> None:
+        """Search the step about to run for models trained unattached, besides the transport's
+        own (the balanced model and those attached to it)."""
+        self.made = self.registry.count
+        self._unattached = UnattachedCheck.watch(self.model, self.transport, self.inner)
         self.wants_check = False
 
     @property

@@ -18,7 +18,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from hetlb.comm.gradients import GradientTransport
 from hetlb.comm.hook import StepTelemetry
@@ -32,7 +31,7 @@ from hetlb.policies.loop import DecisionLoop
 from hetlb.ranks.agreement import Peers
 from hetlb.ranks.watchdog import FLUSHING, WAITING
 from hetlb.train.losses import FinishedStep, LossLog, global_loss
-from hetlb.train.model_hooks import NOT_SYNCING, DDPModels, ModelHooks, unattached_message
+from hetlb.train.model_hooks import ModelHooks, not_syncing, unattached_message
 from hetlb.train.runlog import RunLog
 from hetlb.train.verify import RECORD_COLS, verify_table
 
@@ -140,7 +139,8 @@ class StepDriver:
         telemetry, board, loop, hooks: the Balancer's parts the steps use.
         gradients: the gradient transport (how this rank's weighted gradient reaches the others).
         rank, world: this rank and the number of ranks.
-        weighting, accumulate, exchange_every, adaptive_exchange, transport: the settings.
+        weighting, accumulate, exchange_every, adaptive_exchange: the settings; route: the table's
+            route (:mod:`hetlb.comm.route`).
         watchdog: the Balancer's watchdog, or None.
         runlog: the run log (rank 0 with ``log_dir``), or None.
         peers: gathers small values from every rank (the first step's check for unattached models).
@@ -148,13 +148,13 @@ class StepDriver:
 
     def __init__(self, model: torch.nn.Module, telemetry: StepTelemetry, board: PlanBoard,
                  loop: DecisionLoop, hooks: ModelHooks, gradients: GradientTransport, *, rank: int, world: int, weighting: str,
-                 accumulate: int, exchange_every: int, adaptive_exchange: bool, transport: str,
+                 accumulate: int, exchange_every: int, adaptive_exchange: bool, route: str,
                  watchdog: Any, runlog: Optional[RunLog], peers: Peers) -> None:
         self.model, self.telemetry, self.board, self.loop, self.hooks = model, telemetry, board, loop, hooks
         self.gradients = gradients
         self.rank, self.world, self.weighting = rank, world, weighting
         self.accumulate, self.exchange_every = accumulate, exchange_every
-        self.adaptive_exchange, self.transport = adaptive_exchange, transport
+        self.adaptive_exchange, self.route = adaptive_exchange, route
         self.watchdog, self.runlog, self.peers = watchdog, runlog, peers
         #: Whether a loader is bound (it hands out the steps' batches).
         self.bound = False
@@ -210,11 +210,6 @@ class StepDriver:
         """The plan the latest ``with bal.step():`` trained (None after the loop asks for the
         next batch)."""
         return self._consumed
-
-    @property
-    def unexchanged(self) -> int:
-        """Steps run since the last telemetry exchange (``exchange_every > 1``)."""
-        return len(self._block)
 
     def batch_sizes(self) -> np.ndarray:
         """:attr:`hetlb.Balancer.batch_sizes`."""
@@ -300,8 +295,8 @@ class StepDriver:
         w, batch, data, equal = self._weight(plan)
         self.gradients.before_step(plan, w, equal)
         hooks = self.hooks
-        if hooks.wants_check or (hooks.searches and hooks.made != DDPModels.count):  # see ModelHooks
-            hooks.start_check(self.gradients.models)
+        if hooks.wants_check or (hooks.searches and hooks.made != hooks.registry.count):  # see ModelHooks
+            hooks.start_check()
         first = plan.window_pos == 0
         if first:
             self.window.data = 0.0
@@ -341,9 +336,10 @@ class StepDriver:
         else:
             plan = self._plan_without_loader()
             self.board.hand_own(plan)
-        if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync \
-                and self.accumulate == 1:
-            raise RuntimeError(NOT_SYNCING)
+        if self.accumulate == 1:
+            off = self.gradients.no_sync_on(self.model)
+            if off is not None:
+                raise RuntimeError(not_syncing(off))
         self.window.check(plan)
         self._begin(plan, explicit=True)
         self._in_with = True
@@ -423,8 +419,8 @@ class StepDriver:
                 # hetlb. An exchange here would be a collective the other ranks (whose tables
                 # arrived) never join, so it would hang until the timeout instead.
                 raise RuntimeError(f"hetlb: step {self._step}: the gradient's communication hook "
-                                   f"ran but delivered no telemetry table (transport "
-                                   f"{self.transport!r}); please report this with the script")
+                                   f"ran but delivered no telemetry table (route "
+                                   f"{self.route!r}); please report this with the script")
             if not tele.hooked:
                 tele.stamp()
             # No hook carried the row (a step without gradients, or one process without DDP):
@@ -504,7 +500,8 @@ class StepDriver:
             everyone = self.peers.gather({"found": found})  # (every rank checks the same steps)
             seen = [r for r, e in enumerate(everyone) if e["found"] is not None]
             if seen:
-                raise RuntimeError(unattached_message(everyone[seen[0]]["found"], seen, self._step))
+                raise RuntimeError(unattached_message(self.gradients.name, everyone[seen[0]]["found"],
+                                                     seen, self._step))
         self.board.complete(plan)
         if not self.bound:
             self._micro = 0

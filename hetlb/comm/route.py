@@ -1,8 +1,9 @@
-"""How the telemetry table travels, and which transport every rank uses.
+"""The telemetry table's route: how the table travels between the ranks, the same on every rank.
 
-How the table travels (every rank uses the same transport, agreed at start-up; by default
-"carry" where every rank can, else "side", and "side" also where some rank's DDP has
-``gradient_as_bucket_view=True``, see :func:`carry_penalty`):
+(The argument that asks for one is ``Balancer(transport=)``; the route is not the gradient
+transport of :mod:`hetlb.comm.gradients`, which reduces the gradient.) Every rank uses the same
+route, agreed at start-up: by default "carry" where every rank can, else "side", and "side"
+also where some rank's DDP has ``gradient_as_bucket_view=True`` (see :func:`carry_penalty`).
 
 * ``"carry"``: Gloo with CPU float32/float64 buckets only: the rank's row is written into a zeroed
   slot region appended to the last bucket in a persistent buffer (the scaled gradient is written
@@ -12,7 +13,7 @@ How the table travels (every rank uses the same transport, agreed at start-up; b
   bucket's hook just before that bucket's all-reduce, on a Gloo group of its own (under Gloo too:
   on the gradient group it queued behind the gradient's transfers and cost 15-22 % of a step on
   CPU, ``bench/RESULTS.md``); the end of the step waits for it, normally long complete. It is
-  the transport to pair with :meth:`hetlb.Balancer.backward` on Gloo: the hook then makes no
+  the route to pair with :meth:`hetlb.Balancer.backward` on Gloo: the hook then makes no
   pass over the gradient at all (carry still copies the last bucket next to the table).
 * A step in which no hook ran (no backward) all-reduces the row on its own (:meth:`exchange`).
 """
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("hetlb.aggregate")
 
-TRANSPORTS = ("side", "carry")
+ROUTES = ("side", "carry")
 
 #: Bucket dtypes that carry the telemetry slots exactly (batch < 2^24, 24-bit checksums).
 CARRY_DTYPES = (torch.float32, torch.float64)
@@ -54,13 +55,13 @@ def carry_blocker(model: Any, group: Any) -> Optional[str]:
 
 
 def defer_blocker(model: Any, group: Any, *, native: bool, emulator: Any, accumulate: int,
-                  transport: Optional[str]) -> Optional[str]:
+                  route: Optional[str]) -> Optional[str]:
     """Why this rank cannot defer its communication hook (None if it can; see
     :class:`BackwardWatch`): DDP's own averaging must be the weighted mean while weights are
     equal, and the end of backward must be seen without a hook."""
     if not native:
         return "native_hook=False (the reference hook is registered at once)"
-    if transport == "carry":
+    if route == "carry":
         return "transport='carry' rides in the hook"
     if emulator is not None:
         return "an emulator holds the last bucket in the hook"
@@ -93,20 +94,20 @@ def defer_blocker(model: Any, group: Any, *, native: bool, emulator: Any, accumu
 
 
 def carry_penalty(model: Any) -> Optional[str]:
-    """Why carrying the table would cost this rank more than the side transport (None if it
+    """Why carrying the table would cost this rank more than the side route (None if it
     would not): with ``gradient_as_bucket_view=True`` DDP's gradients are views of its buckets,
     so the carried bucket (the last bucket in a buffer of its own, beside the table) is copied
-    back into them, a pass the side transport does not make (``bench/RESULTS.md``, "The default
+    back into them, a pass the side route does not make (``bench/RESULTS.md``, "The default
     transport under gradient_as_bucket_view=True")."""
     if getattr(model, "gradient_as_bucket_view", False):
         return "DDP(gradient_as_bucket_view=True) would copy the carried bucket back"
     return None
 
 
-def choose_transport(requested: Sequence[Optional[str]], blockers: Sequence[Optional[str]],
+def choose_route(requested: Sequence[Optional[str]], blockers: Sequence[Optional[str]],
                      penalties: Optional[Sequence[Optional[str]]] = None, *,
                      deferred: bool = False) -> str:
-    """The transport every rank uses, from each rank's request (None: no preference), carry
+    """The route every rank uses, from each rank's request (None: no preference), carry
     blocker (:func:`carry_blocker`) and carry penalty (:func:`carry_penalty`). With no request,
     "side" when the hook is ``deferred`` (no hook to carry the table, see :class:`BackwardWatch`),
     else "carry" when every rank can carry and none would pay for it (it costs less: no
@@ -116,7 +117,7 @@ def choose_transport(requested: Sequence[Optional[str]], blockers: Sequence[Opti
     asked = {r: t for r, t in enumerate(requested) if t is not None}
     kinds = set(asked.values())
     if len(kinds) > 1:
-        raise ValueError("ranks asked for different telemetry transports: " + ", ".join(
+        raise ValueError("ranks asked for different telemetry routes (transport=): " + ", ".join(
             f"rank {r}: {t!r}" for r, t in sorted(asked.items())))
     if not kinds:
         costly = deferred or any(p is not None for p in penalties or ())
@@ -160,4 +161,4 @@ def keep_groups(model: Any, groups: Sequence[Any]) -> None:
     model._hetlb_groups_kept = _GroupsKept(held)
 
 
-__all__ = ["TRANSPORTS", "is_nccl", "carry_blocker", "carry_penalty", "choose_transport"]
+__all__ = ["ROUTES", "is_nccl", "carry_blocker", "carry_penalty", "choose_route"]
