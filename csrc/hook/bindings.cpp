@@ -214,6 +214,10 @@ void bind_step_core(py::module& m) {
       .def("mark_reduced", &StepCore::mark_reduced,
            "The step's gradient reduction finished on this rank (the Python reference hook).")
       .def_property_readonly("compute", &StepCore::compute)
+      .def("add_wait", &StepCore::add_wait, py::arg("seconds"),
+           "Seconds this step waited for the other ranks in the wrapper's own collectives, left "
+           "out of its compute time (reset by start/begin).")
+      .def_property_readonly("waited", &StepCore::waited)
       .def_property_readonly("hooks_run", &StepCore::hooks_run)
       .def_property_readonly("last_buckets", &StepCore::last_buckets)
       .def_property("seconds_per_byte", &StepCore::seconds_per_byte,

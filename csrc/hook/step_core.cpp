@@ -139,6 +139,7 @@ void StepCore::open(const StepStart& s, const double* values, size_t n, RowValue
   ship_.store(s.ship, std::memory_order_relaxed);
   weight_.store(s.weight, std::memory_order_relaxed);
   offset_.store(s.offset, std::memory_order_relaxed);
+  waited_.store(0.0, std::memory_order_relaxed);
   slot_->clear();
   factors_.clear();
   if (Emulation* e = emulation_if_any()) e->new_step();
@@ -167,7 +168,7 @@ double StepCore::end_compute(bool end_window) {
   const double t0 = t0_.load(std::memory_order_relaxed);
   Emulation* emulation = emulation_if_any();
   if (emulation != nullptr) now = emulation->hold_until(t0, now);
-  const double compute = offset_.load(std::memory_order_relaxed) + (now - t0);
+  const double compute = offset_.load(std::memory_order_relaxed) + (now - t0) - waited();
   double reported = compute;
   if (clock_ && end_window) reported = clock_->end_and_read();  // host time stays in compute
   if (emulation != nullptr && emulation->no_progress()) reported = kInf;

@@ -108,6 +108,11 @@ class StepCore {
   // same step stamps again (the compute then spans both). A device clock is read only at the
   // end of an accumulation window (its events span the whole window).
   double end_compute(bool end_window);
+  // Seconds of this step's host time spent waiting for the other ranks inside the wrapper's own
+  // collectives (FSDP2's all-gathers and reduce-scatters), left out of its compute time. Reset
+  // by open().
+  void add_wait(double seconds) { waited_.store(waited() + seconds, std::memory_order_relaxed); }
+  double waited() const { return waited_.load(std::memory_order_relaxed); }
   // Ends a step that does not send the table (inside a block): stamps it unless a hook ended its
   // compute, and closes it. Returns whether a hook had ended it.
   bool end_kept();
@@ -201,7 +206,7 @@ class StepCore {
   std::atomic<bool> restarted_{false}, end_queued_{false}, reduced_{false};
   std::atomic<int64_t> pos_{0}, hooks_run_{0}, last_buckets_{0}, scaled_buckets_{0};
   std::atomic<int64_t> carry_capacity_{0};
-  std::atomic<double> weight_{1.0}, t0_{0.0}, offset_{0.0}, compute_;
+  std::atomic<double> weight_{1.0}, t0_{0.0}, offset_{0.0}, compute_, waited_{0.0};
   // The open step's row, and the stamped rows of the block's positions ([block, fields]).
   std::vector<double> row_, rows_;
 

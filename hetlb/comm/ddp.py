@@ -112,6 +112,9 @@ class DDPTransport:
     def delivers_table(self) -> bool:
         return self._watch is None
 
+    def local_grads(self) -> List[Optional[torch.Tensor]]:
+        return [p.grad for p in self.model.parameters()]
+
     def before_step(self, plan: "StepPlan", weight: float, equal: bool) -> None:
         """Register the deferred hook before the first step whose weights differ."""
         if self._watch is None:

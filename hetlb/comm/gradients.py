@@ -123,6 +123,11 @@ class GradientTransport(Protocol):
     def no_sync_on(model: torch.nn.Module) -> Optional[str]:
         """:meth:`Wrapper.no_sync_on` (the transport is its wrapper's class)."""
 
+    def local_grads(self) -> List[Optional[torch.Tensor]]:
+        """This rank's own part of each of the balanced model's parameters' gradients (None
+        where it has none), the tensors themselves: the step driver's checks read them, and must
+        run no collective (a sharded gradient's shard, not the whole)."""
+
     def before_step(self, plan: "StepPlan", weight: float, equal: bool) -> None:
         """The step of ``plan`` is about to run with this rank's aggregation ``weight``;
         ``equal``: every rank's weight is the same."""

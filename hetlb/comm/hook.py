@@ -161,6 +161,11 @@ class StepTelemetry:
         #: Steps by which the compute column lags its row (device events are read one step late;
         #: see :meth:`set_clock_lag`).
         self.lag = int(self.core.clock_depth)
+        #: The emulator's ``(factor, extra)`` for the open step (see :meth:`start`).
+        self.hold = (1.0, 0.0)
+        #: Whether the emulator's hold ends the step's compute (DDP's last bucket); False where
+        #: the gradient transport spreads it over the step itself (FSDP2's layers).
+        self.hold_at_end = True
         if emulator is not None and getattr(emulator, "bandwidth", None):
             self.core.seconds_per_byte = 1.0 / float(emulator.bandwidth)
 
@@ -197,15 +202,17 @@ class StepTelemetry:
         keep_groups(model, (pg, side))
         return pg, side
 
-    def defer(self, model: Any) -> Any:
+    def defer(self, model: Any, prepend: bool = False) -> Any:
         """Watch the end of the DDP ``model``'s backward without a communication hook (see
         :class:`BackwardWatch`; the side route); returns the forward hook's handle, removed
-        when :meth:`register` is called later."""
+        when :meth:`register` is called later. ``prepend``: the watch runs before the model's
+        other forward hooks, so its callback comes before theirs (FSDP2's end of backward, which
+        waits for the last reduce-scatter, then stays out of the compute time)."""
         if self.route != "side":
             raise ValueError(f"a deferred hook sends the table by the side route, not {self.route!r}")
         # (The reducer holds the gradient group even without a hook: it must not be its last owner.)
         self._keep_groups(model)
-        return model.register_forward_hook(BackwardWatch(self))
+        return model.register_forward_hook(BackwardWatch(self), prepend=prepend)
 
     # ------------------------------------------------------------------ one step
 
@@ -229,8 +236,8 @@ class StepTelemetry:
                 amount = data + getattr(emu, "quadratic", 0.0) * sq
             else:
                 amount = int(batch)
-            factor, extra = emu.affine(step, amount)
-            if factor != 1.0 or extra != 0.0:
+            factor, extra = self.hold = emu.affine(step, amount)
+            if (factor != 1.0 or extra != 0.0) and self.hold_at_end:
                 self.core.hold(factor, extra, emu.spin)
             if emu.failed(step):
                 self.core.report_no_progress()

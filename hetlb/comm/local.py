@@ -63,6 +63,9 @@ class LocalTransport:
     def no_sync_on(model: torch.nn.Module) -> Optional[str]:
         return None
 
+    def local_grads(self) -> List[Optional[torch.Tensor]]:
+        return [p.grad for p in self._models[0].parameters()]
+
     def before_step(self, plan: "StepPlan", weight: float, equal: bool) -> None:
         return None
 

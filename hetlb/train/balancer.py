@@ -85,8 +85,10 @@ class Balancer:
     """Per-rank batch sizes for synchronous data-parallel training on uneven workers.
 
     Args:
-        model: the DDP model (``torch.nn.parallel``'s; a plain module is accepted when the world
-            has one rank). The Balancer registers its communication hook and a forward pre-hook.
+        model: the DDP model (``torch.nn.parallel``'s), a model sharded with FSDP2's
+            ``fully_shard`` (docs/fsdp2.md: its loss goes through :meth:`backward`), or, when the
+            world has one rank, a plain module. For a DDP model the Balancer registers its
+            communication hook; for every model a forward pre-hook.
             A copy of the model (``copy.deepcopy``, ``torch.save``; an EMA model, say) is not
             balanced: its hook is DDP's own, its forward checks nothing.
         global_batch: samples per step over all ranks; ``sum(batch_sizes) == global_batch``

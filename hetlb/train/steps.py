@@ -65,8 +65,8 @@ class Window:
     """An accumulation window's state between its micro-steps: the data amount trained so far,
     and what proves that the gradient was kept within a window and taken between windows."""
 
-    def __init__(self, model: torch.nn.Module, accumulate: int) -> None:
-        self.model, self.accumulate = model, accumulate
+    def __init__(self, gradients: GradientTransport, accumulate: int) -> None:
+        self.gradients, self.accumulate = gradients, accumulate
         self.data = 0.0  # the window's data amount before its open micro-step
         self._param: Optional[torch.Tensor] = None  # see _kept
         self._synced: Optional[tuple] = None  # see _taken
@@ -81,15 +81,16 @@ class Window:
     def micro_step(self, data: float) -> None:
         """A micro-step other than the window's last ended with ``data`` trained."""
         self.data += data
-        # One parameter holding a gradient now: the next micro-step checks it still does.
-        self._param = next((p for p in self.model.parameters() if p.grad is not None), None)
+        # One gradient held now: the next micro-step checks it still is.
+        self._param = next((i for i, g in enumerate(self.gradients.local_grads()) if g is not None),
+                           None)
 
     def synced(self, plan: StepPlan) -> None:
         """``plan`` ended its window: the next window must start from cleared gradients."""
         if self.accumulate > 1:
             # (ids and versions, not the gradients: holding them would keep their memory)
-            held = [(p, id(p.grad), p.grad._version) for p in self.model.parameters()
-                    if p.grad is not None]
+            held = [(i, id(g), g._version) for i, g in enumerate(self.gradients.local_grads())
+                    if g is not None]
             self._synced = (held, plan) if held else None
 
     def _kept(self, plan: StepPlan) -> None:
@@ -97,8 +98,8 @@ class Window:
         micro-steps accumulated must still be there. ``optimizer.step()`` and ``zero_grad()`` on
         a micro-step that did not synchronise would update each rank's copy of the model with
         its own local gradient, and the copies would drift apart with no error."""
-        p, self._param = self._param, None
-        if p is not None and p.grad is None:
+        i, self._param = self._param, None
+        if i is not None and self.gradients.local_grads()[i] is None:
             raise RuntimeError(
                 f"hetlb: the gradient accumulated by micro-steps 1-{plan.window_pos} of this "
                 f"accumulation window (step {plan.step} of epoch {plan.epoch}) is gone "
@@ -118,8 +119,9 @@ class Window:
         # optimizer does not hold may keep theirs, so one untouched gradient proves nothing. A
         # zeroing through .data leaves the version as it was: the first gradient, all zero, is
         # taken as zeroed.
-        if all(p.grad is not None and id(p.grad) == gid and p.grad._version == version
-               for p, gid, version in held) and bool(held[0][0].grad.any()):
+        grads = self.gradients.local_grads()
+        if all(grads[i] is not None and id(grads[i]) == gid and grads[i]._version == version
+               for i, gid, version in held) and any(bool(grads[i].any()) for i, _, _ in held):
             raise RuntimeError(
                 f"hetlb: the gradient of the accumulation window that ended at step {done.step} of "
                 f"epoch {done.epoch} (it was synchronised there: bal.synced was True) is still in "
@@ -179,7 +181,7 @@ class StepDriver:
         self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
         self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
         self._micro = 0  # micro-steps without a loader (window position)
-        self.window = Window(self.model, self.accumulate)
+        self.window = Window(self.gradients, self.accumulate)
         self._partials: Dict[int, tuple] = {}
         # The block's steps run since the last exchange (exchange_every > 1): (step, plan).
         self._block: List[Tuple[int, StepPlan]] = []
@@ -604,7 +606,7 @@ class StepDriver:
 
     def _gradients_dropped(self) -> bool:
         """Whether no parameter of the model holds a nonzero gradient."""
-        return all(p.grad is None or not bool(p.grad.any()) for p in self.model.parameters())
+        return all(g is None or not bool(g.any()) for g in self.gradients.local_grads())
 
     def before_next(self) -> None:
         """The loop asks for the next batch: the previous one's step ends here."""

@@ -1,0 +1,194 @@
+"""A rank's own compute under FSDP2, and an emulator that slows it layer by layer.
+
+FSDP2 couples the ranks at every layer: each FSDP module all-gathers its parameters before its
+forward and its backward and reduce-scatters its gradient after its backward, so a fast rank
+waits for the slow one inside those collectives, and the time from the step's first forward to
+the end of its backward comes out nearly equal on every rank. A policy that balances by measured
+times would learn nothing from it. :class:`LayerClock` times FSDP's own hook work around each
+collective with hooks of its own on either side of FSDP's (torch's ``prepend`` hooks, and identity
+autograd nodes on either side of FSDP's post-backward node) and leaves that time out of the
+step's compute time (:meth:`StepCore.add_wait`); what remains is the rank's own compute.
+
+It also carries an :class:`hetlb.sim.emulate.Emulator` where FSDP2 would see a slow rank: the
+step's hold is spread over its compute segments (the stretches between waits), each held until
+the rank's own compute so far reaches ``factor * measured + extra * share`` (``share``: the
+segments done over the previous step's count; the first step holds the rest at its end), so the
+other ranks wait for it in every layer's collectives, as they would for a slower device.
+
+Host time: on CPU (Gloo) FSDP's waits block the host. On CUDA the waits are on the device streams
+and the compute times still include them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from hetlb.comm.hook import StepTelemetry, tensors_in
+from hetlb.sim.emulate import sleep_until
+
+
+class _Mark(torch.autograd.Function):
+    """Identity on a module's inputs whose backward tells the clock it ran: placed on either side
+    of FSDP's post-backward node, the two marks bracket its reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, clock: "LayerClock", begins: bool, *xs: torch.Tensor) -> Any:
+        ctx.clock, ctx.begins = clock, begins
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if ctx.begins:
+            ctx.clock.wait_begins()
+        else:
+            ctx.clock.wait_ends()
+        return (None, None) + grads
+
+
+class LayerClock:
+    """The hooks on every FSDP module of a model that time FSDP's waits, and the per-layer
+    emulator (see the module docstring). One per FSDP2 transport; :meth:`new_step` at each step.
+
+    Args:
+        telemetry: the step telemetry (its core receives the waits; its emulator's hold).
+        modules: the FSDP modules, the root first.
+    """
+
+    def __init__(self, telemetry: StepTelemetry, modules: List[torch.nn.Module]) -> None:
+        self.telemetry, self.core = telemetry, telemetry.core
+        self.emulated = telemetry.emulator is not None
+        if self.emulated:
+            telemetry.hold_at_end = False  # (spread over the segments here instead)
+        self._handles: List[Any] = []
+        self._t_wait: Optional[float] = None  # a wait in progress since then
+        self._start: Optional[float] = None  # the step's first segment
+        self._waits = self._held = 0.0
+        self._segments, self._last_segments = 0, 0
+        self._final_queued = False
+        for i, m in enumerate(modules):
+            root = i == 0
+            self._handles += [
+                m.register_forward_pre_hook(self._fwd_before, prepend=True, with_kwargs=True),
+                m.register_forward_pre_hook(self._fwd_after, with_kwargs=True),
+                m.register_forward_hook(self._out_before_root if root else self._out_before,
+                                        prepend=True),
+                m.register_forward_hook(self._out_after)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def new_step(self) -> None:
+        """Forget the previous step's segments and waits (a step is about to run)."""
+        if self._segments:
+            self._last_segments = self._segments
+        self._start, self._t_wait = None, None
+        self._waits = self._held = 0.0
+        self._segments = 0
+        self._final_queued = False
+
+    # ------------------------------------------------------------------ the waits
+
+    def _counting(self) -> bool:
+        """Inside a step whose first forward ran (the compute clock runs)."""
+        return self.core.open and self.core.restarted
+
+    def wait_begins(self) -> None:
+        """FSDP is about to wait in a collective: a compute segment ends here."""
+        if not self._counting():
+            return
+        now = time.perf_counter()
+        if self._start is None:
+            self._start = now
+        if self.emulated:
+            now = self._hold(now, final=False)
+        self._t_wait = now
+
+    def wait_ends(self) -> None:
+        """FSDP's wait is over: its time is left out of the compute."""
+        t = self._t_wait
+        if t is None or not self._counting():
+            return
+        self._t_wait = None
+        waited = time.perf_counter() - t
+        self._waits += waited
+        self.core.add_wait(waited)
+
+    def _hold(self, now: float, final: bool) -> float:
+        """The emulator's hold at the end of a compute segment; returns the time after it."""
+        self._segments += 1
+        factor, extra = self.telemetry.hold
+        own = now - self._start - self._waits  # this step's compute so far, holds included
+        measured = own - self._held
+        share = 1.0 if final else (min(self._segments / self._last_segments, 1.0)
+                                   if self._last_segments else 0.0)
+        hold = factor * measured + extra * share - own
+        if hold > 0.0:
+            sleep_until(now + hold, 0.0)
+            self._held += hold
+            return time.perf_counter()
+        return now
+
+    def _final(self) -> None:
+        """An autograd callback at the end of the backward, before the compute is stamped: the
+        step's last segment is held."""
+        self._final_queued = False
+        if self.emulated and self._counting() and self._start is not None:
+            self._hold(time.perf_counter(), final=True)
+
+    # ------------------------------------------------------------------ the hooks
+
+    def _fwd_before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple]:
+        self.wait_begins()
+        return self._marked(args, kwargs, begins=False)
+
+    def _fwd_after(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple]:
+        self.wait_ends()
+        return self._marked(args, kwargs, begins=True)
+
+    def _marked(self, args: tuple, kwargs: dict, begins: bool) -> Optional[Tuple]:
+        """``args`` with their tensors that need a gradient passed through a :class:`_Mark`."""
+        if not torch.is_grad_enabled():
+            return None
+        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not at:
+            return None
+        marked = _Mark.apply(self, begins, *[args[i] for i in at])
+        out = list(args)
+        for i, t in zip(at, marked):
+            out[i] = t
+        return tuple(out), kwargs
+
+    def _out_before(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(self._grad_before)
+
+    def _out_before_root(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(self._root_grad_before)
+
+    def _out_after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(self._grad_after)
+
+    def _grad_before(self, grad: torch.Tensor) -> None:
+        self.wait_begins()
+
+    def _root_grad_before(self, grad: torch.Tensor) -> None:
+        if self.emulated and not self._final_queued and self._counting():
+            # (queued before FSDP's own end of backward and the compute's stamp)
+            self._final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+        self.wait_begins()
+
+    def _grad_after(self, grad: torch.Tensor) -> None:
+        self.wait_ends()

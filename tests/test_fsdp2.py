@@ -1,0 +1,325 @@
+"""FSDP2 (``fully_shard``) under the Balancer, on real Gloo ranks: with uneven sizes and an idle
+rank the reduced gradient is one process's gradient over the union of the step's samples (1-D
+mesh and HSDP 2x2) and the logged loss its mean loss, ``clip_grad_norm_`` returns the union gradient's norm, a plain
+``loss.backward()`` and FSDP's own no-sync are refused, a loop left after a backward trains no
+batch twice, and ranks whose models have different wrappers are refused at start-up."""
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import run, unwrap
+from fixed_policy import Scripted
+
+pytest.importorskip("torch.distributed.fsdp")
+
+UNEVEN = [[3, 5], [6, 2], [0, 8], [1, 7]]  # (an idle rank at the third step)
+HSDP = [[2, 3, 1, 2], [0, 4, 2, 2], [1, 1, 1, 5], [4, 0, 0, 4]]
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                               torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _data(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+
+def _shard(model: torch.nn.Module, hsdp: bool, world: int, mp=None) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) \
+        if hsdp else init_device_mesh("cpu", (world,))
+    kw = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    for layer in (model[0], model[2]):
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def gradient_worker(rank: int, world: int, script, hsdp: bool):
+    import hetlb
+    model = _shard(_net(), hsdp, world)
+    bal = hetlb.Balancer(model, 8, policy=Scripted(script), lower=0)
+    out = []
+    for step in range(len(script)):
+        x, y = _data(step)
+        sizes = bal.batch_sizes
+        lo = int(sizes[:rank].sum())
+        xb, yb = x[lo:lo + int(sizes[rank])], y[lo:lo + int(sizes[rank])]
+        for p in model.parameters():
+            p.grad = None
+        with bal.step():
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            bal.log_loss(loss)
+            bal.backward(loss)
+        got = [p.grad.full_tensor() for p in model.parameters()]
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+        ref = _net()
+        ref_loss = torch.nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        want = [p.grad for p in ref.parameters()]
+        rel = max(float((a - w).abs().max() / w.abs().max()) for a, w in zip(got, want))
+        wnorm = float(torch.linalg.vector_norm(torch.cat([w.flatten() for w in want])))
+        out.append({"sizes": sizes.tolist(), "rel": rel, "norm": (norm, wnorm),
+                    "loss": (bal.finished.loss, float(ref_loss)),
+                    "nan": any(bool(torch.isnan(g).any()) for g in got)})
+    return {"steps": out, "records": len(bal.history), "route": bal.route}
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["1d", "hsdp2x2"])
+def test_the_reduced_gradient_is_the_one_large_batch_gradient(hsdp):
+    world, script = (4, HSDP) if hsdp else (2, UNEVEN)
+    for res in unwrap(run(gradient_worker, world, script, hsdp)):
+        assert [s["sizes"] for s in res["steps"]] == script
+        for s in res["steps"]:
+            assert s["rel"] < 1e-6 and not s["nan"], s
+            assert abs(s["norm"][0] - s["norm"][1]) <= 1e-6 * s["norm"][1], s
+            assert abs(s["loss"][0] - s["loss"][1]) <= 1e-6 * s["loss"][1], s
+        assert res["records"] == len(script) and res["route"] == "side"
+
+
+def refusal_worker(rank: int, world: int, case: str):
+    import hetlb
+    model = _shard(_net(), False, world)
+    bal = hetlb.Balancer(model, 8, policy=Scripted([[3, 5]]))
+    x, y = _data(0)
+    xb, yb = (x[:3], y[:3]) if rank == 0 else (x[3:], y[3:])
+    if case == "no_sync":
+        model.set_requires_gradient_sync(False)
+    try:
+        with bal.step():
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            if case == "plain":
+                loss.backward()
+            else:
+                bal.backward(loss)
+    except RuntimeError as e:
+        return str(e)
+    return "trained"
+
+
+def test_a_plain_backward_is_refused_naming_bal_backward():
+    for msg in unwrap(run(refusal_worker, 2, "plain")):
+        assert "bal.backward(loss)" in msg and "FSDP2" in msg, msg
+
+
+def test_fsdps_own_no_sync_is_refused_without_accumulation():
+    for msg in unwrap(run(refusal_worker, 2, "no_sync")):
+        assert "set_requires_gradient_sync(False)" in msg and "accumulate=K" in msg, msg
+
+
+def loop_worker(rank: int, world: int):
+    import hetlb
+    model = _shard(_net(), False, world)
+    data = torch.utils.data.TensorDataset(torch.arange(40, dtype=torch.float32).repeat(4, 1).T)
+    bal = hetlb.Balancer(model, 8, policy=Scripted([[3, 5], [6, 2], [2, 6]]))
+    loader = bal.loader(data, shuffle=True, seed=1)
+    seen = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for i, (x,) in enumerate(loader):
+            seen.append(x[:, 0].long().tolist())
+            bal.backward(model(x).sum())
+            if epoch == 0 and i == 1:
+                break  # left after a backward: the step is trained, and not handed out again
+        if epoch == 0:
+            for (x,) in loader:  # the rest of epoch 0
+                seen.append(x[:, 0].long().tolist())
+                bal.backward(model(x).sum())
+    return {"seen": seen, "steps": bal.steps}
+
+
+def test_a_loop_left_after_a_backward_trains_no_batch_twice():
+    a, b = unwrap(run(loop_worker, 2))
+    for epoch in range(2):
+        per = 5  # 40 samples in steps of 8
+        got = sorted(i for res in (a, b) for batch in res["seen"][epoch * per:(epoch + 1) * per]
+                     for i in batch)
+        assert got == list(range(40)), (epoch, got)
+    assert a["steps"] == b["steps"] == 10
+
+
+def bf16_worker(rank: int, world: int):
+    import hetlb
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("hetlb.balancer").addHandler(Keep())
+    model = _shard(_net(), False, world, mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    hetlb.Balancer(model, 8, policy=Scripted([[4, 4]]))
+    return [r for r in records if "reduces its gradients" in r]
+
+
+def test_a_reduction_in_bfloat16_is_warned_of_naming_the_float32_policy():
+    for warned in unwrap(run(bf16_worker, 2)):
+        assert len(warned) == 1 and "torch.bfloat16" in warned[0]
+        assert "MixedPrecisionPolicy(reduce_dtype=torch.float32)" in warned[0]
+
+
+def mixed_worker(rank: int, world: int) -> str:
+    import hetlb
+    from hetlb.comm import wrappers
+    from hetlb.comm.fsdp import FSDP2Transport
+
+    # Each rank's own transport class for the same model type: the ranks disagree on the wrapper.
+    wrappers.WRAPPERS[torch.nn.Linear] = type("Named", (FSDP2Transport,), {"name": f"wrapper {rank}"})
+    try:
+        hetlb.Balancer(torch.nn.Linear(4, 2), 8, policy=hetlb.Uniform())
+    except ValueError as e:
+        return str(e)
+    finally:
+        del wrappers.WRAPPERS[torch.nn.Linear]
+    return "accepted"
+
+
+def test_ranks_whose_models_have_different_wrappers_are_refused_at_start_up():
+    msgs = unwrap(run(mixed_worker, 2))
+    assert msgs[0] == msgs[1] and "disagree on the model" in msgs[0] and "wrapper 1" in msgs[0], msgs
+
+
+def plain_worker(rank: int, world: int) -> str:
+    import hetlb
+    try:
+        hetlb.Balancer(_net(), 8)
+    except TypeError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_plain_module_on_several_ranks_is_refused_naming_both_wrappers():
+    for msg in unwrap(run(plain_worker, 2)):
+        assert "DistributedDataParallel or sharded with FSDP2's fully_shard" in msg, msg
+
+
+class NeedsSamples(torch.nn.Module):
+    """A layer that refuses an empty batch (as a model that normalises over the batch may)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            raise ValueError("NeedsSamples: expected at least one sample")
+        return x
+
+
+def empty_worker(rank: int, world: int) -> str:
+    import hetlb
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), NeedsSamples(), torch.nn.Linear(8, 2))
+    fully_shard(model)  # (the root only: one all-gather before the forward, none inside it)
+    bal = hetlb.Balancer(model, 8, policy=Scripted([[0, 8]]), lower=0)
+    x, _ = _data(0)
+    try:
+        with bal.step():
+            out = model(x[:0] if rank == 0 else x)
+            if rank == 1:  # (leaves before the backward's collectives, which rank 0 never joins)
+                raise RuntimeError("rank 1 stops with rank 0")
+            bal.backward(out.sum())
+    except Exception as e:  # noqa: BLE001 (torch's own error, with hetlb's note)
+        return "\n".join([str(e)] + list(getattr(e, "__notes__", [])))
+    return "trained"
+
+
+def test_a_model_that_refuses_an_empty_batch_is_told_to_raise_lower():
+    msg = unwrap(run(empty_worker, 2, timeout=60))[0]
+    assert "expected at least one sample" in msg and "batch was empty" in msg and "lower=1" in msg, msg
+
+
+SPEEDS = [1.0, 2.0, 6.0]
+
+
+def speeds_worker(rank: int, world: int, steps: int):
+    import hetlb
+    from hetlb.sim.emulate import Emulator
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    # 3 ms a sample at speed 1, spread over the layers: the fast ranks wait in every collective
+    emu = Emulator.for_rank(rank, SPEEDS, model=hetlb.LinearModel(0.0, 0.003))
+    bal = hetlb.Balancer(model, 90, policy=hetlb.LBB(), emulator=emu)
+    for _ in range(steps):
+        with bal.step():
+            bal.backward(model(torch.randn(int(bal.batch_sizes[rank]), 16)).sum())
+    return {"sizes": [r.batch.tolist() for r in bal.history],
+            "compute": [r.compute.tolist() for r in bal.history]}
+
+
+def test_under_emulated_speeds_the_measured_times_follow_them_and_lbb_converges():
+    """1:2:6 emulated layer by layer: the compute times leave out FSDP's waits, so the first
+    (even) step measures 90, 45 and 15 ms, not the step's time on every rank, and LBB reaches
+    the speed-proportional split [10, 20, 60] (within 5 % of the global batch)."""
+    res = unwrap(run(speeds_worker, 3, 16, timeout=120))[0]
+    first = res["compute"][0]
+    assert res["sizes"][0] == [30, 30, 30]
+    assert 1.5 < first[0] / first[1] < 2.7 and 4.0 < first[0] / first[2] < 8.0, first
+    assert 0.07 < first[0] < 0.2, first  # (90 ms: the slow rank's own emulated compute)
+    want = np.array([10, 20, 60])
+    for sizes in res["sizes"][-5:]:
+        assert np.abs(np.array(sizes) - want).max() <= 0.05 * 90, res["sizes"]
+
+
+def accumulate_worker(rank: int, world: int, script, windows: int):
+    import hetlb
+    model = _shard(_net(), False, world)
+    bal = hetlb.Balancer(model, 8, policy=Scripted(script), lower=0, accumulate=2)
+    out = []
+    for w in range(windows):
+        for p in model.parameters():
+            p.grad = None
+        xs, ys = [], []
+        for micro in range(2):
+            x, y = _data(10 * w + micro)
+            xs.append(x), ys.append(y)
+            sizes = bal.batch_sizes
+            lo = int(sizes[:rank].sum())
+            with bal.step():
+                bal.backward(torch.nn.functional.mse_loss(model(x[lo:lo + int(sizes[rank])]),
+                                                          y[lo:lo + int(sizes[rank])]) / 2)
+            assert bal.synced == (micro == 1)
+        got = [p.grad.full_tensor() for p in model.parameters()]
+        ref = _net()
+        torch.nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        rel = max(float((a - r.grad).abs().max() / r.grad.abs().max())
+                  for a, r in zip(got, ref.parameters()))
+        out.append((sizes.tolist(), rel))
+    return out
+
+
+def test_accumulation_windows_train_the_one_large_batch_gradient():
+    script = [[3, 5], [0, 8], [6, 2]]  # sizes fixed per window of 2 micro-steps
+    for res in unwrap(run(accumulate_worker, 2, script, 3)):
+        assert [s for s, _ in res] == script
+        assert max(r for _, r in res) < 1e-6, res
+
+
+def kept_worker(rank: int, world: int) -> str:
+    import hetlb
+    model = _shard(_net(), False, world)
+    bal = hetlb.Balancer(model, 8, policy=Scripted([[3, 5]]), accumulate=2)
+    x, y = _data(0)
+    xb, yb = (x[:3], y[:3]) if rank == 0 else (x[3:], y[3:])
+    try:
+        for _ in range(2):  # two windows, no optimizer step or zero_grad between them
+            for _ in range(2):
+                with bal.step():
+                    bal.backward(torch.nn.functional.mse_loss(model(xb), yb) / 2)
+    except RuntimeError as e:
+        return str(e)
+    return "trained"
+
+
+def test_a_window_gradient_left_in_the_parameters_is_refused_on_every_rank():
+    for msg in unwrap(run(kept_worker, 2)):
+        assert "is still in the parameters" in msg, msg
