@@ -323,3 +323,65 @@ def kept_worker(rank: int, world: int) -> str:
 def test_a_window_gradient_left_in_the_parameters_is_refused_on_every_rank():
     for msg in unwrap(run(kept_worker, 2)):
         assert "is still in the parameters" in msg, msg
+
+
+def dcp_worker(rank: int, world: int, path: str, phase: str):
+    """48 samples in steps of 8, 2 epochs, scripted uneven sizes (an idle rank included);
+    ``phase``: "full"
+    (uninterrupted, saving at step 3 of epoch 0 on the way), "stop" (train to step 3, save,
+    stop) or "resume" (load, train to the end)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import hetlb
+    from hetlb.train.dcp import DCPState
+    model = _shard(_net(), False, world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    data = torch.utils.data.TensorDataset(torch.arange(48), torch.randn(48, 4, generator=g),
+                                          torch.randn(48, 2, generator=g))
+    script = [[8 - s] + [s // (world - 1)] * (world - 2) + [s - s // (world - 1) * (world - 2)]
+              for s in (3, 8, 5, 6, 2, 7, 4)]  # (the last rank's size absorbs the rest)
+    bal = hetlb.Balancer(model, 8, policy=Scripted(script), lower=0)
+    loader = bal.loader(data, seed=3)
+    if phase == "resume":
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd, "hetlb": DCPState(loader)}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    seen = []
+    for epoch in range(loader.epoch, 2):
+        loader.set_epoch(epoch)
+        for i, x, y in loader:
+            seen.append((epoch, i.tolist()))
+            bal.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            if epoch == 0 and bal.steps == 3 and phase in ("full", "stop"):
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd, "hetlb": DCPState(loader)},
+                         checkpoint_id=path if phase == "stop" else path + "-full")
+                if phase == "stop":
+                    return {"seen": seen}
+    return {"seen": seen, "params": [p.full_tensor() for p in model.parameters()]}
+
+
+def _epoch0(results) -> list:
+    return sorted(i for res in results for e, ids in res["seen"] if e == 0 for i in ids)
+
+
+def test_a_dcp_checkpoint_mid_epoch_resumes_exactly(tmp_path):
+    path = str(tmp_path / "ckpt")
+    full = unwrap(run(dcp_worker, 2, path, "full"))
+    stop = unwrap(run(dcp_worker, 2, path, "stop"))
+    resume = unwrap(run(dcp_worker, 2, path, "resume"))
+    assert _epoch0(stop + resume) == list(range(48))  # every sample of the epoch once
+    assert [s for s in resume[0]["seen"] if s[0] == 1] == [s for s in full[0]["seen"] if s[0] == 1]
+    for a, b in zip(full[0]["params"], resume[0]["params"]):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), float((a - b).abs().max())
+
+
+def test_a_dcp_checkpoint_taken_on_4_ranks_resumes_on_3(tmp_path):
+    path = str(tmp_path / "ckpt")
+    stop = unwrap(run(dcp_worker, 4, path, "stop"))
+    resume = unwrap(run(dcp_worker, 3, path, "resume"))
+    assert _epoch0(stop + resume) == list(range(48))
