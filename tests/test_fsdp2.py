@@ -385,3 +385,46 @@ def test_a_dcp_checkpoint_taken_on_4_ranks_resumes_on_3(tmp_path):
     stop = unwrap(run(dcp_worker, 4, path, "stop"))
     resume = unwrap(run(dcp_worker, 3, path, "resume"))
     assert _epoch0(stop + resume) == list(range(48))
+
+
+MICRO = [2, 5, 4, 9]  # with micro_batch=2 on every rank: 1, 3, 2 and 5 micro-steps, unequal
+
+
+def micro_worker(rank: int, world: int, wrapper: str):
+    import hetlb
+    if wrapper == "fsdp":
+        model = _shard(_net(), False, world)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(_net())
+    bal = hetlb.Balancer(model, sum(MICRO), policy=Scripted([MICRO]), micro_batch=2)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(sum(MICRO), 4, generator=g), torch.randn(sum(MICRO), 2, generator=g)
+    lo = sum(MICRO[:rank])
+    forwards = []
+
+    def fn(xb, yb):
+        forwards.append(len(xb))
+        return torch.nn.functional.mse_loss(model(xb), yb)
+
+    with bal.step():
+        mean = bal.micro_steps(fn, x[lo:lo + MICRO[rank]], y[lo:lo + MICRO[rank]])
+    got = [p.grad.full_tensor() if wrapper == "fsdp" else p.grad for p in model.parameters()]
+    ref = _net()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    rel = max(float((a - r.grad).abs().max() / r.grad.abs().max())
+              for a, r in zip(got, ref.parameters()))
+    own = float(torch.nn.functional.mse_loss(_net()(x[lo:lo + MICRO[rank]]), y[lo:lo + MICRO[rank]]))
+    return {"rel": rel, "forwards": forwards, "mean": (float(mean), own), "steps": bal.steps}
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_micro_steps_that_differ_between_ranks_train_the_one_large_batch_gradient(wrapper):
+    res = unwrap(run(micro_worker, 4, wrapper, timeout=120))
+    for r, out in enumerate(res):
+        assert out["rel"] < 1e-6, (r, out)
+        assert abs(out["mean"][0] - out["mean"][1]) < 1e-6, (r, out)
+        assert out["steps"] == 1
+    counts = [[n for n in out["forwards"] if n] for out in res]
+    assert counts == [[2], [1, 2, 2], [2, 2], [1, 2, 2, 2, 2]]
+    # FSDP2 all-gathers in every forward: every rank runs 5, the extra ones on empty chunks
+    assert [len(out["forwards"]) for out in res] == ([5] * 4 if wrapper == "fsdp" else [1, 3, 2, 5])

@@ -218,6 +218,9 @@ void bind_step_core(py::module& m) {
            "Seconds this step waited for the other ranks in the wrapper's own collectives, left "
            "out of its compute time (reset by start/begin).")
       .def_property_readonly("waited", &StepCore::waited)
+      .def_property("quiet", &StepCore::quiet, &StepCore::set_quiet,
+                    "While True a backward does not end the step (a micro-step before the step's "
+                    "last); reset by start/begin.")
       .def_property_readonly("hooks_run", &StepCore::hooks_run)
       .def_property_readonly("last_buckets", &StepCore::last_buckets)
       .def_property("seconds_per_byte", &StepCore::seconds_per_byte,

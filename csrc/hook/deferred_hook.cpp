@@ -15,6 +15,7 @@ void watch_output(const std::shared_ptr<StepCore>& core, const at::Tensor& out,
   out.register_hook([core, side](const at::Tensor&) {
     const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
     if (exec_info != nullptr && !exec_info->empty()) return;
+    if (core->quiet()) return;  // a micro-step before the step's last: the step goes on
     core->require_open();
     if (!core->queue_end()) return;
     torch::autograd::Engine::get_default_engine().queue_callback([core, side]() {

@@ -140,6 +140,7 @@ void StepCore::open(const StepStart& s, const double* values, size_t n, RowValue
   weight_.store(s.weight, std::memory_order_relaxed);
   offset_.store(s.offset, std::memory_order_relaxed);
   waited_.store(0.0, std::memory_order_relaxed);
+  quiet_.store(false, std::memory_order_relaxed);
   slot_->clear();
   factors_.clear();
   if (Emulation* e = emulation_if_any()) e->new_step();

@@ -112,6 +112,10 @@ class StepCore {
   // collectives (FSDP2's all-gathers and reduce-scatters), left out of its compute time. Reset
   // by open().
   void add_wait(double seconds) { waited_.store(waited() + seconds, std::memory_order_relaxed); }
+  // While set, a backward does not end the step (the watch of a deferred hook or of FSDP2 skips
+  // it): the micro-steps of a step before its last. Reset by open().
+  bool quiet() const { return quiet_.load(std::memory_order_relaxed); }
+  void set_quiet(bool v) { quiet_.store(v, std::memory_order_relaxed); }
   double waited() const { return waited_.load(std::memory_order_relaxed); }
   // Ends a step that does not send the table (inside a block): stamps it unless a hook ended its
   // compute, and closes it. Returns whether a hook had ended it.
@@ -203,7 +207,7 @@ class StepCore {
 
   // The open step's scalars (see the file comment for who reads them where).
   std::atomic<bool> open_{false}, ship_{true}, prescaled_{false}, side_first_{false};
-  std::atomic<bool> restarted_{false}, end_queued_{false}, reduced_{false};
+  std::atomic<bool> restarted_{false}, end_queued_{false}, reduced_{false}, quiet_{false};
   std::atomic<int64_t> pos_{0}, hooks_run_{0}, last_buckets_{0}, scaled_buckets_{0};
   std::atomic<int64_t> carry_capacity_{0};
   std::atomic<double> weight_{1.0}, t0_{0.0}, offset_{0.0}, compute_, waited_{0.0};

@@ -38,6 +38,8 @@ class DDPTransport:
     """
 
     name = "DistributedDataParallel"
+    #: A micro-step under ``no_sync()`` communicates nothing: ranks may run different numbers.
+    aligned_micro_steps = False
     #: DDP cannot remove a communication hook: a model keeps its first Balancer.
     takes_over = False
 
@@ -80,7 +82,7 @@ class DDPTransport:
                 "carry_penalty": carry_penalty(model),
                 "defer": defer_blocker(model, settings.group, native=settings.native,
                                        emulator=settings.emulator, accumulate=settings.accumulate,
-                                       route=settings.route)}
+                                       route=settings.route, micro_steps=settings.micro_steps)}
 
     @staticmethod
     def inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -154,7 +156,7 @@ class DDPTransport:
         """Nothing: the hook weighed the window's bucket."""
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor], weight: float,
-                 **kwargs: Any) -> None:
+                 window: bool = False, **kwargs: Any) -> None:
         """The weight on the loss where the hook may then only sum (see
         :meth:`hetlb.Balancer.backward` for when it falls back to a plain backward)."""
         core = self.telemetry.core
@@ -163,8 +165,8 @@ class DDPTransport:
         if self._watch is not None:  # no hook yet: DDP's own mean is the weighted one
             torch.autograd.backward(loss, gradient, **kwargs)
             return
-        if weight == 1.0 or self.accumulate > 1 or low or not core.grads_clear():
-            if weight != 1.0 and self.accumulate == 1 and not low and not self._fast_backward_noted:
+        if weight == 1.0 or window or low or not core.grads_clear():
+            if weight != 1.0 and not window and not low and not self._fast_backward_noted:
                 self._fast_backward_noted = True
                 log.warning("bal.backward: parameters already hold gradients, so the hook weighs "
                             "the gradient (as with loss.backward()); zero them with "
@@ -221,7 +223,7 @@ class DDPTransport:
         """Weigh the DDP ``model`` as the balanced one (checked by :meth:`check_attach`)."""
         blocker = defer_blocker(model, self.settings.group, native=True,
                                 emulator=self.settings.emulator, accumulate=self.accumulate,
-                                route=self.telemetry.route)
+                                route=self.telemetry.route, micro_steps=self.settings.micro_steps)
         if self._watch is None:  # the balanced model's hook is registered: this one's now too
             self.telemetry.register(model, native=self.native, attached=True)
             self._attached.append(model)

@@ -123,6 +123,8 @@ class FSDP2Transport:
     """
 
     name = "FSDP2 (fully_shard)"
+    #: Every forward all-gathers: every rank runs a step's largest number of micro-steps.
+    aligned_micro_steps = True
     #: Its reductions stay set for a sum: a model keeps its first Balancer.
     takes_over = False
 
@@ -237,7 +239,7 @@ class FSDP2Transport:
         """Nothing: each micro-step's loss carried the window's weight."""
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor], weight: float,
-                 **kwargs: Any) -> None:
+                 window: bool = False, **kwargs: Any) -> None:
         """The backward of ``loss`` times ``weight`` (an idle rank's weight 0: its empty batch's
         loss is NaN, a mean over nothing, and its gradient zero)."""
         if gradient is None:

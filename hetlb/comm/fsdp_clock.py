@@ -184,7 +184,7 @@ class LayerClock:
         self.wait_begins()
 
     def _root_grad_before(self, grad: torch.Tensor) -> None:
-        if self.emulated and not self._final_queued and self._counting():
+        if self.emulated and not self._final_queued and self._counting() and not self.core.quiet:
             # (queued before FSDP's own end of backward and the compute's stamp)
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._final)

@@ -42,13 +42,15 @@ class WrapperSettings:
     ``group``'s handle): ``group`` the process group (None: the world), ``native`` the native
     hook (False: the Python reference), ``accumulate`` micro-steps per window, ``emulator`` a
     :class:`hetlb.sim.emulate.Emulator` or None, ``route`` the route asked for the telemetry
-    table ("carry", "side" or None)."""
+    table ("carry", "side" or None), ``micro_steps`` whether steps may run as several
+    micro-steps (:meth:`hetlb.Balancer.micro_steps`)."""
 
     group: Any = None
     native: bool = True
     accumulate: int = 1
     emulator: Any = None
     route: Optional[str] = None
+    micro_steps: bool = False
 
 
 class Wrapper(Protocol):
@@ -59,6 +61,10 @@ class Wrapper(Protocol):
     #: Whether a model that already has a Balancer may get a new one (which then takes the
     #: model over); False where the earlier one's hooks cannot come off.
     takes_over: bool
+    #: Whether every rank must run a step's largest number of micro-steps
+    #: (:meth:`hetlb.Balancer.micro_steps`): the wrapper communicates in every forward (FSDP2's
+    #: all-gathers), so a rank with fewer runs empty ones.
+    aligned_micro_steps: bool
 
     @staticmethod
     def admit(model: torch.nn.Module, settings: WrapperSettings, balanced: bool) -> None:
@@ -140,9 +146,10 @@ class GradientTransport(Protocol):
         gradient where the reduction did not (one process: a short window's share)."""
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor], weight: float,
-                 **kwargs: Any) -> None:
+                 window: bool = False, **kwargs: Any) -> None:
         """:meth:`hetlb.Balancer.backward`: the backward of ``loss`` with ``weight`` applied
-        where this transport applies it."""
+        where this transport applies it; ``window``: one of several backward passes whose
+        gradients one reduction sums (accumulation, micro-steps)."""
 
     def check_attach(self, model: torch.nn.Module, balanced: bool) -> bool:
         """Refuse (``TypeError``/``ValueError``) a model :meth:`attach` cannot weigh as the

@@ -19,6 +19,7 @@ class LocalTransport:
     the step's compute when the backward reaches them all."""
 
     name = "a plain module (one process)"
+    aligned_micro_steps = False
     #: A new Balancer of the same module takes it over (its hooks all come off).
     takes_over = True
 
@@ -83,7 +84,7 @@ class LocalTransport:
                         p.grad.mul_(weight)
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor], weight: float,
-                 **kwargs: Any) -> None:
+                 window: bool = False, **kwargs: Any) -> None:
         torch.autograd.backward(loss, gradient, **kwargs)
 
     def check_attach(self, model: torch.nn.Module, balanced: bool = False) -> bool:
@@ -108,6 +109,6 @@ class BackwardEnd:
 
     def __call__(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         core = self.telemetry.core
-        if core.open:
+        if core.open and not core.quiet:
             core.last_ready()
             core.mark_reduced()  # (one process: nothing to wait for)

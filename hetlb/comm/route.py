@@ -55,7 +55,7 @@ def carry_blocker(model: Any, group: Any) -> Optional[str]:
 
 
 def defer_blocker(model: Any, group: Any, *, native: bool, emulator: Any, accumulate: int,
-                  route: Optional[str]) -> Optional[str]:
+                  route: Optional[str], micro_steps: bool = False) -> Optional[str]:
     """Why this rank cannot defer its communication hook (None if it can; see
     :class:`BackwardWatch`): DDP's own averaging must be the weighted mean while weights are
     equal, and the end of backward must be seen without a hook."""
@@ -67,6 +67,8 @@ def defer_blocker(model: Any, group: Any, *, native: bool, emulator: Any, accumu
         return "an emulator holds the last bucket in the hook"
     if accumulate != 1:
         return "accumulate > 1 weighs whole windows in the hook"
+    if micro_steps:
+        return "micro_batch= weighs a step's micro-steps together in the hook"
     if is_nccl(group):
         return "the group uses NCCL (its hook weighs in PREMUL_SUM at no extra pass)"
     try:

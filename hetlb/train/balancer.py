@@ -194,6 +194,10 @@ class Balancer:
             The watch sees a backward through the model's outputs; one that reaches the
             parameters only otherwise (a loss of parameters alone) counts as trained only when
             its step ends (see :class:`~hetlb.comm.hook.BackwardWatch`). The same on every rank.
+        micro_batch: this rank's largest micro-batch (opt-in; e.g. its profile's ``limit``), for
+            :meth:`micro_steps`: a batch beyond it runs as several micro-steps, so a fast rank
+            with little memory still takes its share (a profile's out-of-memory limit then does
+            not cap ``upper``). Ranks may differ; not with ``accumulate > 1``.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.train.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -230,7 +234,7 @@ class Balancer:
                  native_hook: bool = True, log_dir: Optional[str] = None,
                  tensorboard: Optional[bool] = None, watchdog: Optional[Watchdog] = None,
                  exchange_every: Optional[int] = None, adaptive_exchange: Optional[bool] = None,
-                 defer_hook: bool = True) -> None:
+                 defer_hook: bool = True, micro_batch: Optional[int] = None) -> None:
         # A rank refusing its arguments tells the others at the start-up exchange, so every rank
         # raises rather than waiting in the collective until its timeout.
         try:
@@ -240,7 +244,8 @@ class Balancer:
                                   accumulate=accumulate, batch_dim=batch_dim, transport=transport,
                                   native_hook=native_hook, log_dir=log_dir, tensorboard=tensorboard,
                                   watchdog=watchdog, exchange_every=exchange_every,
-                                  adaptive_exchange=adaptive_exchange, defer_hook=defer_hook)
+                                  adaptive_exchange=adaptive_exchange, defer_hook=defer_hook,
+                                  micro_batch=micro_batch)
             self.distributed, self.world, self.rank = cfg.distributed, cfg.world, cfg.rank
             self.accumulate, self.max_bad_steps = cfg.accumulate, cfg.max_bad_steps
             self.exchange_every, self.adaptive_exchange = cfg.exchange_every, cfg.adaptive_exchange
@@ -268,7 +273,9 @@ class Balancer:
                     "wrapper": {"wrapper": wrapper.name},
                     **wrapper.capabilities(model, wrapping),
                     "asked": {"lower": lower_given, "upper": upper},
-                    **start_bounds(lower, upper, profile, global_batch, self.device)}
+                    "micro_batch": cfg.micro_batch,
+                    **start_bounds(lower, upper, profile, global_batch, self.device,
+                                   capped=cfg.micro_batch is None)}
             self._exchanged = True  # (a later error is every rank's: no second exchange)
             everyone = agree_at_start(mine, side, self.world, self.distributed, "Balancer",
                                       [("config", "Balancer"),
@@ -340,6 +347,7 @@ class Balancer:
                                      route=self.route, watchdog=watchdog,
                                      runlog=open_runlog(log_dir, tensorboard, self.rank),
                                      peers=self.peers)
+            self.driver.micro_limits = [e["micro_batch"] for e in everyone]
             # The bound loader's configuration (a value: the loader holds this Balancer, not the
             # other way round), or None before a loader is bound.
             self._loader_config: Optional[Dict[str, Any]] = None
@@ -548,6 +556,13 @@ class Balancer:
         window."""
         with self.driver.step(self) as owner:
             yield owner
+
+    def micro_steps(self, fn: Any, *batch: Any) -> torch.Tensor:
+        """This rank's batch of the step as micro-steps of at most ``micro_batch`` samples
+        (docs/balancer.md, "Micro-steps"): ``fn(*chunk)`` returns the mean loss over a chunk
+        (tensors of ``batch`` sliced along their first dimension), the Balancer runs its
+        weighted backward. Every rank calls it in every step. Returns this rank's mean loss."""
+        return self.driver.micro_steps(fn, batch)
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor] = None,
                  **kwargs: Any) -> None:

@@ -58,6 +58,8 @@ class BalancerConfig:
     transport: Optional[str]
     native_hook: bool
     defer_hook: bool
+    #: This rank's largest micro-batch (None: a step's batch in one forward and backward).
+    micro_batch: Optional[int]
     exchange_every: int
     adaptive_exchange: bool
     # the run log
@@ -71,7 +73,7 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
                     batch_dim: BatchDim, transport: Optional[str], native_hook: bool,
                     log_dir: Optional[str], tensorboard: Optional[bool], watchdog: Any,
                     exchange_every: Optional[int], adaptive_exchange: Optional[bool],
-                    defer_hook: bool) -> BalancerConfig:
+                    defer_hook: bool, micro_batch: Optional[int] = None) -> BalancerConfig:
     """:class:`hetlb.Balancer`'s arguments checked, with their defaults resolved: a wrong type raises
     ``TypeError``, a wrong value ``ValueError``, each naming the argument, the value received and
     what is accepted. Touches neither the model nor the process group, but for what the
@@ -92,6 +94,8 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
                             f"{type(policy).__name__} {policy!r}, which lacks {missing}")
     native_hook = checks.flag(native_hook, "native_hook")
     defer_hook = checks.flag(defer_hook, "defer_hook")
+    if micro_batch is not None:
+        micro_batch = checks.integer(micro_batch, "micro_batch", 1)
     if tensorboard is not None:
         tensorboard = checks.flag(tensorboard, "tensorboard")
     if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
@@ -132,8 +136,12 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
     world = dist.get_world_size(group) if distributed else 1
     rank = dist.get_rank(group) if distributed else 0
     wrapper = wrapper_of(model, world)
+    if micro_batch is not None and accumulate > 1:
+        raise ValueError(f"micro_batch={micro_batch} splits each step into micro-steps of its own; "
+                         f"it does not combine with accumulate={accumulate} (leave one out)")
     settings = WrapperSettings(group=group, native=native_hook, accumulate=accumulate,
-                               emulator=emulator, route=transport)
+                               emulator=emulator, route=transport,
+                               micro_steps=micro_batch is not None)
     wrapper.admit(model, settings, has_balancer(model))
     if loader is not None:
         if not isinstance(loader, BalancedLoader):
@@ -176,7 +184,8 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
         single=single,
         accumulate=accumulate, batch_dim=batch_dim, history=history, max_bad_steps=max_bad_steps,
         transport=transport, native_hook=native_hook, defer_hook=defer_hook,
-        exchange_every=exchange_every, adaptive_exchange=adaptive_exchange, log_dir=log_dir,
+        exchange_every=exchange_every, adaptive_exchange=adaptive_exchange, micro_batch=micro_batch,
+        log_dir=log_dir,
         tensorboard=tensorboard)
 
 
@@ -216,13 +225,14 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def start_bounds(lower: int, upper: Optional[int], profile: Any, global_batch: int,
-                 device: torch.device) -> Dict[str, Any]:
+                 device: torch.device, capped: bool = True) -> Dict[str, Any]:
     """This rank's entry of the start-up agreement: its bounds on a batch (``upper`` capped by a
-    profile's out-of-memory limit), its hardware and its profile's fitted models."""
+    profile's out-of-memory limit unless not ``capped``: micro-steps take a larger batch), its
+    hardware and its profile's fitted models."""
     up = global_batch if upper is None else checks.integer(upper, "upper", 0)
     prof: Optional[Dict[str, Any]] = None
     if profile is not None:
-        if getattr(profile, "oom_at", None) is not None:
+        if getattr(profile, "oom_at", None) is not None and capped:
             up = min(up, int(profile.limit))  # only a real out-of-memory bound caps the batch
         prof = {"model": profile.fit("cubic"), "linear": profile.fit("linear"),
                 "limit": int(profile.limit), "oom_at": getattr(profile, "oom_at", None)}

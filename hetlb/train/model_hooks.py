@@ -89,6 +89,8 @@ class StepGate:
         self._no_sync_on = no_sync_on  # (the wrapper's function of the model: see Wrapper)
         self._sizes: Optional[np.ndarray] = None  # the latest plan's sizes and this rank's entry
         self._want = 0
+        #: A micro-step's size, expected instead of the plan's entry (None: the plan's).
+        self.expect: Optional[int] = None
         #: One process: the handle of the same Balancer's :class:`hetlb.comm.local.BackwardEnd` hooks, removed
         #: with this gate when a new Balancer takes the module over.
         self.ends = ends
@@ -99,7 +101,9 @@ class StepGate:
         if plan is None or not module.training or not torch.is_grad_enabled():
             return
         off = self._no_sync_on(module)
-        if self.board.accumulate > 1:
+        if self.expect is not None:
+            pass  # (a micro-step of bal.micro_steps, which switches the no-sync itself)
+        elif self.board.accumulate > 1:
             if not self.telemetry.core.open:
                 raise RuntimeError(
                     f"hetlb: with accumulate={self.board.accumulate} every micro-step runs inside "
@@ -113,13 +117,18 @@ class StepGate:
             raise RuntimeError(not_syncing(off))
         if self.batch_dim is not None:
             n = self._size(args, kwargs)
-            if n is not None and n != self._planned(plan.sizes):
+            want = self._planned(plan.sizes) if self.expect is None else self.expect
+            if n is not None and n != want:
                 raise BatchSizeError(self._wrong_size(plan, n))
         self.telemetry.restart_clock()
 
     def _wrong_size(self, plan: StepPlan, n: int) -> str:
         """What a batch of ``n`` samples against ``plan`` most likely means, and what to do."""
         rank, want = self.board.rank, self._planned(plan.sizes)
+        if self.expect is not None:
+            return (f"hetlb: rank {rank} gave the model a batch of {n} samples inside "
+                    f"bal.micro_steps(fn, ...), whose micro-step handed fn {self.expect}: run the "
+                    f"model on fn's arguments, not on the whole batch")
         head = (f"hetlb: rank {rank} gave the model a batch of {n} samples, but the Balancer "
                 f"planned {want} for it in step {plan.step} of epoch {plan.epoch} (sizes "
                 f"{plan.sizes.tolist()}). ")
@@ -297,8 +306,13 @@ class ModelHooks:
         #: step, a step the driver names, again after a discarded one). An attribute: the driver
         #: reads it every step.
         self.wants_check = self.searches
-        self._gate = model.register_forward_pre_hook(
-            StepGate(board, telemetry, batch_dim, wrapper.no_sync_on, ends), with_kwargs=True)
+        self._gate_check = StepGate(board, telemetry, batch_dim, wrapper.no_sync_on, ends)
+        self._gate = model.register_forward_pre_hook(self._gate_check, with_kwargs=True)
+
+    def expect(self, n: Optional[int]) -> None:
+        """The forward check expects ``n`` samples (a micro-step's) instead of the plan's entry
+        for this rank, until called with None."""
+        self._gate_check.expect = n
 
     def remove(self) -> None:
         """Take the forward check off (a Balancer refused after making it)."""

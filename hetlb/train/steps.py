@@ -31,6 +31,7 @@ from hetlb.policies.loop import DecisionLoop
 from hetlb.ranks.agreement import Peers
 from hetlb.ranks.watchdog import FLUSHING, WAITING
 from hetlb.train.losses import FinishedStep, LossLog, global_loss
+from hetlb.train.micro import run_micro_steps
 from hetlb.train.model_hooks import ModelHooks, not_syncing, unattached_message
 from hetlb.train.runlog import RunLog
 from hetlb.train.verify import RECORD_COLS, verify_table
@@ -77,6 +78,10 @@ class Window:
             self._kept(plan)
         elif self._synced is not None:
             self._taken(plan)
+
+    def dropped(self) -> bool:
+        """Whether no parameter of the model holds a nonzero gradient (of this rank's part)."""
+        return all(g is None or not bool(g.any()) for g in self.gradients.local_grads())
 
     def micro_step(self, data: float) -> None:
         """A micro-step other than the window's last ended with ``data`` trained."""
@@ -158,6 +163,8 @@ class StepDriver:
         self.accumulate, self.exchange_every = accumulate, exchange_every
         self.adaptive_exchange, self.route = adaptive_exchange, route
         self.watchdog, self.runlog, self.peers = watchdog, runlog, peers
+        #: Every rank's largest micro-batch (None: no limit; :meth:`micro_steps`), set at start-up.
+        self.micro_limits: List[Optional[int]] = [None] * world
         #: Whether a loader is bound (it hands out the steps' batches).
         self.bound = False
         #: Seconds the driver itself spent in the latest step (row, table check, record,
@@ -230,12 +237,10 @@ class StepDriver:
     def span(self) -> Tuple[int, int]:
         """:attr:`hetlb.Balancer.span`."""
         if isinstance(self.loop.decision, ScheduleRule):
-            raise RuntimeError(f"bal.span: {self.loop.name} assigns each step's samples to ranks "
-                               f"one by one (not in contiguous spans); it needs the Balancer's "
-                               f"loader")
+            raise RuntimeError(f"bal.span: {self.loop.name} assigns each step's samples to ranks one "
+                               f"by one (not in contiguous spans); it needs the Balancer's loader")
         sizes = self.batch_sizes().tolist()
-        start = sum(sizes[:self.rank])
-        return start, start + sizes[self.rank]
+        return sum(sizes[:self.rank]), sum(sizes[:self.rank + 1])
 
     @property
     def finished(self) -> Optional[FinishedStep]:
@@ -378,7 +383,14 @@ class StepDriver:
         if self._open is None:
             raise RuntimeError("hetlb: bal.backward(loss) outside a balanced step; call it for a "
                                "batch of the Balancer's loader, or inside `with bal.step():`")
-        self.gradients.backward(loss, gradient, self.telemetry.core.weight, **kwargs)
+        self.gradients.backward(loss, gradient, self.telemetry.core.weight,
+                                window=self.accumulate > 1, **kwargs)
+
+    def micro_steps(self, fn: Any, batch: Tuple[Any, ...]) -> torch.Tensor:
+        """:meth:`hetlb.Balancer.micro_steps`."""
+        return run_micro_steps(fn, batch, self._open and self._open.plan, self.micro_limits,
+                               self.rank, core=self.telemetry.core, transport=self.gradients,
+                               expect=self.hooks.expect)
 
     def log_loss(self, loss: Any) -> None:
         """:meth:`hetlb.Balancer.log_loss`."""
@@ -591,7 +603,7 @@ class StepDriver:
             # must), which is right only if the micro-steps' gradients are gone.
             # Asked of every rank (all reach this point together, windows being aligned): an
             # idle rank's gradients may be zero while the others' are not.
-            everyone = self.peers.gather({"dropped": self._gradients_dropped()})
+            everyone = self.peers.gather({"dropped": self.window.dropped()})
             if not all(e["dropped"] for e in everyone):
                 raise RuntimeError(
                     f"hetlb: the previous loop over the loader was left inside an accumulation "
@@ -603,10 +615,6 @@ class StepDriver:
                     f"before the new loop")
         self._consumed = None
         self._ended = None
-
-    def _gradients_dropped(self) -> bool:
-        """Whether no parameter of the model holds a nonzero gradient."""
-        return all(g is None or not bool(g.any()) for g in self.gradients.local_grads())
 
     def before_next(self) -> None:
         """The loop asks for the next batch: the previous one's step ends here."""
