@@ -13,6 +13,9 @@ failures. Run from the repository root with the extension built in place (``PYTH
   one process over the union, with the native hook and with the Python reference.
 * ``logged_loss``: ``bal.log_loss`` on CUDA tensors (two Gloo ranks, sizes 3:7): each step's
   global mean loss arrives with the next step's table, equal to one process's over the union.
+* ``fsdp2``: a one-rank NCCL Balancer on a CUDA model sharded with ``fully_shard``: steps of
+  ``bal.micro_steps`` (micro-batches of 3 of 10 samples) give the whole batch's gradient, and
+  the compute column fills from CUDA events.
 * ``profile_oom``: ``hetlb.profile`` stops at a real CUDA out-of-memory and frees it.
 * ``probe``: the memory probe sees another allocation on the device.
 """
@@ -136,6 +139,34 @@ def logged_loss_worker(rank, world):
     return {"err": err, "steps": len(got)}
 
 
+def fsdp2_worker(rank, world):
+    """FSDP2 on CUDA tensors: the loss-side weight and the micro-step loop on one NCCL rank."""
+    import copy
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).cuda()
+    ref = copy.deepcopy(net)
+    fully_shard(net[0])
+    fully_shard(net)
+    bal = hetlb.Balancer(net, 10, policy=hetlb.Uniform(), micro_batch=3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(10, 5, generator=g).cuda(), torch.randn(10, 3, generator=g).cuda()
+    errs = []
+    for _ in range(4):
+        with bal.step():
+            bal.micro_steps(lambda xb, yb: torch.nn.functional.mse_loss(net(xb), yb), x, y)
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        errs.append(max(float((p.grad.full_tensor() - r.grad).abs().max())
+                        for p, r in zip(net.parameters(), ref.parameters())))
+        net.zero_grad()
+    bal.flush()
+    compute = bal.history.column("compute")
+    assert max(errs) < 1e-5, errs
+    assert np.all(np.isfinite(compute)) and np.all(compute > 0), compute
+    return {"err": max(errs), "records": len(compute)}
+
+
 def delayed_worker(rank, world, device):
     """DelayedSync (deterministic mode) on ``device``: the update must not depend on the device."""
     torch.manual_seed(0)
@@ -202,6 +233,7 @@ def main() -> int:
         "gloo_cuda (bal.backward)": lambda: _gloo(True, True),
         "logged_loss (cuda, one step late)": lambda: unwrap(run(logged_loss_worker, 2, timeout=300))[0],
         "delayed_sync (gloo, cuda tensors)": check_delayed_cuda,
+        "fsdp2 (nccl, micro-steps)": lambda: unwrap(run(fsdp2_worker, 1, backend="nccl", timeout=300))[0],
         "profile_oom": check_profile_oom,
         "probe": check_probe,
     }
