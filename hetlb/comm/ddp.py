@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hetlb.comm.gradients import WrapperSettings
+from hetlb.comm.gradients import WrapperSettings, weighted_gradient
 from hetlb.comm.hook import StepTelemetry
 from hetlb.comm.route import carry_blocker, carry_penalty, defer_blocker, keep_groups
 
@@ -173,13 +173,7 @@ class DDPTransport:
                             "optimizer.zero_grad() (set_to_none=True, the default) to skip its pass")
             torch.autograd.backward(loss, gradient, **kwargs)
             return
-        if gradient is None:
-            if loss.numel() != 1:
-                raise RuntimeError(f"bal.backward: a loss of shape {tuple(loss.shape)} needs "
-                                   f"gradient= (as Tensor.backward: implicit only for scalars)")
-            gradient = torch.full_like(loss, weight, memory_format=torch.preserve_format)
-        else:
-            gradient = gradient * weight
+        gradient = weighted_gradient(loss, gradient, weight)
         core.prescaled = True
         try:
             torch.autograd.backward(loss, gradient, **kwargs)

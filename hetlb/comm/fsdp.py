@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hetlb.comm.fsdp_clock import LayerClock
-from hetlb.comm.gradients import WrapperSettings
+from hetlb.comm.gradients import WrapperSettings, weighted_gradient
 from hetlb.comm.hook import StepTelemetry, tensors_in
 
 if TYPE_CHECKING:
@@ -242,13 +242,7 @@ class FSDP2Transport:
                  window: bool = False, **kwargs: Any) -> None:
         """The backward of ``loss`` times ``weight`` (an idle rank's weight 0: its empty batch's
         loss is NaN, a mean over nothing, and its gradient zero)."""
-        if gradient is None:
-            if loss.numel() != 1:
-                raise RuntimeError(f"bal.backward: a loss of shape {tuple(loss.shape)} needs "
-                                   f"gradient= (as Tensor.backward: implicit only for scalars)")
-            gradient = torch.full_like(loss, weight, memory_format=torch.preserve_format)
-        else:
-            gradient = gradient * weight
+        gradient = weighted_gradient(loss, gradient, weight)
         self._loss.weighted = True
         try:
             torch.autograd.backward(loss, gradient, **kwargs)

@@ -161,3 +161,15 @@ class GradientTransport(Protocol):
 
     def remove(self) -> None:
         """Take off what can be taken off (a Balancer refused after registering)."""
+
+
+def weighted_gradient(loss: torch.Tensor, gradient: Optional[torch.Tensor],
+                      weight: float) -> torch.Tensor:
+    """The gradient to start ``loss``'s backward from with ``weight`` on the loss side
+    (:meth:`GradientTransport.backward`): ``weight`` for a scalar loss, else ``gradient * weight``."""
+    if gradient is None:
+        if loss.numel() != 1:
+            raise RuntimeError(f"bal.backward: a loss of shape {tuple(loss.shape)} needs "
+                               f"gradient= (as Tensor.backward: implicit only for scalars)")
+        return torch.full_like(loss, weight, memory_format=torch.preserve_format)
+    return gradient * weight
