@@ -268,3 +268,55 @@ def test_the_stated_spread_definition_on_the_documented_example():
     best, floor, part = brute_force(models, 20, [0, 0, 0], [10, 10, 20])
     assert (best, floor, part) == (10.0, 9.0, [0, 1, 2])
     assert objectives(models, b, part) == (best, floor)
+
+
+# -- micro-steps -------------------------------------------------------------------------------
+
+def _micro_brute(base, limit: int, b: int) -> float:
+    """Time of ``b`` samples as hetlb.train.micro's chunks, each one pass of ``base``."""
+    from hetlb.train.micro import micro_bounds
+    return sum(float(base.effective_time(hi - lo)) for lo, hi in micro_bounds(b, limit))
+
+
+@given(linear, st.integers(1, 9), st.integers(1, 60))
+def test_micro_step_model_of_a_linear_model_is_exact_at_every_batch(base, limit, total):
+    from hetlb.core.models import micro_step_model
+    m = micro_step_model(base, limit, total)
+    b = np.arange(1, total + 1)
+    want = [_micro_brute(base, limit, int(x)) for x in b]
+    np.testing.assert_allclose(m.effective_time(b), want, rtol=1e-12, atol=1e-12)
+    assert float(m.effective_time(0)) == 0.0
+
+
+@given(st.one_of(poly, piecewise()), st.integers(1, 9), st.integers(1, 60))
+def test_micro_step_model_is_exact_where_the_micro_step_count_changes(base, limit, total):
+    from hetlb.core.models import micro_step_model
+    m = micro_step_model(base, limit, total)
+    for k in range(1, -(-total // limit) + 1):
+        for b in {(k - 1) * limit + 1, min(k * limit, total)}:
+            assert float(m.time(b)) == pytest.approx(_micro_brute(base, limit, b), rel=1e-9,
+                                                     abs=1e-9), (k, b)
+
+
+def test_allocate_over_micro_step_models_is_the_brute_force_optimum():
+    from hetlb.core.models import micro_step_model
+    base = [hetlb.LinearModel(0.5, 0.1), hetlb.LinearModel(0.3, 0.05), hetlb.LinearModel(0.2, 0.02)]
+    limits = [None, 3, 2]
+    total = 14
+    models = [b if m is None else micro_step_model(b, m, total) for b, m in zip(base, limits)]
+    got = hetlb.allocate(models, total)
+
+    def makespan(sizes):
+        return max((_micro_brute(b, m, s) if m else float(b.effective_time(s))) if s else 0.0
+                   for b, m, s in zip(base, limits, sizes))
+    best = min(makespan(s) for s in itertools.product(range(total + 1), repeat=3) if sum(s) == total)
+    assert makespan(got) == pytest.approx(best)
+    # A rank in micro-steps pays an overhead for each: one pass of the fastest would take more.
+    assert got.tolist() != hetlb.allocate(base, total).tolist()
+
+
+@pytest.mark.parametrize("limit, total", [(0, 5), (2.5, 5), (True, 5), (2, 0)])
+def test_micro_step_model_refuses_bad_input(limit, total):
+    from hetlb.core.models import micro_step_model
+    with pytest.raises(ValueError, match="micro_step_model"):
+        micro_step_model(hetlb.LinearModel(0, 1), limit, total)

@@ -789,3 +789,35 @@ def test_lbb_action_log_is_bounded(monkeypatch):
     q = LBB()
     q.load_state_dict(p.state_dict())
     assert q.actions == p.actions
+
+
+def test_lbb_models_the_overhead_of_each_micro_step():
+    """A rank with Balancer(micro_batch=m) runs ceil(b / m) passes: LBB's start (profiled models)
+    and its rapid-tune (rough models) count one overhead a pass, as the step takes."""
+    from hetlb.core.models import micro_step_model
+    lin = [hetlb.LinearModel(0.05, 0.004), hetlb.LinearModel(0.05, 0.001)]
+    prof = [{"model": m, "linear": m, "limit": 10} for m in lin]
+    ctx = Context(2, 100, [1, 1], [100, 100], profiles=prof, micro_batch=[None, 10])
+    p = LBB()
+    got = p.start(ctx)
+    want = hetlb.allocate([lin[0], micro_step_model(lin[1], 10, 100)], 100)
+    assert got.tolist() == want.tolist()
+    assert got.tolist() != hetlb.allocate(lin, 100).tolist()  # (one pass: more to rank 1)
+    # A record of k passes: the rapid-tune recovers the slope under k overheads.
+    h = History(2)
+    b = np.array([50, 50])
+    t = np.array([0.05 + 0.004 * 50, 5 * 0.05 + 0.001 * 50]) * np.array([1.0, 3.0])  # (a change)
+    h.append(record(0, b, t))
+    got = p.decide(h)
+    assert p.actions == ["rapid"]
+    slope = [(t[0] - 0.05) / 50, (t[1] - 5 * 0.05) / 50]
+    want = hetlb.allocate([hetlb.LinearModel(0.05, slope[0]),
+                           micro_step_model(hetlb.LinearModel(0.05, slope[1]), 10, 100)], 100)
+    assert got.tolist() == want.tolist()
+
+
+def test_a_context_refuses_a_bad_micro_batch():
+    with pytest.raises(ValueError, match="micro_batch"):
+        Context(2, 10, [1, 1], [10, 10], micro_batch=[0, 2])
+    with pytest.raises(ValueError, match="micro_batch"):
+        Context(2, 10, [1, 1], [10, 10], micro_batch=[3])

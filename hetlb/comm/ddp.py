@@ -39,7 +39,6 @@ class DDPTransport:
 
     name = "DistributedDataParallel"
     #: A micro-step under ``no_sync()`` communicates nothing: ranks may run different numbers.
-    aligned_micro_steps = False
     #: DDP cannot remove a communication hook: a model keeps its first Balancer.
     takes_over = False
 
@@ -83,6 +82,12 @@ class DDPTransport:
                 "defer": defer_blocker(model, settings.group, native=settings.native,
                                        emulator=settings.emulator, accumulate=settings.accumulate,
                                        route=settings.route, micro_steps=settings.micro_steps)}
+
+    @staticmethod
+    def trial(model: torch.nn.Module) -> None:
+        raise ValueError("hetlb.profile: profile a DistributedDataParallel model's module "
+                         "(step_fn on ddp.module, model=None): its forward and backward alone "
+                         "communicate nothing, and each rank's profile is its own")
 
     @staticmethod
     def inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -151,6 +156,10 @@ class DDPTransport:
         for m in self.models:
             stack.enter_context(m.no_sync())
         return stack
+
+    def micro_window(self) -> ContextManager[Any]:
+        """Nothing to set: a micro-step under :meth:`local` communicates nothing."""
+        return contextlib.nullcontext()
 
     def window_done(self, weight: float) -> None:
         """Nothing: the hook weighed the window's bucket."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hetlb.comm.fsdp_clock import LayerClock
+from hetlb.comm.fsdp_profile import FSDP2Trial
+from hetlb.comm.fsdp_state import all_param_groups, data_parallel_ranks, fsdp_modules, param_groups
 from hetlb.comm.gradients import WrapperSettings, weighted_gradient
 from hetlb.comm.hook import StepTelemetry, tensors_in
 
@@ -48,38 +50,6 @@ PLAIN_BACKWARD = (
     "hetlb: an FSDP2 model's loss goes through bal.backward(loss) (in place of loss.backward()): "
     "FSDP2 has no communication hook, so the Balancer weighs each rank's gradient by its share on "
     "the loss side; a plain backward would sum the ranks' unweighted gradients")
-
-
-def fsdp_modules(model: torch.nn.Module) -> List[FSDPModule]:
-    """The FSDP modules of ``model`` (itself included), in ``modules()`` order."""
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def param_groups(state: Any) -> List[Any]:
-    """The parameter groups of one FSDP module's state (torch's ``FSDPParamGroup``; a list since
-    torch 2.12, one optional group before)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        one = getattr(state, "_fsdp_param_group", None)
-        groups = [] if one is None else [one]
-    return list(groups)
-
-
-def data_parallel_ranks(model: torch.nn.Module) -> Optional[List[int]]:
-    """The global ranks of the mesh the model's parameters are sharded (and replicated) over, or
-    None for a model without sharded parameters."""
-    for p in model.parameters():
-        if isinstance(p, DTensor):
-            return sorted(int(r) for r in p.device_mesh.mesh.flatten().tolist())
-    return None
-
-
-def all_param_groups(model: FSDPModule) -> List[Any]:
-    """The parameter groups of every FSDP module under the root ``model`` (the root's state
-    lists the tree's states once its first forward ran; before, the modules are walked)."""
-    states = list(model._get_fsdp_state()._state_ctx.all_states) or \
-        [m._get_fsdp_state() for m in fsdp_modules(model)]
-    return [g for st in states for g in param_groups(st)]
 
 
 class _Loss:
@@ -123,8 +93,6 @@ class FSDP2Transport:
     """
 
     name = "FSDP2 (fully_shard)"
-    #: Every forward all-gathers: every rank runs a step's largest number of micro-steps.
-    aligned_micro_steps = True
     #: Its reductions stay set for a sum: a model keeps its first Balancer.
     takes_over = False
 
@@ -169,15 +137,20 @@ class FSDP2Transport:
     def inner(model: torch.nn.Module) -> torch.nn.Module:
         return model  # (fully_shard changes the module's class in place)
 
+    @staticmethod
+    def trial(model: torch.nn.Module) -> Any:
+        return FSDP2Trial(model)
+
     def __init__(self, model: torch.nn.Module, telemetry: StepTelemetry, settings: WrapperSettings,
                  *, deferred: bool = False) -> None:
         self.model, self.telemetry, self.settings = model, telemetry, settings
         self._attached: List[torch.nn.Module] = []
         self._loss = _Loss(telemetry)
+        #: Inside :meth:`micro_window`: each parameter group's ``reshard_after_backward``.
+        self._resident: Optional[List[Tuple[Any, bool]]] = None
         self._handles: List[Any] = []
         self._sum(model)
-        # The end of each backward: stamps the compute, sends the row (the side route). Before
-        # FSDP's own end of backward, which waits for the last reduce-scatter.
+        # The end of each backward: stamps the compute, sends the row (the side route).
         self._handles.append(telemetry.defer(model, prepend=True))
         #: FSDP's waits left out of the compute time; the emulator's hold, layer by layer.
         self.clock = LayerClock(telemetry, fsdp_modules(model))
@@ -224,13 +197,53 @@ class FSDP2Transport:
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
+        resident = self._resident or []
         for m in self.models:
             m.set_requires_gradient_sync(False)
+        for g, _ in resident:
+            g.reshard_after_backward = False  # (the next micro-step's forward gathers nothing)
         try:
             yield
         finally:
             for m in self.models:
                 m.set_requires_gradient_sync(True)
+            for g, after in resident:
+                g.reshard_after_backward = after
+
+    @contextlib.contextmanager
+    def micro_window(self) -> Iterator[None]:
+        """The parameters stay unsharded from the step's start to its last backward: one
+        all-gather of each FSDP module a step, all issued before the first forward (so a rank's
+        micro-steps do not wait layer by layer for the slower ranks' forwards), and one
+        reduction (in the last micro-step's backward), whatever the number of micro-steps, so
+        that number may differ between ranks. The cost: the full parameters, and the gradients
+        accumulated between micro-steps (in the reduce dtype), are resident through the step, as
+        under ``reshard_after_forward=False``. The attributes written are those torch's
+        ``set_reshard_after_forward`` and ``set_reshard_after_backward`` write; the model's own
+        settings come back at the end."""
+        groups = [g for m in self.models for g in all_param_groups(m)]
+        saved = [(g, g.post_forward_mesh_info) for g in groups]
+        for g in groups:
+            g.post_forward_mesh_info = None
+        self._resident = [(g, g.reshard_after_backward) for g in groups]
+        try:
+            # Every module's all-gather now, together: a rank's micro-steps then run without
+            # waiting for the slower ranks' forwards layer by layer.
+            for h in [m.unshard(async_op=True) for model in self.models
+                      for m in fsdp_modules(model)]:
+                h.wait()
+            yield
+        finally:
+            self._resident = None
+            for g, info in saved:
+                g.post_forward_mesh_info = info
+            for m in self.models:
+                # A root initialised in the window (its first forward) keeps FSDP's own rule:
+                # a root left to FSDP does not reshard after its forward.
+                state = m._get_fsdp_state()
+                if state._is_root and state._auto_reshard_after_forward:
+                    for g in param_groups(state):
+                        g.post_forward_mesh_info = None
 
     def local(self) -> ContextManager[Any]:
         return self._no_sync()

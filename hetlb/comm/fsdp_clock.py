@@ -6,8 +6,10 @@ waits for the slow one inside those collectives, and the time from the step's fi
 the end of its backward comes out nearly equal on every rank. A policy that balances by measured
 times would learn nothing from it. :class:`LayerClock` times FSDP's own hook work around each
 collective with hooks of its own on either side of FSDP's (torch's ``prepend`` hooks, and identity
-autograd nodes on either side of FSDP's post-backward node) and leaves that time out of the
-step's compute time (:meth:`StepCore.add_wait`); what remains is the rank's own compute.
+autograd nodes on either side of FSDP's post-backward node, and autograd callbacks on either side
+of FSDP's end of backward, which reduce-scatters the root's gradient and waits for every
+reduction) and leaves that time out of the step's compute time (:meth:`StepCore.add_wait`); what
+remains is the rank's own compute.
 
 It also carries an :class:`hetlb.sim.emulate.Emulator` where FSDP2 would see a slow rank: the
 step's hold is spread over its compute segments (the stretches between waits), each held until
@@ -21,12 +23,39 @@ and the compute times still include them.
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Protocol, Tuple
 
 import torch
 
-from hetlb.comm.hook import StepTelemetry, tensors_in
+from hetlb.comm.hook import tensors_in
 from hetlb.sim.emulate import sleep_until
+
+
+class WaitCore(Protocol):
+    """Where the clock reports: whether a step is being timed, and the waits to leave out."""
+
+    #: A step is open, its first forward ran, and whether it is a micro-step before the last.
+    open: bool
+    restarted: bool
+    quiet: bool
+
+    def add_wait(self, seconds: float) -> None:
+        """Leave ``seconds`` of waiting out of the step's compute time."""
+
+
+class ClockHost(Protocol):
+    """What a :class:`LayerClock` reads: a step's timing (``core``) and the emulator's hold
+    (:class:`hetlb.comm.hook.StepTelemetry` in training; the profile's wait sum, without an
+    emulator, in :mod:`hetlb.comm.fsdp_profile`)."""
+
+    core: WaitCore
+    emulator: Any
+    #: Whether the emulator holds the step at its end (set False: the clock spreads the hold).
+    hold_at_end: bool
+
+    @property
+    def hold(self) -> Tuple[float, float]:
+        """The emulator's ``(factor, extra)`` for the step."""
 
 
 class _Mark(torch.autograd.Function):
@@ -52,11 +81,12 @@ class LayerClock:
     emulator (see the module docstring). One per FSDP2 transport; :meth:`new_step` at each step.
 
     Args:
-        telemetry: the step telemetry (its core receives the waits; its emulator's hold).
+        telemetry: the step telemetry (its core receives the waits; its emulator's hold), or
+            another :class:`ClockHost`.
         modules: the FSDP modules, the root first.
     """
 
-    def __init__(self, telemetry: StepTelemetry, modules: List[torch.nn.Module]) -> None:
+    def __init__(self, telemetry: ClockHost, modules: List[torch.nn.Module]) -> None:
         self.telemetry, self.core = telemetry, telemetry.core
         self.emulated = telemetry.emulator is not None
         if self.emulated:
@@ -66,7 +96,7 @@ class LayerClock:
         self._start: Optional[float] = None  # the step's first segment
         self._waits = self._held = 0.0
         self._segments, self._last_segments = 0, 0
-        self._final_queued = False
+        self._final_queued = self._final_end_queued = False
         for i, m in enumerate(modules):
             root = i == 0
             self._handles += [
@@ -74,7 +104,7 @@ class LayerClock:
                 m.register_forward_pre_hook(self._fwd_after, with_kwargs=True),
                 m.register_forward_hook(self._out_before_root if root else self._out_before,
                                         prepend=True),
-                m.register_forward_hook(self._out_after)]
+                m.register_forward_hook(self._out_after_root if root else self._out_after)]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -88,7 +118,7 @@ class LayerClock:
         self._start, self._t_wait = None, None
         self._waits = self._held = 0.0
         self._segments = 0
-        self._final_queued = False
+        self._final_queued = self._final_end_queued = False
 
     # ------------------------------------------------------------------ the waits
 
@@ -133,11 +163,21 @@ class LayerClock:
         return now
 
     def _final(self) -> None:
-        """An autograd callback at the end of the backward, before the compute is stamped: the
-        step's last segment is held."""
+        """An autograd callback at the end of the backward, queued before FSDP's own end of
+        backward: the step's last segment is held, and a wait begins (FSDP's end of backward
+        reduce-scatters the root's gradient and waits for every reduction, for the slower
+        ranks too)."""
         self._final_queued = False
-        if self.emulated and self._counting() and self._start is not None:
-            self._hold(time.perf_counter(), final=True)
+        if self._counting() and self._start is not None:
+            now = time.perf_counter()
+            if self.emulated:
+                now = self._hold(now, final=True)
+            self._t_wait = now
+
+    def _final_end(self) -> None:
+        """An autograd callback after FSDP's end of backward and before the compute's stamp (the
+        native watch's hook runs after every Python hook of the output): that wait is over."""
+        self.wait_ends()
 
     # ------------------------------------------------------------------ the hooks
 
@@ -180,15 +220,29 @@ class LayerClock:
                 if t.requires_grad:
                     t.register_hook(self._grad_after)
 
+    def _out_after_root(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(self._root_grad_after)
+
     def _grad_before(self, grad: torch.Tensor) -> None:
         self.wait_begins()
 
     def _root_grad_before(self, grad: torch.Tensor) -> None:
-        if self.emulated and not self._final_queued and self._counting() and not self.core.quiet:
-            # (queued before FSDP's own end of backward and the compute's stamp)
+        # (Python hooks of a tensor run in the order registered: this one before FSDP's
+        # pre-backward, which queues FSDP's end of backward, and _root_grad_after after it.)
+        if not self._final_queued and self._counting() and not self.core.quiet:
             self._final_queued = True
+            self._final_end_queued = False
             torch.autograd.Variable._execution_engine.queue_callback(self._final)
         self.wait_begins()
 
     def _grad_after(self, grad: torch.Tensor) -> None:
+        self.wait_ends()
+
+    def _root_grad_after(self, grad: torch.Tensor) -> None:
+        if self._final_queued and not self._final_end_queued:
+            self._final_end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final_end)
         self.wait_ends()

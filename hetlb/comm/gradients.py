@@ -3,8 +3,10 @@
 A gradient transport owns everything about its model wrapper: the checks of the model
 (:meth:`Wrapper.admit`), what it can do for the telemetry table, agreed between the ranks at
 start-up (:meth:`Wrapper.capabilities`), the hooks that weigh and reduce the gradient and mark
-the end of a step's backward, the attached models, its local (no-sync) context and the
-detection of the wrapper's own no-sync switched on around it (:meth:`Wrapper.no_sync_on`).
+the end of a step's backward, the attached models, its local (no-sync) context, the context of
+a step run as micro-steps (:meth:`GradientTransport.micro_window`), the detection of the
+wrapper's own no-sync switched on around it (:meth:`Wrapper.no_sync_on`), and what profiling a
+model whose step binds the ranks needs (:meth:`Wrapper.trial`).
 The step driver (:class:`hetlb.train.steps.StepDriver`) runs every step through one, and nothing
 in ``train/`` or ``data/`` asks which wrapper a model has.
 
@@ -61,10 +63,6 @@ class Wrapper(Protocol):
     #: Whether a model that already has a Balancer may get a new one (which then takes the
     #: model over); False where the earlier one's hooks cannot come off.
     takes_over: bool
-    #: Whether every rank must run a step's largest number of micro-steps
-    #: (:meth:`hetlb.Balancer.micro_steps`): the wrapper communicates in every forward (FSDP2's
-    #: all-gathers), so a rank with fewer runs empty ones.
-    aligned_micro_steps: bool
 
     @staticmethod
     def admit(model: torch.nn.Module, settings: WrapperSettings, balanced: bool) -> None:
@@ -84,12 +82,46 @@ class Wrapper(Protocol):
         """The user's module inside the wrapper (its layers are the ones trained)."""
 
     @staticmethod
+    def trial(model: torch.nn.Module) -> Optional["ProfileTrial"]:
+        """What :func:`hetlb.profile` (``model=``) needs to time a step of ``model`` whose
+        collectives bind the ranks, or None where a step of it communicates nothing (one
+        process). Raises ``ValueError`` where profiling the wrapped model is the wrong thing
+        (DDP: profile its ``module``)."""
+
+    @staticmethod
     def no_sync_on(model: torch.nn.Module) -> Optional[str]:
         """Whether the wrapper's no-sync is switched on for ``model`` (by the user, or by the
         transport's :meth:`GradientTransport.local` inside a window): how a user switches it
         on, for the step driver's messages, or None while the wrapper synchronises. A function
         of the model alone: the forward check on the model holds it, and holds no transport
         (which holds the model)."""
+
+
+class ProfileTrial(Protocol):
+    """The ranks of a model whose every step communicates (FSDP2), profiled together: they try
+    the same sizes, agree after each whether it fit everywhere, and each times its own compute
+    without its waits for the others. Made by :meth:`Wrapper.trial`; the collectives run on the
+    model's group, with its timeout."""
+
+    #: What the profile's limit depends on besides the host (for its cache): the wrapper, the
+    #: number of ranks, the sharding settings.
+    key: str
+
+    def same_sizes(self, sizes: List[int]) -> None:
+        """Raise ``ValueError`` on every rank unless every rank is about to try ``sizes``."""
+
+    def agree(self, go: bool) -> bool:
+        """Whether every rank says ``go`` (a collective every rank calls)."""
+
+    def start(self) -> None:
+        """A timed step is about to run: forget the waits so far."""
+
+    def waited(self) -> float:
+        """Seconds this rank waited for the others in the model's collectives since
+        :meth:`start`."""
+
+    def close(self) -> None:
+        """Remove what the trial put on the model."""
 
 
 class ModelRegistry(Protocol):
@@ -140,6 +172,12 @@ class GradientTransport(Protocol):
 
     def local(self) -> ContextManager[Any]:
         """The context of a micro-step whose gradient stays on this rank (accumulation)."""
+
+    def micro_window(self) -> ContextManager[Any]:
+        """The context of one step run as micro-steps (:meth:`hetlb.Balancer.micro_steps`),
+        entered around them all, in which the ranks' numbers of micro-steps may differ: the
+        wrapper communicates nothing in a micro-step under :meth:`local`, nor in a forward after
+        the step's first."""
 
     def window_done(self, weight: float) -> None:
         """The backward of a window's last micro-step ran: apply ``weight`` to the window's

@@ -206,8 +206,9 @@ class StepTelemetry:
         """Watch the end of the DDP ``model``'s backward without a communication hook (see
         :class:`BackwardWatch`; the side route); returns the forward hook's handle, removed
         when :meth:`register` is called later. ``prepend``: the watch runs before the model's
-        other forward hooks, so its callback comes before theirs (FSDP2's end of backward, which
-        waits for the last reduce-scatter, then stays out of the compute time)."""
+        other forward hooks. (Its hook on an output is native and runs after all the output's
+        Python hooks, so its callback comes after FSDP2's end of backward, which
+        :class:`hetlb.comm.fsdp_clock.LayerClock` brackets as a wait.)"""
         if self.route != "side":
             raise ValueError(f"a deferred hook sends the table by the side route, not {self.route!r}")
         # (The reducer holds the gradient group even without a hook: it must not be its last owner.)

@@ -19,7 +19,6 @@ class LocalTransport:
     the step's compute when the backward reaches them all."""
 
     name = "a plain module (one process)"
-    aligned_micro_steps = False
     #: A new Balancer of the same module takes it over (its hooks all come off).
     takes_over = True
 
@@ -32,6 +31,10 @@ class LocalTransport:
     def capabilities(model: torch.nn.Module, settings: WrapperSettings) -> Dict[str, Optional[str]]:
         none = "no DDP model"
         return {"carry": none, "carry_penalty": None, "defer": none}
+
+    @staticmethod
+    def trial(model: torch.nn.Module) -> None:
+        return None  # (one process: nothing to agree on)
 
     @staticmethod
     def inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -71,6 +74,10 @@ class LocalTransport:
         return None
 
     def local(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def micro_window(self) -> ContextManager[Any]:
+        """Nothing to set: a micro-step under :meth:`local` communicates nothing."""
         return contextlib.nullcontext()
 
     def window_done(self, weight: float) -> None:

@@ -13,7 +13,8 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 import numpy as np
 
 
-__all__ = ["TimeModel", "LinearModel", "PolyModel", "PiecewiseModel", "model_from_dict"]
+__all__ = ["TimeModel", "LinearModel", "PolyModel", "PiecewiseModel", "model_from_dict",
+           "micro_step_model"]
 
 _KIND_LINEAR, _KIND_POLY, _KIND_PIECEWISE = 0, 1, 2
 _BIG = 1 << 62  # candidate points beyond any batch size anyone will ask for
@@ -257,6 +258,40 @@ class WorkerModel(TimeModel):
 #: The fields of each ``to_dict`` kind (``worker``: :class:`WorkerModel`).
 _MODEL_FIELDS = {"linear": ("a0", "a1"), "poly": ("coeffs",), "piecewise": ("batch_sizes", "times"),
                  "worker": ("model", "speed", "saturation", "overhead")}
+
+
+#: Most micro-step counts a :func:`micro_step_model` places points for; beyond, every few
+#: counts (the staircase of intercepts is then a line to well under a micro-step's time).
+MICRO_POINTS = 4096
+
+
+def micro_step_model(base: TimeModel, limit: int, total: int) -> PiecewiseModel:
+    """The time of a batch of ``b`` samples run as ``k = ceil(b / limit)`` near-equal micro-steps
+    (:meth:`hetlb.Balancer.micro_steps`), each costing ``base``'s effective time of its size:
+    ``k`` intercepts, so ``T(b) = k * a0 + a1 * b`` for a linear ``base``.
+
+    Exact at the first and last batch of every count ``k`` up to ``ceil(total / limit)`` (and at
+    the middle, for a ``base`` that is not linear), linear in between: exact at every integer for
+    a linear ``base``. Past :data:`MICRO_POINTS` counts only some counts get points.
+    """
+    if not isinstance(base, TimeModel):
+        raise ValueError(f"micro_step_model: base must be a hetlb time model, got {base!r}")
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1:
+        raise ValueError(f"micro_step_model: limit must be an integer >= 1, got {limit!r}")
+    if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 1:
+        raise ValueError(f"micro_step_model: total must be an integer >= 1, got {total!r}")
+    limit, total = int(limit), int(total)
+    last = -(-total // limit)
+    ks = np.arange(1, last + 1, dtype=np.int64) if last <= MICRO_POINTS else \
+        np.unique(np.linspace(1, last, MICRO_POINTS).astype(np.int64))
+    ends = [(ks - 1) * limit + 1, np.minimum(ks * limit, total)]
+    if not isinstance(base, LinearModel):
+        ends.append((ends[0] + ends[1]) // 2)
+    b = np.unique(np.concatenate(ends))
+    k = -(-b // limit)
+    q, r = b // k, b % k  # r chunks of q + 1 samples, k - r of q
+    t = r * base.effective_time(q + 1) + (k - r) * base.effective_time(q)
+    return PiecewiseModel(b, t)
 
 
 def model_from_dict(d: Dict[str, Any]) -> TimeModel:

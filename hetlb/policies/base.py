@@ -25,7 +25,7 @@ import torch
 
 from hetlb.core.checks import integer, optional_integer
 from hetlb.core.decisions import ScheduleRule
-from hetlb.core.models import TimeModel
+from hetlb.core.models import TimeModel, micro_step_model
 from hetlb.core.solve import allocate_proportional
 from hetlb.core.telemetry import History, StepRecord, require_progress
 
@@ -57,6 +57,9 @@ class Context:
         profiles: per rank, ``None`` or a dict with ``"model"`` (fitted cubic
             :class:`~hetlb.TimeModel`), ``"linear"`` (fitted :class:`~hetlb.LinearModel`) and
             ``"limit"`` (largest batch that was tried and fit).
+        micro_batch: per rank, ``None`` or its largest micro-batch (``Balancer(micro_batch=)``):
+            a larger batch runs as several micro-steps, and :meth:`models` gives that rank the
+            time of them (:func:`hetlb.core.models.micro_step_model`).
     """
 
     world: int
@@ -65,6 +68,7 @@ class Context:
     upper: np.ndarray
     hardware: List[Dict[str, float]] = field(default_factory=list)
     profiles: List[Optional[Dict[str, Any]]] = field(default_factory=list)
+    micro_batch: List[Optional[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.world = integer(self.world, "Context: world", 1)
@@ -92,11 +96,15 @@ class Context:
             self.profiles = [None] * self.world
         if not self.hardware:
             self.hardware = [{} for _ in range(self.world)]
-        for name in ("profiles", "hardware"):
+        if not self.micro_batch:
+            self.micro_batch = [None] * self.world
+        for name in ("profiles", "hardware", "micro_batch"):
             v = getattr(self, name)
             if not isinstance(v, (list, tuple)) or len(v) != self.world:
                 raise ValueError(f"Context: {name} must be a list of one entry per rank "
                                  f"({self.world}), got {v!r}")
+        self.micro_batch = [optional_integer(m, "Context: micro_batch", 1)
+                            for m in self.micro_batch]
 
     @classmethod
     def simple(cls, world: int, global_batch: int, lower: int = 1,
@@ -108,10 +116,12 @@ class Context:
                                           "Context: upper", 0)), **kw)
 
     def models(self, kind: str = "model") -> Optional[List[TimeModel]]:
-        """The profiled models of every rank, or None unless every rank has one."""
+        """The profiled models of every rank, or None unless every rank has one; a rank with a
+        ``micro_batch`` gets the time of its micro-steps."""
         if any(p is None or kind not in p for p in self.profiles):
             return None
-        return [p[kind] for p in self.profiles]
+        return [p[kind] if m is None else micro_step_model(p[kind], m, self.global_batch)
+                for p, m in zip(self.profiles, self.micro_batch)]
 
 
 def _short(a: np.ndarray) -> str:
@@ -374,6 +384,12 @@ class SizedPolicy(Policy):
     once emitted: moves work on a copy).
     """
 
+    #: Each rank's largest micro-batch, 0 for none (set by :meth:`_setup`; none before).
+    _micro: Optional[np.ndarray] = None
+
+    def micro_batches(self) -> np.ndarray:
+        """Each rank's largest micro-batch (``Context.micro_batch``; 0: none), int64 ``[world]``."""
+        return self._micro if self._micro is not None else np.zeros(self.world, np.int64)
 
     def _setup(self, ctx: Context) -> None:
         if not isinstance(ctx, Context):
@@ -384,6 +400,8 @@ class SizedPolicy(Policy):
         self.lower = ctx.lower.copy()
         self.upper = ctx.upper.copy()
         self.last = np.zeros(self.world, np.int64)
+        #: Each rank's largest micro-batch (0: none); configuration, not state (the start-up's).
+        self._micro = np.array([m or 0 for m in ctx.micro_batch], np.int64)
 
     def _context(self) -> Context:
         """The context for :func:`check_sizes`; rebuilt from state after a restore."""

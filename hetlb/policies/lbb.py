@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from hetlb.core.checks import integer, number
-from hetlb.core.models import LinearModel
+from hetlb.core.models import LinearModel, micro_step_model
 from hetlb.core.solve import allocate, allocate_proportional
 from hetlb.core.telemetry import History, StepRecord, straggler_effect
 from hetlb.policies.base import Context, SizedPolicy, records_after
@@ -206,16 +206,23 @@ class LBB(SizedPolicy):
 
     # -- tuning -----------------------------------------------------------------------------
 
+    def _steps(self, b: np.ndarray) -> np.ndarray:
+        """Micro-steps each rank runs for batches ``b`` (1 without a micro-batch)."""
+        micro = self.micro_batches()
+        return np.where(micro > 0, -(-b // np.maximum(micro, 1)), 1).astype(np.float64)
+
     def _rough(self, rec: StepRecord) -> tuple:
-        """Rough linear models of Algorithm 2 (``a0_i``, ``a1_i = (CT_i - a0_i) / CB_i``)."""
+        """Rough linear models of Algorithm 2 (``a0_i``, ``a1_i = (CT_i - a0_i) / CB_i``); a rank
+        in ``k`` micro-steps paid ``k`` overheads: ``a1_i = (CT_i - k * a0_i) / CB_i``."""
         b = rec.batch.astype(np.float64)
         t = rec.compute
         has = rec.batch > 0
         # If the step took no longer than the profiled overhead, that overhead is wrong for now:
         # drop it so the slope stays positive.
-        a0 = np.where(has & (t > self.a0), self.a0, 0.0)
+        k = self._steps(rec.batch)
+        a0 = np.where(has & (t > k * self.a0), self.a0, 0.0)
         slope = self.slope.copy()
-        slope[has] = (t[has] - a0[has]) / b[has]
+        slope[has] = (t[has] - k[has] * a0[has]) / b[has]
         missing = ~has & ~np.isfinite(slope)
         if missing.any():
             slope[missing] = float(np.median(slope[has])) if has.any() else 1.0
@@ -224,7 +231,10 @@ class LBB(SizedPolicy):
     def _rapid_tune(self, rec: StepRecord) -> np.ndarray:
         a0, slope = self._rough(rec)
         self.slope = slope
-        models = [LinearModel(a0[i], slope[i]) for i in range(self.world)]
+        micro = self.micro_batches()
+        models = [LinearModel(a0[i], slope[i]) if not micro[i] else
+                  micro_step_model(LinearModel(a0[i], slope[i]), int(micro[i]), self.global_batch)
+                  for i in range(self.world)]
         return allocate(models, self.global_batch, self.lower, self.upper)
 
     def _fine_tune(self, history: History, rec: StepRecord) -> Optional[np.ndarray]:

@@ -284,7 +284,8 @@ class Balancer:
             context = Context(self.world, global_batch, [e["lower"] for e in everyone],
                               [e["upper"] for e in everyone],
                               hardware=[e["hardware"] for e in everyone],
-                              profiles=[e["profile"] for e in everyone])
+                              profiles=[e["profile"] for e in everyone],
+                              micro_batch=[e["micro_batch"] for e in everyone])
             have = [r for r, e in enumerate(everyone) if e["profile"] is not None]
             if 0 < len(have) < self.world:  # a policy needs every rank's model to use any
                 log.warning("profile= given on ranks %s only (not on %s): the policy cannot use "

@@ -7,9 +7,9 @@ its ``b_j`` samples) weighted by ``b_j / B``, so their gradients sum to the grad
 over ``B``, and the transport's weight of the step applies once to the sum. The wrapper's no-sync
 holds the gradient on the rank but for the last micro-step, whose backward reduces the step.
 
-The numbers may differ between ranks where a micro-step under no-sync communicates nothing (DDP);
-where every forward communicates (FSDP2's all-gathers), every rank runs the step's largest
-number, a rank with fewer running empty ones (weight 0), so the collectives match.
+The numbers differ between ranks: the transport's micro window makes the step communicate as
+one pass does (DDP: nothing under ``no_sync()``; FSDP2: the parameters gathered once, in the first
+forward, and kept until the last backward reduces).
 """
 from __future__ import annotations
 
@@ -17,21 +17,16 @@ import contextlib
 import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 
-def micro_bounds(sizes: np.ndarray, limits: Sequence[Optional[int]], rank: int,
-                 aligned: bool) -> List[Tuple[int, int]]:
-    """``(start, stop)`` within this rank's batch of each of its micro-steps, for a step of
-    ``sizes`` (every rank's batch) with each rank's largest micro-batch ``limits`` (None: no
-    limit). Near-equal chunks of at most the limit, at least one micro-step; with ``aligned``
-    as many as the rank with the most, the extra ones empty."""
-    counts = [max(1, math.ceil(int(b) / m)) if m else 1 for b, m in zip(sizes, limits)]
-    mine, n = counts[rank], (max(counts) if aligned else counts[rank])
-    b = int(sizes[rank])
-    edges = [b * j // mine for j in range(mine + 1)]
-    return [(edges[j], edges[j + 1]) for j in range(mine)] + [(b, b)] * (n - mine)
+def micro_bounds(b: int, limit: Optional[int]) -> List[Tuple[int, int]]:
+    """``(start, stop)`` of each micro-step within a batch of ``b`` samples whose micro-batches
+    hold at most ``limit`` (None: no limit): ``ceil(b / limit)`` near-equal chunks, at least
+    one (an empty batch runs one empty micro-step)."""
+    k = max(1, math.ceil(b / limit)) if limit else 1
+    edges = [b * j // k for j in range(k + 1)]
+    return [(edges[j], edges[j + 1]) for j in range(k)]
 
 
 def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan: Any,
@@ -43,7 +38,7 @@ def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan:
     if plan is None:
         raise RuntimeError("hetlb: bal.micro_steps(...) outside a balanced step; call it for a "
                            "batch of the Balancer's loader, or inside `with bal.step():`")
-    bounds = micro_bounds(plan.sizes, limits, rank, transport.aligned_micro_steps)
+    bounds = micro_bounds(int(plan.sizes[rank]), limits[rank])
     weight = core.weight
     total = sum(hi - lo for lo, hi in bounds)
     for t in batch:
@@ -53,21 +48,31 @@ def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan:
                              f"{tuple(t.shape)}")
     mean: Optional[torch.Tensor] = None
     try:
-        for j, (lo, hi) in enumerate(bounds):
-            last = j == len(bounds) - 1
-            share = (hi - lo) / total if total else 0.0
-            core.quiet = not last  # (the step ends with the last micro-step's backward)
-            expect(hi - lo)
-            with contextlib.nullcontext() if last else transport.local():
-                loss = fn(*[t[lo:hi] if isinstance(t, torch.Tensor) else t for t in batch])
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise TypeError(f"bal.micro_steps: fn must return the mean loss over its "
-                                    f"samples (a one-element tensor), got {loss!r}")
-                transport.backward(loss, torch.full_like(loss, share), weight, window=True)
-            if share:
-                part = loss.detach() * share
-                mean = part if mean is None else mean + part
+        with transport.micro_window():
+            mean = _run(fn, batch, bounds, total, core, transport, weight, expect)
     finally:
         core.quiet = False
         expect(None)
     return mean if mean is not None else torch.tensor(float("nan"))
+
+
+def _run(fn: Callable[..., torch.Tensor], batch: Sequence[Any], bounds: List[Tuple[int, int]],
+         total: int, core: Any, transport: Any, weight: float,
+         expect: Callable[[Optional[int]], None]) -> Optional[torch.Tensor]:
+    """The micro-steps of :func:`run_micro_steps`; the weighted sum of their mean losses."""
+    mean: Optional[torch.Tensor] = None
+    for j, (lo, hi) in enumerate(bounds):
+        last = j == len(bounds) - 1
+        share = (hi - lo) / total if total else 0.0
+        core.quiet = not last  # (the step ends with the last micro-step's backward)
+        expect(hi - lo)
+        with contextlib.nullcontext() if last else transport.local():
+            loss = fn(*[t[lo:hi] if isinstance(t, torch.Tensor) else t for t in batch])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"bal.micro_steps: fn must return the mean loss over its "
+                                f"samples (a one-element tensor), got {loss!r}")
+            transport.backward(loss, torch.full_like(loss, share), weight, window=True)
+        if share:
+            part = loss.detach() * share
+            mean = part if mean is None else mean + part
+    return mean

@@ -28,7 +28,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
+import torch.distributed as dist
 
+from hetlb.comm.gradients import ProfileTrial
+from hetlb.comm.wrappers import wrapper_of
 from hetlb.core.checks import integer, number
 from hetlb.core.models import LinearModel, PiecewiseModel, PolyModel, TimeModel
 
@@ -453,7 +456,8 @@ def _trimmed_mean(samples: List[float], trim: int) -> float:
 def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] = None,
             repeats: int = 9, trim: int = 3, *, warmup: int = 1, device: DeviceLike = None,
             memory_limit: Optional[float] = None, max_batch: Optional[int] = None,
-            cache: Optional[Union[str, os.PathLike]] = None) -> Profile:
+            cache: Optional[Union[str, os.PathLike]] = None,
+            model: Optional[torch.nn.Module] = None) -> Profile:
     """Profile ``step_fn`` (one forward+backward at batch size ``b``) per LBB Algorithm 1.
 
     Args:
@@ -484,6 +488,19 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
             (atomically). A job restarted by torchrun, on the same or another number of
             workers, then reuses each host's profile instead of profiling again. Use one
             directory per model; a damaged file is measured again.
+        model: the model ``step_fn`` trains, when its step binds the ranks (sharded with FSDP2's
+            ``fully_shard``; None: the step runs on this process alone, e.g. a DDP model's
+            ``module``). Every rank calls :func:`profile` with the same sizes, and they profile
+            together: before each size each rank predicts its memory from the sizes before it
+            (linear in the batch, from the peaks measured) and the ranks stop before a size
+            predicted over ``memory_limit`` (on CUDA without it: 90 % of the memory free at the
+            start) on any rank, since an out-of-memory inside FSDP's collectives would leave the
+            others waiting there; after each size's first call they stop if it went over on
+            any rank. Each rank times its own compute, FSDP's waits for the others left out
+            (on the host: on CUDA the waits on the device's streams still count). Only a rank
+            that ran out records ``oom_at``; the others stop with it at their largest size.
+            The limit depends on the number of ranks and the resharding, which the cache's
+            key includes.
 
     Returns:
         a :class:`Profile`. Raises ``ValueError`` on bad arguments or when even the first size
@@ -504,22 +521,69 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
         raise ValueError(f"step_fn must be callable, got {step_fn!r}")
     sizes = _sizes(batch_sizes, max_batch)
     dev = _resolve_device(device)
+    trial = _trial(model)
+    try:
+        return _profile(step_fn, sizes, repeats, trim, warmup, dev, memory_limit, cache, trial)
+    finally:
+        if trial is not None:
+            trial.close()
+
+
+def _trial(model: Optional[torch.nn.Module]) -> Optional[ProfileTrial]:
+    """The model's :class:`hetlb.comm.gradients.ProfileTrial` (None: this process alone)."""
+    if model is None:
+        return None
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"profile: model must be the torch.nn.Module step_fn trains, got "
+                         f"{type(model).__name__}")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return wrapper_of(model, world).trial(model)
+
+
+def _predict(fitted: List[int], memory: List[Optional[int]], b: int) -> Optional[float]:
+    """Bytes a step of ``b`` samples is predicted to use, from the sizes measured before it:
+    the line through the last two, or proportional to the one (None: nothing measured)."""
+    known = [(x, m) for x, m in zip(fitted, memory) if m is not None]
+    if not known:
+        return None
+    (x1, m1) = known[-1]
+    if len(known) == 1:
+        return m1 * b / x1
+    (x0, m0) = known[-2]
+    return m1 + max(m1 - m0, 0) / (x1 - x0) * (b - x1)
+
+
+def _profile(step_fn: Callable[[int], Any], sizes: List[int], repeats: int, trim: int,
+             warmup: int, dev: torch.device, memory_limit: Optional[float], cache: Any,
+             trial: Optional[ProfileTrial]) -> Profile:
+    """:func:`profile` once its arguments are checked."""
+    if trial is not None:
+        trial.same_sizes(sizes)
     path = None
     if cache is not None:
         if not isinstance(cache, (str, os.PathLike)):
             raise TypeError(f"cache must be a directory path (str or os.PathLike) or None, got "
                             f"{type(cache).__name__} {cache!r}")
-        path = cache_path(cache, dev, (sizes, repeats, trim, warmup, memory_limit))
+        path = cache_path(cache, dev, (sizes, repeats, trim, warmup, memory_limit) +
+                          (() if trial is None else (trial.key,)))
+        found = None
         if os.path.exists(path):
             try:
                 found = Profile.load(path)
-                logger.info("profile of this host from %s", path)
-                return found
             except ValueError as e:
                 logger.warning("profile cache %s is unusable (%s); profiling again", path, e)
+        # Ranks that profile together all load, or all measure.
+        if found is not None and (trial is None or trial.agree(True)):
+            logger.info("profile of this host from %s", path)
+            return found
+        if found is None and trial is not None:
+            trial.agree(False)
     timer = _make_timer(dev)
-    probe = _memory_probe(dev, needed=memory_limit is not None)
+    probe = _memory_probe(dev, needed=memory_limit is not None or trial is not None)
     baseline = probe.current() if probe is not None else 0
+    budget = memory_limit
+    if trial is not None and budget is None and dev.type == "cuda":
+        budget = 0.9 * torch.cuda.mem_get_info(dev)[0]
 
     fitted: List[int] = []
     times: List[float] = []
@@ -533,10 +597,23 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
     for b in sizes:
         samples: List[float] = []
         used: Optional[int] = None
-        failed = False
+        failed = over = False
+        if trial is not None:
+            predicted = _predict(fitted, memory, b)
+            go = budget is None or predicted is None or predicted <= budget
+            if not trial.agree(go):
+                if not go:
+                    oom_at = b
+                    reason = (f"predicted peak {predicted / 2**20:.1f} MiB above the start "
+                              f"exceeds {budget / 2**20:.1f} MiB")
+                logger.info("batch %d not tried: %s", b, reason if not go else
+                            "another rank's memory would not hold it")
+                break
         try:
             for i in range(warmup + repeats):
                 thunk = lambda: step_fn(b)  # noqa: E731
+                if trial is not None:
+                    trial.start()
                 if i == 0 and probe is not None:
                     # Memory is measured once per size, on the first call (a warm-up one unless
                     # warmup=0): later calls reuse the same memory and need no probe.
@@ -545,17 +622,31 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
                         dt = timer(thunk)
                     finally:
                         used = max(0, probe.stop() - baseline)  # also stops a sampler thread
-                    if memory_limit is not None and used > memory_limit:
+                    over = budget is not None and used > budget
+                    if over:
                         reason = (f"peak memory {used / 2**20:.1f} MiB above the start exceeds "
-                                  f"memory_limit={memory_limit / 2**20:.1f} MiB")
+                                  f"{'memory_limit=' if budget == memory_limit else ''}"
+                                  f"{budget / 2**20:.1f} MiB")
+                    failed = over
+                    if trial is not None and not trial.agree(not over):
                         failed = True
+                        if not over:
+                            reason = "another rank went over its memory"
+                    if failed:
                         break
                 else:
                     dt = timer(thunk)
                 if i >= warmup:
-                    samples.append(dt)
+                    samples.append(dt - (trial.waited() if trial is not None else 0.0))
         except BaseException as exc:  # noqa: BLE001 -- filtered right below
             if not _is_oom(exc):
+                raise
+            if trial is not None and hasattr(exc, "add_note"):
+                exc.add_note(f"hetlb.profile: this rank ran out of memory at batch {b} in a step "
+                             f"whose collectives bind the ranks; the others wait in them until "
+                             f"the process group's timeout. Pass memory_limit= (bytes, below "
+                             f"this device's free memory) so that every rank stops before a "
+                             f"size predicted over it")
                 raise
             reason = f"{type(exc).__name__}: {exc}"
             failed = True
@@ -563,7 +654,8 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
             # failed step's tensors; only then can they be freed.
         if failed:
             _release(dev)
-            oom_at = b
+            if trial is None or over:  # (not a rank that stops because another went over)
+                oom_at = b
             logger.info("batch %d does not fit (%s)", b, reason)
             break
         if dev.type == "cpu" and not fitted and torch.cuda.is_available() and torch.cuda.is_initialized():
