@@ -6,15 +6,16 @@ rank with little memory run in micro-steps.
 ``T_r(b) = a1 * b / s_r``, held layer by layer (:class:`hetlb.comm.fsdp_clock.LayerClock`), so
 the fast ranks wait in FSDP's collectives as they would for slower devices. The ideal step is
 ``a1 * B / sum(s)``; the real work no split removes (FSDP's all-gathers and reduce-scatters and the
-real compute of this machine's shared cores) is measured as the median step of equal batches
-without emulation, and reported beside it as "ideal + real".
+real compute of this machine's shared cores) is measured as the median step without emulation of
+the run's final split (the speed-proportional one, in one pass or with the fastest rank in
+micro-steps; else equal batches), and reported beside it as "ideal + real".
 
 Part (a): equal batches (Uniform) against LBB, both through the Balancer.
 Part (b): the fastest rank's memory holds a quarter of its fair share (``cap = B * s_3 / sum(s)
 / 4`` samples): equal batches (that rank in micro-steps of ``cap``), LBB with ``upper=cap`` on
 it, and LBB with ``micro_batch=cap`` on it (``bal.micro_steps``), which takes the fair share.
 
-    python bench/bench_fsdp2.py [--steps N] [--warmup N] [--out FILE]
+    python bench/bench_fsdp2.py [--steps N] [--warmup N] [--out FILE] [--only NAME]
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def run(rank: int, args: argparse.Namespace, job: Dict[str, Any]) -> Dict[str, A
     emu = Emulator.for_rank(rank, SPEEDS, model=hetlb.LinearModel(0.0, args.a1)) \
         if job["emulate"] else None
     kw: Dict[str, Any] = {}
+    if job.get("split"):  # (the uppers sum to the global batch: these sizes and no others)
+        kw["upper"] = args.split[rank]
     if rank == len(SPEEDS) - 1 and job.get("cap") == "upper":
         kw["upper"] = args.cap
     if rank == len(SPEEDS) - 1 and job.get("cap") in ("micro", "micro-equal"):
@@ -93,7 +96,10 @@ def run(rank: int, args: argparse.Namespace, job: Dict[str, Any]) -> Dict[str, A
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         sizes.append(b.tolist())
-    return {"times": times[args.warmup:], "sizes": sizes[-1]}
+    last = bal.history.last(1)[0]
+    return {"times": times[args.warmup:], "sizes": sizes[-1], "trace": sizes,
+            "computes": [[round(1e3 * float(t)) for t in r.compute] for r in bal.history.last(40)],
+            "compute": [round(1e3 * float(t), 1) for t in last.compute]}
 
 
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: List[Dict[str, Any]],
@@ -110,7 +116,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, jobs: Li
             results.append((job["name"], r))
             if rank == 0:
                 print(f"{job['name']:<28} median step {1e3 * statistics.median(r['times']):8.1f} ms"
-                      f"  sizes {r['sizes']}", flush=True)
+                      f"  sizes {r['sizes']}  last compute ms {r['compute']}", flush=True)
     finally:
         import gc
         gc.collect()
@@ -135,34 +141,56 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--only", default=None, help="run only the jobs whose name contains this")
     args = p.parse_args()
     fair = args.global_batch * SPEEDS[-1] / sum(SPEEDS)
     args.cap = max(1, int(fair / 4))
+    args.split = hetlb.allocate_proportional(SPEEDS, args.global_batch).tolist()
     jobs = [
         {"name": "equal, no emulation (real)", "policy": "Uniform", "emulate": False},
+        {"name": "split, no emulation (real)", "policy": "Uniform", "emulate": False,
+         "split": True},
+        {"name": "split, micro-steps, no emulation (real)", "policy": "Uniform", "emulate": False,
+         "split": True, "cap": "micro"},
         {"name": "(a) equal", "policy": "Uniform", "emulate": True},
         {"name": "(a) LBB", "policy": "LBB", "emulate": True},
         {"name": "(b) equal, micro-steps", "policy": "Uniform", "emulate": True, "cap": "micro-equal"},
         {"name": "(b) LBB, upper=cap", "policy": "LBB", "emulate": True, "cap": "upper"},
         {"name": "(b) LBB, micro_batch=cap", "policy": "LBB", "emulate": True, "cap": "micro"},
     ]
+    if args.only:
+        jobs = [j for j in jobs if args.only in j["name"]]
+        for j in launch(args, jobs):
+            print(j[0], statistics.median(j[1]["times"]), j[1]["sizes"], j[1]["compute"])
+            for b, c in zip(j[1]["trace"][-len(j[1]["computes"]):], j[1]["computes"]):
+                print("   ", b, c)
+        return
     res = dict(launch(args, jobs))
     ideal = args.a1 * args.global_batch / sum(SPEEDS)
-    real = statistics.median(res[jobs[0]["name"]]["times"])
+    real = {k: statistics.median(res[k]["times"]) for k in res if k.endswith("(real)")}
     lines = [f"FSDP2, 4 Gloo ranks, speeds {SPEEDS}, global batch {args.global_batch} of "
              f"{args.seq} tokens, "
              f"a1={args.a1} s/sample, cap {args.cap} samples on the fastest rank, "
-             f"{args.steps} steps after {args.warmup}; ideal {1e3 * ideal:.1f} ms, "
-             f"real work (equal batches, no emulation) {1e3 * real:.1f} ms",
-             "", "| run | median step ms | / ideal | / (ideal + real) | / equal | sizes at the end |",
-             "|---|---:|---:|---:|---:|---|"]
-    for job in jobs[1:]:
+             f"{args.steps} steps after {args.warmup}; ideal {1e3 * ideal:.1f} ms; real work "
+             f"(no emulation): " + ", ".join(f"{k[:-len(', no emulation (real)')]} "
+                                             f"{1e3 * v:.1f} ms" for k, v in real.items()),
+             "", "| run | median step ms | / ideal | / (ideal + real) | / equal | sizes at the end "
+                 "| compute ms at the end |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for job in jobs:
+        if job["name"] in real:
+            continue
         r = res[job["name"]]
         t = statistics.median(r["times"])
+        # The real work of the run's split (the proportional one, one pass or micro-steps),
+        # else of equal batches.
+        at = "split, micro-steps" if job.get("cap") == "micro" else "split" \
+            if r["sizes"] == args.split else "equal"
+        extra = real[f"{at}, no emulation (real)"]
         base = statistics.median(res["(a) equal" if job["name"].startswith("(a)")
                                      else "(b) equal, micro-steps"]["times"])
-        lines.append(f"| {job['name']} | {1e3 * t:.1f} | {t / ideal:.2f} | {t / (ideal + real):.2f} "
-                     f"| {t / base:.2f} | {r['sizes']} |")
+        lines.append(f"| {job['name']} | {1e3 * t:.1f} | {t / ideal:.2f} | {t / (ideal + extra):.2f} "
+                     f"({at}) | {t / base:.2f} | {r['sizes']} | {r['compute']} |")
     emit(lines, args.out)
 
 

@@ -8,8 +8,8 @@ over ``B``, and the transport's weight of the step applies once to the sum. The 
 holds the gradient on the rank but for the last micro-step, whose backward reduces the step.
 
 The numbers differ between ranks: the transport's micro window makes the step communicate as
-one pass does (DDP: nothing under ``no_sync()``; FSDP2: the parameters gathered once, in the first
-forward, and kept until the last backward reduces).
+one pass does (DDP: nothing under ``no_sync()``; FSDP2: the parameters gathered once, before the
+first forward, and kept until the last backward reduces).
 """
 from __future__ import annotations
 
