@@ -491,8 +491,8 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
         model: the model ``step_fn`` trains, when its step binds the ranks (sharded with FSDP2's
             ``fully_shard``; None: the step runs on this process alone, e.g. a DDP model's
             ``module``). Every rank calls :func:`profile` with the same sizes, and they profile
-            together: before each size each rank predicts its memory from the sizes before it
-            (linear in the batch, from the peaks measured) and the ranks stop before a size
+            together: from the third size on each rank predicts its memory from the sizes before
+            it (the line through the last two peaks) and the ranks stop before a size
             predicted over ``memory_limit`` (on CUDA without it: 90 % of the memory free at the
             start) on any rank, since an out-of-memory inside FSDP's collectives would leave the
             others waiting there; after each size's first call they stop if it went over on
@@ -541,15 +541,13 @@ def _trial(model: Optional[torch.nn.Module]) -> Optional[ProfileTrial]:
 
 
 def _predict(fitted: List[int], memory: List[Optional[int]], b: int) -> Optional[float]:
-    """Bytes a step of ``b`` samples is predicted to use, from the sizes measured before it:
-    the line through the last two, or proportional to the one (None: nothing measured)."""
+    """Bytes a step of ``b`` samples is predicted to use: the line through the last two sizes
+    measured (None before two: the first size's peak also holds what the first step allocates
+    once, so one point says nothing of the growth)."""
     known = [(x, m) for x, m in zip(fitted, memory) if m is not None]
-    if not known:
+    if len(known) < 2:
         return None
-    (x1, m1) = known[-1]
-    if len(known) == 1:
-        return m1 * b / x1
-    (x0, m0) = known[-2]
+    (x0, m0), (x1, m1) = known[-2:]
     return m1 + max(m1 - m0, 0) / (x1 - x0) * (b - x1)
 
 
