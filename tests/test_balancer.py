@@ -410,6 +410,7 @@ def test_weights_for():
     # "none": the plain mean over the ranks that had samples (an idle rank's gradient is of nothing)
     np.testing.assert_allclose(weights_for("none", b), [1 / 3, 1 / 3, 0, 1 / 3])
     np.testing.assert_allclose(weights_for("none", np.array([6, 0, 2])), [0.5, 0, 0.5])
+    np.testing.assert_allclose(weights_for("world", np.array([6, 0, 2])), [1 / 3] * 3)
     with pytest.raises(ValueError, match="no samples"):
         weights_for("samples", np.zeros(3))
     with pytest.raises(ValueError, match="needs the data amount"):

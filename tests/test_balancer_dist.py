@@ -86,10 +86,12 @@ def _reference(net, x, y, tokens, parts, weighting):
     elif weighting == "sizes":
         idx = torch.from_numpy(np.concatenate(parts))
         loss = _loss(ref(x[idx]), y[idx], tokens[idx])
-    else:  # "none": the plain mean of the mean gradients of the ranks that had samples
+    else:  # "none": the plain mean of the mean gradients of the ranks that had samples;
+        # "world": their sum over the world (an idle rank's gradient, of nothing, is 0)
         live = [p for p in parts if len(p)]
         loss = sum(_loss(ref(x[torch.from_numpy(p)]), y[torch.from_numpy(p)],
-                         torch.ones(len(p), dtype=torch.float64)) for p in live) / len(live)
+                         torch.ones(len(p), dtype=torch.float64)) for p in live) / \
+            (len(live) if weighting == "none" else len(parts))
     loss.backward()
     return [p.grad.clone() for p in ref.parameters()]
 
@@ -137,7 +139,7 @@ def grad_worker(rank, world, weighting, sizes, options, dtype_name, steps):
 WORLD_SIZES = {2: [3, 7], 3: [1, 5, 9], 4: [2, 0, 6, 4]}
 
 
-@pytest.mark.parametrize("weighting", ["samples", "sizes", "none"])
+@pytest.mark.parametrize("weighting", ["samples", "sizes", "none", "world"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_weighted_gradient_equals_the_union(weighting, world):
     res = unwrap(run(grad_worker, world, weighting, WORLD_SIZES[world], {}, "float64", 4))
@@ -149,9 +151,10 @@ def test_weighted_gradient_equals_the_union(weighting, world):
     assert res[0]["tables"] == res[-1]["tables"]
 
 
-@pytest.mark.parametrize("weighting", ["none", "samples"])
+@pytest.mark.parametrize("weighting", ["none", "samples", "world"])
 def test_an_idle_rank_with_a_mean_loss(weighting):
-    # Sizes [6, 0, 2]: rank 1's mean loss is NaN; weighting="none" is the mean over ranks 0, 2.
+    # Sizes [6, 0, 2]: rank 1's mean loss is NaN; weighting="none" is the mean over ranks 0, 2,
+    # "world" their sum over 3 (the idle rank's gradient, of an empty batch, is 0, not NaN).
     res = unwrap(run(grad_worker, 3, weighting, [6, 0, 2], {}, "float64", 3))
     for r in res:
         assert max(r["errs"]) < 1e-12, r["errs"]

@@ -122,6 +122,7 @@ def test_the_hook_is_registered_at_the_first_step_whose_weights_differ(options):
     {"sizes": [3, 9]},                                           # uneven from the first step
     {"sizes": [6, 0, 6], "lower": 0, "weighting": "none"},       # an idle rank (its loss is NaN)
     {"sizes": [4, 4, 4], "weighting": "none"},                   # "none", every rank with samples
+    {"sizes": [3, 9], "weighting": "world"},                     # "world": 1/world whatever the sizes
     {"bal_backward": True},                                      # no double division by world
     {"bal_backward": True, "sizes": [5, 7]},
     {"gradient_as_bucket_view": True},
@@ -134,7 +135,8 @@ def test_deferred_hook_keeps_the_union_mean(options):
     res = unwrap(run(deferred_worker, world, 36, 12, options))
     _check(res, world)
     sizes = res[0]["steps"][0]["sizes"]
-    equal = options.get("weighting") == "none" and 0 not in sizes or len(set(sizes)) == 1
+    equal = options.get("weighting") == "none" and 0 not in sizes or len(set(sizes)) == 1 or \
+        options.get("weighting") == "world"
     for r in range(world):
         assert all(s["hooked"] != equal for s in res[r]["steps"]), res[r]["steps"]
 

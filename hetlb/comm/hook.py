@@ -5,7 +5,8 @@ Each rank multiplies its bucket by its weight ``w_r`` and the buckets are summed
 ``w_r = B_r / sum(B)`` ("samples"), that is exactly the gradient of the mean loss over the union of
 all ranks' samples, whatever the sizes (LBB section 3.2.4, LB-BSP Eq. 7). "sizes" weighs by data
 amount (CHRONICA's learning-rate compensation), "none" is the plain mean over the ranks that had
-samples (LB-BSP's FL mode).
+samples (LB-BSP's FL mode), "world" is ``1 / world`` for every rank (DDP's own mean, for a loss
+already normalised over the whole step).
 
 The hook is native (``hetlb._C``): DDP runs no Python per bucket, and no Python runs on a
 communication thread (see ``csrc/hook/no_python.h`` for why that matters at exit).

@@ -1,5 +1,5 @@
-"""Each rank's weight: its share of the global batch ("samples"), of the data amount ("sizes"), or
-an equal share of the ranks with samples ("none")."""
+"""Each rank's weight: its share of the global batch ("samples"), of the data amount ("sizes"), an
+equal share of the ranks with samples ("none"), or ``1 / world`` whatever the sizes ("world")."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -7,16 +7,19 @@ from typing import Optional, Sequence
 import numpy as np
 
 
-WEIGHTINGS = ("samples", "sizes", "none")
+WEIGHTINGS = ("samples", "sizes", "none", "world")
 
 
 def weights_for(weighting: str, batch: Sequence[int], data: Optional[Sequence[float]] = None) -> np.ndarray:
     """Per-rank aggregation weights, summing to 1.
 
     Args:
-        weighting: "samples" (``B_r / sum B``), "sizes" (``data_r / sum data``) or "none" (the
+        weighting: "samples" (``B_r / sum B``), "sizes" (``data_r / sum data``), "none" (the
             plain mean over ranks with samples: ``1/m`` for each of the ``m`` ranks with
-            ``B_r > 0``, 0 for idle ranks, whose gradient is of an empty batch).
+            ``B_r > 0``, 0 for idle ranks, whose gradient is of an empty batch) or "world"
+            (``1 / world`` for every rank, idle ones included: DDP's own mean, for a loss that
+            is already normalised over the whole step, such as a sum divided by the step's
+            global count).
         batch: int ``[world]`` samples per rank this step.
         data: ``[world]`` data amount per rank (required for "sizes").
 
@@ -40,6 +43,8 @@ def weights_for(weighting: str, batch: Sequence[int], data: Optional[Sequence[fl
             amount = b
     elif weighting == "none":
         amount = (b > 0).astype(np.float64)
+    elif weighting == "world":
+        amount = np.ones_like(b)
     else:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     if not np.all(np.isfinite(amount)) or np.any(amount < 0) or np.any(b < 0):

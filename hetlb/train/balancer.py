@@ -96,7 +96,9 @@ class Balancer:
             ``batch_size * world``).
         policy: a :class:`hetlb.policies.Policy` (default :class:`~hetlb.policies.LBB`).
         weighting: "samples" (``B_r / sum B``), "sizes" (data amount, needs ``sample_sizes=`` in
-            the loader) or "none" (the plain mean over ranks with samples, e.g. cross-silo FL).
+            the loader), "none" (the plain mean over ranks with samples, e.g. cross-silo FL) or
+            "world" (``1 / world`` for every rank, idle ones included: DDP's own mean, for a
+            loss already normalised over the whole step).
         loader: a :func:`hetlb.DataLoader` made before the model, to bind to this Balancer.
         group: process group (default: the world).
         lower, upper: bounds on this rank's batch (integers, ``0 <= lower <= upper``; ``lower``
@@ -125,7 +127,7 @@ class Balancer:
             in ``with bal.step():``, which enters ``ddp.no_sync()`` on all but the last one of a
             window; divide each micro-step's loss by ``accumulate`` as with DDP; step the
             optimizer when :attr:`synced` is True. Sizes are fixed per window, so the weights
-            are exact (weighting "samples" or "none").
+            are exact (weighting "samples", "none" or "world").
         batch_dim: where the model's forward finds the batch size to check against the plan: a
             dimension of the first tensor argument (default 0), a callable ``(args, kwargs) ->
             int``, or None for no check.
@@ -177,7 +179,8 @@ class Balancer:
             (``Chronica(hold=0.02)``, opt-in). Needs ``exchange_every > 1``. The same on every
             rank.
         defer_hook: (default True) leave the model without a communication hook while every
-            rank's weight is ``1 / world`` (equal batches, or "none" with samples on every rank;
+            rank's weight is ``1 / world`` (equal batches, "none" with samples on every rank, or
+            "world";
             never under "sizes" or a size-aware rule such as Chronica, whose weights follow the
             samples drawn):
             DDP's own averaging, which it fuses into its copy into buckets, is then the weighted
