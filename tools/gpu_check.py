@@ -16,6 +16,9 @@ failures. Run from the repository root with the extension built in place (``PYTH
 * ``fsdp2``: a one-rank NCCL Balancer on a CUDA model sharded with ``fully_shard``: steps of
   ``bal.micro_steps`` (micro-batches of 3 of 10 samples) give the whole batch's gradient, and
   the compute column fills from CUDA events.
+* ``fsdp2_micro_memory``: under a memory cap (``set_per_process_memory_fraction``) a batch whose
+  one pass runs out of CUDA memory trains as micro-steps (``k = 8``) of an FSDP2 model on one
+  NCCL rank, with the one-pass gradient of an unsharded copy.
 * ``profile_oom``: ``hetlb.profile`` stops at a real CUDA out-of-memory and frees it.
 * ``probe``: the memory probe sees another allocation on the device.
 """
@@ -167,6 +170,66 @@ def fsdp2_worker(rank, world):
     return {"err": max(errs), "records": len(compute)}
 
 
+def fsdp2_micro_memory_worker(rank, world):
+    """A real CUDA out-of-memory avoided by micro-steps: the cap is set from a step in 8
+    micro-steps; the same batch in one pass then runs out of memory."""
+    import copy
+    from torch.distributed.fsdp import fully_shard
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    d, m, k = 2048, 1024, 8
+    net = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d),
+                              torch.nn.ReLU(), torch.nn.Linear(d, 1)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(m * k, d, device="cuda", generator=g)
+    y = torch.randn(m * k, 1, device="cuda", generator=g)
+    ref = copy.deepcopy(net)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    want = [p.grad.detach().cpu() for p in ref.parameters()]
+    del ref
+    fully_shard(net[0])
+    fully_shard(net[2])
+    fully_shard(net)
+    bal = hetlb.Balancer(net, m * k, policy=hetlb.Uniform(), micro_batch=m)
+
+    def fn(xb, yb):
+        return torch.nn.functional.mse_loss(net(xb), yb)
+
+    with bal.step():  # (a first step: FSDP's buffers, the allocator's blocks)
+        bal.micro_steps(fn, x, y)
+    net.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with bal.step():
+        bal.micro_steps(fn, x, y)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_reserved()
+    total = torch.cuda.get_device_properties(0).total_memory
+    net.zero_grad()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, 1.2 * peak / total))
+    try:
+        with bal.step():
+            bal.micro_steps(fn, x, y)
+        got = [p.grad.full_tensor().cpu() for p in net.parameters()]
+        err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+        net.zero_grad()
+        oom = False
+        try:
+            with bal.step():
+                bal.backward(fn(x, y))
+        except Exception as e:  # noqa: BLE001 (what matters is that it is an out-of-memory)
+            oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
+            if not oom:
+                raise
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert err < 1e-4, err
+    assert oom, "one pass of the whole batch fit under the cap: the check shows nothing"
+    return {"cap_mib": round(1.2 * peak / 2**20), "err": err, "one_pass_oom": oom}
+
+
 def delayed_worker(rank, world, device):
     """DelayedSync (deterministic mode) on ``device``: the update must not depend on the device."""
     torch.manual_seed(0)
@@ -234,6 +297,8 @@ def main() -> int:
         "logged_loss (cuda, one step late)": lambda: unwrap(run(logged_loss_worker, 2, timeout=300))[0],
         "delayed_sync (gloo, cuda tensors)": check_delayed_cuda,
         "fsdp2 (nccl, micro-steps)": lambda: unwrap(run(fsdp2_worker, 1, backend="nccl", timeout=300))[0],
+        "fsdp2_micro_memory (nccl)": lambda: unwrap(run(fsdp2_micro_memory_worker, 1, backend="nccl",
+                                                        timeout=300))[0],
         "profile_oom": check_profile_oom,
         "probe": check_probe,
     }
