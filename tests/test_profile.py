@@ -152,9 +152,8 @@ def test_other_errors_propagate():
 @pytest.mark.parametrize("probe", ["hwm", "sampled"])
 def test_memory_limit_bytes(probe, monkeypatch):
     if probe == "sampled":  # the portable fallback: an RSS sampler thread
-        # (the module via sys.modules: the package attribute hetlb.profile is the function)
-        mod = sys.modules[Profile.__module__]
-        monkeypatch.setattr(mod._ProcHWMPeak, "available", staticmethod(lambda: False))
+        from hetlb.train.memory_peak import ProcHWMPeak
+        monkeypatch.setattr(ProcHWMPeak, "available", staticmethod(lambda: False))
     mib = 2 ** 20
 
     def step(b):
