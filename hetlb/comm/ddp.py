@@ -38,7 +38,6 @@ class DDPTransport:
     """
 
     name = "DistributedDataParallel"
-    #: A micro-step under ``no_sync()`` communicates nothing: ranks may run different numbers.
     #: DDP cannot remove a communication hook: a model keeps its first Balancer.
     takes_over = False
 

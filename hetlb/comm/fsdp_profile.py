@@ -17,8 +17,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from hetlb.comm.fsdp_state import all_param_groups, data_parallel_ranks, fsdp_modules
 from hetlb.comm.fsdp_clock import LayerClock
+from hetlb.comm.fsdp_state import all_param_groups, data_parallel_ranks, fsdp_modules
 
 
 class _Waits:

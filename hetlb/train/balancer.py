@@ -351,7 +351,7 @@ class Balancer:
                                      route=self.route, watchdog=watchdog,
                                      runlog=open_runlog(log_dir, tensorboard, self.rank),
                                      peers=self.peers)
-            self.driver.micro_limits = [e["micro_batch"] for e in everyone]
+            self.driver.micro_limit = cfg.micro_batch
             # The bound loader's configuration (a value: the loader holds this Balancer, not the
             # other way round), or None before a loader is bound.
             self._loader_config: Optional[Dict[str, Any]] = None

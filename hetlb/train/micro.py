@@ -30,15 +30,16 @@ def micro_bounds(b: int, limit: Optional[int]) -> List[Tuple[int, int]]:
 
 
 def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan: Any,
-                    limits: Sequence[Optional[int]], rank: int, *, core: Any, transport: Any,
+                    limit: Optional[int], rank: int, *, core: Any, transport: Any,
                     expect: Callable[[Optional[int]], None]) -> torch.Tensor:
     """Run ``fn`` on each micro-step's slice of ``batch`` (this rank's of the open step's
-    ``plan``) and its weighted backward (see the module docstring); returns this rank's mean
-    loss over its batch (detached; NaN when it has no samples)."""
+    ``plan``) in micro-steps of at most ``limit`` samples and their weighted backwards (see the
+    module docstring); returns this rank's mean loss over its batch (detached; NaN when it has
+    no samples)."""
     if plan is None:
         raise RuntimeError("hetlb: bal.micro_steps(...) outside a balanced step; call it for a "
                            "batch of the Balancer's loader, or inside `with bal.step():`")
-    bounds = micro_bounds(int(plan.sizes[rank]), limits[rank])
+    bounds = micro_bounds(int(plan.sizes[rank]), limit)
     weight = core.weight
     total = sum(hi - lo for lo, hi in bounds)
     for t in batch:
@@ -46,7 +47,6 @@ def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan:
             raise ValueError(f"bal.micro_steps: each tensor of the batch needs this rank's "
                              f"{total} samples along its first dimension, got shape "
                              f"{tuple(t.shape)}")
-    mean: Optional[torch.Tensor] = None
     try:
         with transport.micro_window():
             mean = _run(fn, batch, bounds, total, core, transport, weight, expect)

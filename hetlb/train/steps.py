@@ -163,8 +163,8 @@ class StepDriver:
         self.accumulate, self.exchange_every = accumulate, exchange_every
         self.adaptive_exchange, self.route = adaptive_exchange, route
         self.watchdog, self.runlog, self.peers = watchdog, runlog, peers
-        #: Every rank's largest micro-batch (None: no limit; :meth:`micro_steps`), set at start-up.
-        self.micro_limits: List[Optional[int]] = [None] * world
+        #: This rank's largest micro-batch (None: no limit; :meth:`micro_steps`), set at start-up.
+        self.micro_limit: Optional[int] = None
         #: Whether a loader is bound (it hands out the steps' batches).
         self.bound = False
         #: Seconds the driver itself spent in the latest step (row, table check, record,
@@ -388,7 +388,7 @@ class StepDriver:
 
     def micro_steps(self, fn: Any, batch: Tuple[Any, ...]) -> torch.Tensor:
         """:meth:`hetlb.Balancer.micro_steps`."""
-        return run_micro_steps(fn, batch, self._open and self._open.plan, self.micro_limits,
+        return run_micro_steps(fn, batch, self._open and self._open.plan, self.micro_limit,
                                self.rank, core=self.telemetry.core, transport=self.gradients,
                                expect=self.hooks.expect)
 
