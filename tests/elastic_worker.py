@@ -5,8 +5,6 @@ Float64 linear regression, DDP on Gloo, ``hetlb.Balancer`` with the equal split;
 0, atomically) every ``--every`` steps; on start it resumes from the latest one if there is one.
 
 Failures it can stage:
-- ``--kill-rank R --kill-step S``: rank R exits at step S of the first attempt (a crash; torchrun
-  restarts the group);
 - ``--crashes N``: each of the first N attempts loses one rank (rank ``a % world`` of attempt ``a``)
   one or two steps after its first checkpoint, so every attempt makes progress and the job restarts
   N times in a row;
@@ -44,8 +42,6 @@ def main() -> None:
     p.add_argument("--init", choices=["hetlb", "torch"], default="hetlb")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--every", type=int, default=3)
-    p.add_argument("--kill-rank", type=int, default=-1)
-    p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--crashes", type=int, default=0)
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-step", type=int, default=-1)
@@ -98,8 +94,6 @@ def main() -> None:
                 step += 1
                 log.write("".join(f"{attempt} {step} {epoch} {int(i)}\n" for i in idx))
                 log.flush()
-                if restart == 0 and rank == args.kill_rank and step == args.kill_step:
-                    os._exit(3)
                 if restart < args.crashes and rank == restart % world and step == first + args.every + 1 + restart % 2:
                     with open(os.path.join(args.out, f"crash.{attempt}"), "w") as f:
                         f.write(f"{time.time_ns()}\n")  # for bench/bench_restarts.py's restart latency

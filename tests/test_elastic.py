@@ -102,19 +102,10 @@ def reference(tmp_path_factory):
     return ref
 
 
-def test_a_crashed_worker_is_restarted_and_the_run_continues_exactly_once(tmp_path, reference):
-    r = torchrun(tmp_path, "--epochs", 3, "--kill-rank", 1, "--kill-step", 8)
-    assert r.returncode == 0, r.stderr[-3000:]
-    epochs, restarts = committed(tmp_path, 3)
-    assert restarts == 1  # it did restart
-    for e, seen in enumerate(epochs):
-        assert seen == list(range(96)), f"epoch {e}"
-    same_model(tmp_path, reference)
-
-
 def test_two_crashes_in_a_row(tmp_path, reference):
     # Each attempt loses a rank one or two steps after its first checkpoint (bench/bench_restarts.py
-    # runs 20 in a row).
+    # runs 20 in a row): rank 0 at step 4 (mid-epoch, resumed from step 3), then rank 1 at step 8
+    # (resumed from step 6, an epoch's end), each restart a crashed worker's.
     r = torchrun(tmp_path, "--epochs", 3, "--crashes", 2, restarts=2)
     assert r.returncode == 0, r.stderr[-3000:]
     epochs, restarts = committed(tmp_path, 3)

@@ -239,6 +239,13 @@ class LoaderMachine(RuleBasedStateMachine):
             self.drivers.append(driver)
         self.after_build(state)
 
+    def teardown(self):
+        # The iterators are freed here, by reference count. Left to the cyclic collector (the
+        # machine dropped with them), a DataLoader iterator's queues are finalised before its
+        # __del__ stops its workers: the workers never get the stop signal and each shutdown waits
+        # out DataLoader's 5 s join timeout per worker (a minute an example run).
+        self.iters = None
+
     def after_build(self, state):
         self.iters = None
         self.handed = None  # (plan, every rank's batch) of the open step
@@ -328,6 +335,7 @@ class LoaderMachine(RuleBasedStateMachine):
     @rule()
     def new_loop(self):
         """A new ``for batch in loader`` (after a break, a peek, a restart, or the next epoch)."""
+        self.iters = None  # the previous loop's iterators go first, as a `for` statement's do
         self.iters = [iter(loader) for loader in self.loaders]
         self.iter_epoch = self.boards[0].epoch
         self.handed = None  # a step handed out and not trained is handed out again
