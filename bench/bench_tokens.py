@@ -22,7 +22,13 @@ the median step-level straggler (max - min compute), and per rank the peak over 
 bytes autograd saved for backward (the activations: what grows with a rank's longest sequences;
 CPU allocators report no per-step peak).
 
-    python bench/bench_tokens.py [--global-batch 32] [--steps 12] [--out F]
+``--part peers`` runs hetlb against transformers' ``BatchRebalanceSampler``, the default sampler and
+an equal token budget per rank on a transformers Llama (see ``token_peers.py``; needs transformers):
+time per epoch against the time model's ideal, items per second, the straggler, the sizes, the
+saved activations and the loss curves side by side.
+
+    python bench/bench_tokens.py [--global-batch 32] [--steps 12] [--part policies|peers|all]
+                                 [--emulate stretch|model] [--plot F.png] [--out F]
 """
 from __future__ import annotations
 
@@ -191,12 +197,13 @@ def _worker(rank: int, world: int, gb: int, steps: int) -> Dict[str, Dict[str, A
     return results
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--global-batch", type=int, default=32, help="sequences per step")
-    p.add_argument("--steps", type=int, default=12, help="steps per epoch")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+def _peers_worker(rank: int, world: int, gb: int, steps: int, emulate: str) -> Dict[str, Dict[str, Any]]:
+    from token_peers import PEERS, run_peer
+    lens = lengths(gb * steps)
+    return {peer: run_peer(peer, rank, world, gb, steps, list(SPEEDS), lens, emulate) for peer in PEERS}
+
+
+def _policies(args: argparse.Namespace) -> List[str]:
     results = on_gloo_ranks(_worker, 4, args.global_batch, args.steps)
     lens = lengths(args.global_batch * args.steps)
     base = results["chronica (linear, paper)"]
@@ -210,6 +217,75 @@ def main() -> None:
         rel = tps / (base["tokens"] / base["wall"])
         peaks = ", ".join(f"{v / 2 ** 20:.1f}" for v in r["peak"])
         lines.append(f"| {label} | {tps:.0f} ({rel:.2f}x) | {r['gap'] * 1e3:.0f} | {peaks} |")
+    return lines
+
+
+def _peers(args: argparse.Namespace) -> List[str]:
+    from token_peers import A0, A1, C
+    results = on_gloo_ranks(_peers_worker, 4, args.global_batch, args.steps, args.emulate)
+    lens = lengths(args.global_batch * args.steps)
+    base = results["hetlb (Chronica)"]
+    how = ("each rank's measured compute divided by its speed" if args.emulate == "stretch" else
+           f"compute from the time model {A0 * 1e3:g} ms + {A1 * 1e6:g} us x sum(s + s^2/{1 / C:g}) "
+           f"over a rank's sequences of s items, divided by its speed")
+    lines = [f"### Llama (transformers config, 2 layers, width {WIDTH}) on lognormal(5, 1) sequences "
+             f"in 16-2048 tokens (mean {lens.mean():.0f}), padding-free collation "
+             f"(DataCollatorWithFlattening), 4 Gloo ranks 1:2:3:4 ({how}), global batch "
+             f"{args.global_batch} sequences, {args.steps} steps per epoch, the second epoch", "",
+             "| peer | epoch s | / ideal (fixed ms a step) | items/s | / hetlb (Chronica) | "
+             "median straggler ms | sequences per rank (1x..4x) | peak saved MiB per rank |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
+    for label, r in results.items():
+        peaks = ", ".join(f"{v / 2 ** 20:.0f}" for v in r["peak"])
+        sizes = ", ".join(f"{v:.1f}" for v in r["sizes"])
+        lines.append(f"| {label} | {r['wall']:.2f} | {r['wall'] / r['ideal']:.2f} ({r['fixed'] * 1e3:.0f}) | "
+                     f"{r['items'] / r['wall']:.0f} | {r['wall'] / base['wall']:.2f}x | "
+                     f"{r['straggler'] * 1e3:.0f} | {sizes} | {peaks} |")
+    n = len(base["losses"])
+    marks = sorted({0, n // 4, n // 2, 3 * n // 4, n - 1})
+    lines += ["", "Global token-mean loss at steps " + ", ".join(str(m + 1) for m in marks) + ":", "",
+              "| peer | " + " | ".join(f"step {m + 1}" for m in marks) + " |",
+              "|---|" + "---:|" * len(marks)]
+    for label, r in results.items():
+        lines.append(f"| {label} | " + " | ".join(f"{r['losses'][m]:.3f}" for m in marks) + " |")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+        for label, r in results.items():
+            by_step.plot(range(1, n + 1), r["losses"], label=label)
+            timed = r["losses"][-len(r["walls"]):]
+            by_time.plot(np.cumsum(r["walls"]), timed, label=label)
+        by_step.set_xlabel("step (both epochs)")
+        by_time.set_xlabel("seconds into the timed epoch")
+        for ax in (by_step, by_time):
+            ax.set_ylabel("global token-mean loss")
+        by_time.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        lines.append(f"\nLoss curves: {args.plot}")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--global-batch", type=int, default=32, help="sequences per step")
+    p.add_argument("--steps", type=int, default=12, help="steps per epoch")
+    p.add_argument("--part", choices=["policies", "peers", "all"], default="all",
+                   help="hetlb's policies on a plain transformer; or hetlb against transformers' "
+                        "samplers on a transformers model (needs transformers)")
+    p.add_argument("--emulate", choices=["stretch", "model"], default="stretch",
+                   help="with peers: stretch the measured compute, or emulate it from a time "
+                        "model of the items (token_peers.A0, A1, C)")
+    p.add_argument("--plot", default=None, help="with peers: the loss curves to this PNG")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    lines: List[str] = []
+    if args.part in ("policies", "all"):
+        lines += _policies(args)
+    if args.part in ("peers", "all"):
+        lines += ([""] if lines else []) + _peers(args)
     emit(lines, args.out)
 
 
