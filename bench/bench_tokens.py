@@ -248,6 +248,8 @@ def _peers(args: argparse.Namespace) -> List[str]:
               "|---|" + "---:|" * len(marks)]
     for label, r in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{r['losses'][m]:.3f}" for m in marks) + " |")
+    spread = max(float(np.max(np.abs(np.subtract(r["losses"], base["losses"])))) for r in results.values())
+    lines += ["", f"Largest difference from hetlb (Chronica)'s loss, any peer, any step: {spread:.1e}"]
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

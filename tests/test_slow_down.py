@@ -82,8 +82,6 @@ def test_a_plain_ddp_loop_runs_at_the_emulated_speeds_with_ddp_s_gradient():
         for step, ((measured, held), b) in enumerate(zip(r["records"], sizes)):
             assert held == max(emu.target(step, b), measured)  # the time model at the step's samples
     slow = [held for _, held in out[1]["records"]]
-    fast = [held for _, held in out[0]["records"]]
-    assert all(s > 3 * f for s, f in zip(slow, fast))
     # The fast rank's backward ends only once the slow rank's hold released the last bucket: it
     # waits in the all-reduce for the emulated compute (the starts are aligned by a barrier).
     assert all(w >= 0.8 * s for w, s in zip(out[0]["walls"], slow)), (out[0]["walls"], slow)
