@@ -28,7 +28,7 @@ time per epoch against the time model's ideal, items per second, the straggler, 
 saved activations and the loss curves side by side.
 
     python bench/bench_tokens.py [--global-batch 32] [--steps 12] [--part policies|peers|all]
-                                 [--emulate stretch|model] [--plot F.png] [--out F]
+                                 [--emulate stretch|model] [--orders N] [--plot F.png] [--out F]
 """
 from __future__ import annotations
 
@@ -197,10 +197,24 @@ def _worker(rank: int, world: int, gb: int, steps: int) -> Dict[str, Dict[str, A
     return results
 
 
-def _peers_worker(rank: int, world: int, gb: int, steps: int, emulate: str) -> Dict[str, Dict[str, Any]]:
+def _peers_worker(rank: int, world: int, gb: int, steps: int, emulate: str,
+                  speeds: List[float]) -> Dict[str, Dict[str, Any]]:
     from token_peers import PEERS, run_peer
     lens = lengths(gb * steps)
-    return {peer: run_peer(peer, rank, world, gb, steps, list(SPEEDS), lens, emulate) for peer in PEERS}
+    return {peer: run_peer(peer, rank, world, gb, speeds, lens, emulate) for peer in PEERS}
+
+
+def speed_orders(n: int) -> List[List[float]]:
+    """``n`` assignments of the speeds to ranks: 1x on rank 0 up to 4x on rank 3, the reverse,
+    then seeded permutations (a sampler that favours some rank must not meet only the order that
+    suits or hurts it)."""
+    orders = [list(SPEEDS), list(SPEEDS[::-1])]
+    rng = np.random.default_rng(0)
+    while len(orders) < n:
+        order = rng.permutation(SPEEDS).tolist()
+        if order not in orders:
+            orders.append(order)
+    return orders[:n]
 
 
 def _policies(args: argparse.Namespace) -> List[str]:
@@ -222,7 +236,13 @@ def _policies(args: argparse.Namespace) -> List[str]:
 
 def _peers(args: argparse.Namespace) -> List[str]:
     from token_peers import A0, A1, C
-    results = on_gloo_ranks(_peers_worker, 4, args.global_batch, args.steps, args.emulate)
+    if args.global_batch % 4:
+        raise SystemExit("--global-batch must be a multiple of 4 with --part peers (the default "
+                         "sampler's equal counts, so every peer trains the same sequences a step)")
+    orders = speed_orders(args.orders)
+    runs = [on_gloo_ranks(_peers_worker, 4, args.global_batch, args.steps, args.emulate, o)
+            for o in orders]
+    results = runs[0]
     lens = lengths(args.global_batch * args.steps)
     base = results["hetlb (Chronica)"]
     how = ("each rank's measured compute divided by its speed" if args.emulate == "stretch" else
@@ -241,6 +261,19 @@ def _peers(args: argparse.Namespace) -> List[str]:
         lines.append(f"| {label} | {r['wall']:.2f} | {r['wall'] / r['ideal']:.2f} ({r['fixed'] * 1e3:.0f}) | "
                      f"{r['items'] / r['wall']:.0f} | {r['wall'] / base['wall']:.2f}x | "
                      f"{r['straggler'] * 1e3:.0f} | {sizes} | {peaks} |")
+    if len(runs) > 1:
+        names = ["/".join(f"{4 * v:g}" for v in o) for o in orders]
+        lines += ["", f"Over {len(runs)} assignments of the speeds to ranks 0-3 ({', '.join(names)}; "
+                  "the table above is the first): epoch s in each, and its ratio to hetlb "
+                  "(Chronica)'s and to the ideal, mean (range)", "",
+                  "| peer | epoch s | / hetlb (Chronica) | / ideal |", "|---|---|---:|---:|"]
+        for label in results:
+            walls = [r[label]["wall"] for r in runs]
+            rel = [r[label]["wall"] / r["hetlb (Chronica)"]["wall"] for r in runs]
+            ideal = [r[label]["wall"] / r[label]["ideal"] for r in runs]
+            lines.append(f"| {label} | {', '.join(f'{w:.2f}' for w in walls)} | "
+                         f"{np.mean(rel):.2f} ({min(rel):.2f}-{max(rel):.2f}) | "
+                         f"{np.mean(ideal):.2f} ({min(ideal):.2f}-{max(ideal):.2f}) |")
     n = len(base["losses"])
     marks = sorted({0, n // 4, n // 2, 3 * n // 4, n - 1})
     lines += ["", "Global token-mean loss at steps " + ", ".join(str(m + 1) for m in marks) + ":", "",
@@ -274,7 +307,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--global-batch", type=int, default=32, help="sequences per step")
     p.add_argument("--steps", type=int, default=12, help="steps per epoch")
-    p.add_argument("--part", choices=["policies", "peers", "all"], default="all",
+    p.add_argument("--orders", type=int, default=1,
+                   help="with peers: assignments of the speeds to ranks to run (1: 1x on rank 0 "
+                        "to 4x on rank 3; then the reverse, then seeded permutations)")
+    p.add_argument("--part", choices=["policies", "peers", "all"], default="policies",
                    help="hetlb's policies on a plain transformer; or hetlb against transformers' "
                         "samplers on a transformers model (needs transformers)")
     p.add_argument("--emulate", choices=["stretch", "model"], default="stretch",

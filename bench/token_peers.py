@@ -137,8 +137,10 @@ class EqualTokens:
             idx = order[s * self.gb:(s + 1) * self.gb]
             cum = np.cumsum(self.lens[idx])
             bounds = [0]
-            for k in range(1, self.world):  # the sequence crossing k/world of the tokens ends part k
-                cut = int(np.searchsorted(cum, cum[-1] * k / self.world)) + 1
+            for k in range(1, self.world):  # the cut nearest k/world of the tokens
+                goal = cum[-1] * k / self.world
+                i = int(np.searchsorted(cum, goal))  # cum[i] is the first sum >= goal
+                cut = i if i > 0 and goal - cum[i - 1] <= cum[i] - goal else i + 1
                 bounds.append(min(max(cut, bounds[-1] + 1), len(idx) - (self.world - k)))
             bounds.append(len(idx))
             yield idx[bounds[self.rank]:bounds[self.rank + 1]].tolist()
@@ -190,8 +192,8 @@ def work(position_ids: Any) -> "tuple[float, float]":
     return float(lens.sum()), float((lens.double() ** 2).sum())
 
 
-def run_peer(peer: str, rank: int, world: int, gb: int, steps: int, speeds: List[float],
-             lens: np.ndarray, emulate: str = "stretch", epochs: int = 2) -> Dict[str, Any]:
+def run_peer(peer: str, rank: int, world: int, gb: int, speeds: List[float], lens: np.ndarray,
+             emulate: str = "stretch", epochs: int = 2) -> Dict[str, Any]:
     """One peer on this rank: its timed (last) epoch's figures, gathered on every rank.
 
     ``emulate="stretch"``: each rank's measured compute divided by its speed. ``"model"``: each
@@ -204,7 +206,7 @@ def run_peer(peer: str, rank: int, world: int, gb: int, steps: int, speeds: List
     import hetlb
     from hetlb.core.models import LinearModel
     from hetlb.sim.emulate import Emulator
-    from hetlb.sim.slow_down import slow_down
+    from hetlb.sim import slow_down
     ds = TokenSequences(lens)
     torch.manual_seed(0)
     ddp = DDP(build_lm())
@@ -221,10 +223,8 @@ def run_peer(peer: str, rank: int, world: int, gb: int, steps: int, speeds: List
                              batch_dim=sequences)
         sampler, loader = None, bal.loader(ds, seed=3, collate_fn=flatten)
     else:
-        def amount(args: tuple, kwargs: dict) -> float:
-            items, sq = work(kwargs["position_ids"])
-            return items + C * sq
-        held = slow_down(ddp, emu, amount=amount if emulate == "model" else None)
+        held = slow_down(ddp, emu, amount=(lambda a, k: work(k["position_ids"])) if emulate == "model"
+                         else None)
         sampler, loader = _sampler(peer, ds, gb, world, rank)
     losses: List[float] = []
     walls: List[float] = []
@@ -276,9 +276,11 @@ def run_peer(peer: str, rank: int, world: int, gb: int, steps: int, speeds: List
     peaks = _gather_rows([max(saved)], world)[0]
     step_work = _gather_rows(works, world).sum(1)
     fixed = statistics.median(w - e.max() for w, e in zip(walls, emulated))
-    if emulate == "model":  # every rank done at once: (A0 + A1 w_i) / speed_i equal, sum(w_i) = W
+    # A lower bound: every rank done at once, (A0 + A1 w_i) / speed_i equal with sum(w_i) = W (or the
+    # real compute spread at the summed speed), as if sequences could be split.
+    if emulate == "model":
         compute = float(((A1 * step_work + world * A0) / sum(speeds)).sum())
-    else:  # the real compute (the emulated one times the speed) spread at the summed speed
+    else:  # (the real compute is the emulated one times the speed)
         compute = float((emulated * np.asarray(speeds)[None, :]).sum() / sum(speeds))
     return {"wall": wall, "items": items_done, "losses": losses, "peak": peaks.tolist(),
             "straggler": statistics.median(float(e.max() - e.min()) for e in emulated),

@@ -43,8 +43,10 @@ def test_equal_tokens_hands_each_step_s_sequences_once_in_parts_of_about_equal_t
     for s in range(6):
         step = [parts[r][s] for r in range(world)]
         assert all(step) and sum(step, []) == order[16 * s:16 * (s + 1)]  # contiguous, every rank some
-        tokens = [lens[p].sum() for p in step]
-        assert max(tokens) - min(tokens) <= 2 * lens[order[16 * s:16 * (s + 1)]].max()
+        sums = np.concatenate([[0], np.cumsum(lens[order[16 * s:16 * (s + 1)]])])
+        for k in range(1, world):  # each cut the one nearest k/world of the step's tokens
+            goal = sums[-1] * k / world
+            assert abs(sums[sum(len(p) for p in step[:k])] - goal) == np.abs(sums - goal).min()
 
 
 def test_token_peers_bench_runs_shortened(tmp_path):

@@ -8,7 +8,7 @@ network and its events; see :mod:`hetlb.sim.scenario` for the schema) and return
 from hetlb.sim.engine import POLICY_NAMES, SimResult, make_policy, simulate, unknown_policies
 from hetlb.sim.scenario import (EVENT_KINDS, Event, Network, Scenario, ScenarioError, WorkerModel,
                                 WorkerSpec, builtin_scenarios, generate_cluster, load_scenario)
-from hetlb.sim.slow_down import SlowedSteps, slow_down
+from hetlb.sim.slowed_steps import SlowedSteps, slow_down
 from hetlb.sim.static import Split, compare_splits
 
 

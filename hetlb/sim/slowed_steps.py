@@ -5,12 +5,16 @@ core. A loop that has no Balancer (a baseline with its own sampler, a trainer's 
 same slow-down from :func:`slow_down`: a forward pre-hook marks the first forward of a step, and a
 DDP communication hook holds the step's last gradient bucket (the moment the rank joins the final
 all-reduce) until the emulated time after that forward, then all-reduces it as DDP does by
-default (the mean over the world). So the other ranks wait for the emulated compute exactly as
-they would for a slower device, and the gradient is DDP's own.
+default (the mean over the world; equal to DDP's built-in reduction up to rounding, which scales
+each gradient before the sum rather than the bucket). So the other ranks wait for the emulated
+compute exactly as they would for a slower device.
 
 A step here is an accumulation window: the forwards before the all-reduce (micro-steps under
-``ddp.no_sync()`` included) and their backwards, from the first forward to the last bucket.
-Forwards without autograd (evaluation) start nothing.
+``ddp.no_sync()`` included) and their backwards, from the first forward to the last bucket. A
+forward without autograd (evaluation) starts nothing; a synchronising forward whose backward
+never came (a loss discarded, a step skipped) is dropped by the next forward, which starts the
+step again. DDP's buffer broadcast at the forward's start falls inside the step.
+On a GPU the hooks synchronise the current stream, so the times are the device's.
 
     emu = Emulator.for_rank(rank, speeds=[0.25, 0.5, 0.75, 1.0])
     steps = slow_down(ddp, emu)
@@ -19,8 +23,9 @@ Forwards without autograd (evaluation) start nothing.
         opt.step(); opt.zero_grad()
     steps.records                          # (measured, emulated) seconds of each step
 """
+import numbers
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -31,9 +36,11 @@ from hetlb.sim.emulate import Emulator, sleep_until
 
 __all__ = ["SlowedSteps", "slow_down"]
 
-#: ``amount(args, kwargs)``: what the emulator's time model is evaluated at for one forward
-#: (samples, or tokens with ``Emulator(by="data")``); the window's forwards are summed.
-Amount = Callable[[tuple, dict], float]
+#: ``amount(args, kwargs)``: what the emulator's time model is evaluated at for one forward:
+#: samples (or tokens with ``Emulator(by="data")``), or ``(data, squares)`` (the summed squared
+#: sample sizes, for ``Emulator(quadratic=c)``: evaluated at ``data + c * squares``, as the
+#: Balancer does). A window's forwards are summed.
+Amount = Callable[[tuple, dict], Union[float, Tuple[float, float]]]
 
 
 class SlowedSteps:
@@ -48,22 +55,39 @@ class SlowedSteps:
     """
 
     def __init__(self, emulator: Emulator, amount: Optional[Amount], first_step: int,
-                 group: Optional[dist.ProcessGroup]) -> None:
+                 group: Optional[dist.ProcessGroup], cuda: bool) -> None:
         self.emulator, self.amount, self.first_step = emulator, amount, first_step
-        self.group = group
+        self.group, self.cuda = group, cuda
         self.steps = 0
         self.records: List[Tuple[float, float]] = []
         self._start: Optional[float] = None
         self._batch = 0.0
+        self._synced = False  # the window holds a forward that synchronises (its backward reduces)
+
+    def _now(self) -> float:
+        if self.cuda:  # the device's time, not the host's launch time
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter()
 
     def forward_starts(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook: the first forward with autograd on opens a step."""
+        """Forward pre-hook (on the DDP model): a forward with autograd on opens a step, or joins
+        the open one if that has only no-sync forwards."""
         if not torch.is_grad_enabled():
             return
-        if self._start is None:
-            self._start, self._batch = time.perf_counter(), 0.0
-        if self.amount is not None:
-            self._batch += float(self.amount(args, kwargs))
+        got = 0.0 if self.amount is None else self._evaluated(self.amount(args, kwargs))
+        if self._start is None or self._synced:
+            self._start, self._batch = self._now(), 0.0
+        self._synced = bool(module.require_backward_grad_sync)
+        self._batch += got
+
+    def _evaluated(self, got: Union[float, Tuple[float, float]]) -> float:
+        if isinstance(got, tuple):
+            data, squares = got
+            return float(data) + self.emulator.quadratic * float(squares)
+        if self.emulator.quadratic:
+            raise ValueError("the emulator has quadratic=c: amount= must return (data, squared "
+                             "sizes) of a forward's samples, evaluated at data + c * squares")
+        return float(got)
 
     # (annotations DDP checks at registration: no postponed evaluation in this module)
     def bucket_ready(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -75,10 +99,10 @@ class SlowedSteps:
 
     def _hold(self) -> None:
         start = self._start
+        self._start, self._synced = None, False
         if start is None:  # a backward without a forward seen by the hook: nothing to time
             return
-        self._start = None
-        measured = time.perf_counter() - start
+        measured = self._now() - start
         step = self.first_step + self.steps
         goal = self.emulator.target(step, self._batch, measured=measured)
         if goal > measured:
@@ -98,8 +122,8 @@ def slow_down(model: DistributedDataParallel, emulator: Emulator, *,
         emulator: this rank's emulator (e.g. ``Emulator.for_rank(rank, speeds)``). Without a
             time model it stretches the measured compute by ``1 / speed``. Its ``fail=True``
             disturbances and bandwidth cap need the Balancer and are refused here.
-        amount: ``amount(args, kwargs)`` of one forward's arguments: the samples (or tokens) the
-            emulator's time model is evaluated at; required when it has one.
+        amount: ``amount(args, kwargs)`` of one forward's arguments (see :data:`Amount`): what
+            the emulator's time model is evaluated at; required when it has one.
         first_step: the index of the next step (a resumed run passes its step count, so noise and
             disturbances fall on the same steps as in an uninterrupted run).
     """
@@ -119,9 +143,10 @@ def slow_down(model: DistributedDataParallel, emulator: Emulator, *,
     if emulator.model is not None and amount is None:
         raise ValueError("the emulator has a time model: pass amount=, a function of a forward's "
                          "(args, kwargs) giving the samples (or tokens) it trains")
-    if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+    if isinstance(first_step, bool) or not isinstance(first_step, numbers.Integral) or first_step < 0:
         raise ValueError(f"first_step must be an int >= 0, got {first_step!r}")
-    steps = SlowedSteps(emulator, amount, first_step, model.process_group)
+    cuda = any(p.is_cuda for p in model.parameters())
+    steps = SlowedSteps(emulator, amount, int(first_step), model.process_group, cuda)
     try:
         model.register_comm_hook(None, steps.bucket_ready)
     except RuntimeError as e:
