@@ -148,6 +148,7 @@ def _worker(rank: int, world: int, gb: int, steps: int) -> Dict[str, Dict[str, A
     from hetlb.data.collate import packed_collate, pad_collate
     from hetlb.sim.emulate import Emulator
     from hetlb.sim import make_policy
+    from token_peers import gather_rows, saved_bytes
     results: Dict[str, Dict[str, Any]] = {}
     ds = Sequences(lengths(gb * steps))
     for label, (pname, quad, layout) in CONFIGS.items():
@@ -167,17 +168,8 @@ def _worker(rank: int, world: int, gb: int, steps: int) -> Dict[str, Dict[str, A
             dist.barrier()
             start = time.perf_counter()
             for batch in loader:
-                total = [0]
-                seen = set()
-
-                def pack(t: torch.Tensor) -> torch.Tensor:
-                    key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                    if key not in seen:
-                        seen.add(key)
-                        total[0] += key[1]
-                    return t
-
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                hook, total = saved_bytes()
+                with hook:
                     loss = ddp(batch)
                 loss.backward()
                 opt.step()
@@ -188,11 +180,9 @@ def _worker(rank: int, world: int, gb: int, steps: int) -> Dict[str, Dict[str, A
         recs = [r for r in bal.history if r.epoch == 1]
         tokens = float(sum(r.data.sum() for r in recs))
         gap = statistics.median(float(r.compute.max() - r.compute.min()) for r in recs)
-        peak = torch.tensor([max(saved) if saved else 0.0], dtype=torch.float64)
-        peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(peaks, peak)
         results[label] = {"tokens": tokens, "wall": wall, "gap": gap,
-                          "peak": [float(p) for p in peaks], "loss": float(loss.detach())}
+                          "peak": gather_rows([max(saved) if saved else 0.0], world)[0].tolist(),
+                          "loss": float(loss.detach())}
         del bal, loader, ddp, opt
     return results
 

@@ -161,7 +161,7 @@ def _sampler(peer: str, ds: TokenSequences, gb: int, world: int, rank: int) -> A
     return bs, torch.utils.data.DataLoader(ds, batch_sampler=bs, collate_fn=flatten)
 
 
-def _saved_bytes() -> "tuple[Any, List[int]]":
+def saved_bytes() -> "tuple[Any, List[int]]":
     """A saved-tensors hook counting the bytes autograd keeps for backward (distinct storages)."""
     import torch
     total, seen = [0], set()
@@ -244,7 +244,7 @@ def run_peer(peer: str, rank: int, world: int, gb: int, speeds: List[float], len
             n = int((batch["labels"][:, 1:] != -100).sum())
             count = torch.tensor([float(n), 0.0], dtype=torch.float64)
             dist.all_reduce(count)
-            hook, total = _saved_bytes()
+            hook, total = saved_bytes()
             with hook:
                 s, _ = loss_sum(ddp, batch)
             if bal is not None:
@@ -260,7 +260,7 @@ def run_peer(peer: str, rank: int, world: int, gb: int, speeds: List[float], len
             if epoch == epochs - 1:
                 walls.append(now - last)
                 saved.append(total[0])
-                counts.append(int((batch["position_ids"] == 0).sum()))
+                counts.append(sequences((), batch))
                 items, sq = work(batch["position_ids"])
                 works.append(items + C * sq)
                 items_done += int(count[0])
@@ -271,10 +271,10 @@ def run_peer(peer: str, rank: int, world: int, gb: int, speeds: List[float], len
         emulated = np.array([r.compute for r in bal.history if r.epoch == epochs - 1])  # [steps, world]
         bal.close()
     else:
-        emulated = _gather_rows([h for _, h in held.records[first:]], world)
-    sizes = _gather_rows(counts, world)
-    peaks = _gather_rows([max(saved)], world)[0]
-    step_work = _gather_rows(works, world).sum(1)
+        emulated = gather_rows([h for _, h in held.records[first:]], world)
+    sizes = gather_rows(counts, world)
+    peaks = gather_rows([max(saved)], world)[0]
+    step_work = gather_rows(works, world).sum(1)
     fixed = statistics.median(w - e.max() for w, e in zip(walls, emulated))
     # A lower bound: every rank done at once, (A0 + A1 w_i) / speed_i equal with sum(w_i) = W (or the
     # real compute spread at the summed speed), as if sequences could be split.
@@ -288,7 +288,7 @@ def run_peer(peer: str, rank: int, world: int, gb: int, speeds: List[float], len
             "walls": walls}
 
 
-def _gather_rows(values: List[float], world: int) -> np.ndarray:
+def gather_rows(values: List[float], world: int) -> np.ndarray:
     """``values`` of every rank (the same length on each) as columns: ``[len(values), world]``."""
     import torch
     import torch.distributed as dist
