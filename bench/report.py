@@ -53,6 +53,10 @@ def _gloo_entry(rank: int, world: int, store: str, out: str, fn: Callable[..., A
             with open(out, "w") as f:
                 json.dump(result, f)
     finally:
+        # The worker's objects (a DDP model's reducer) go before the process group they hold,
+        # also those a reference cycle keeps: torn down after it, a process may abort at exit.
+        import gc
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -231,7 +231,11 @@ def test_a_stuck_worker_is_named_and_the_job_restarts(tmp_path, reference):
     assert named, r.stderr[-3000:]
     assert all("behind (alive, not progressing): rank 2 (" in line and "at step 4 (compute)" in line
                for line in named), named
-    assert f"exitcode: {hetlb.ranks.watchdog.EXIT_CODE})" in r.stderr, r.stderr[-3000:]  # torchrun's log line
+    # torchrun logs the first worker that failed: one the watchdog ended (its exit code), or rank
+    # 0, whose watchdog waits a moment before it exits (it serves the store the others read) and
+    # whose collective may fail first, when a rank that exited closes its connection.
+    assert f"exitcode: {hetlb.ranks.watchdog.EXIT_CODE})" in r.stderr or \
+        "Connection closed by peer" in r.stderr, r.stderr[-3000:]
     epochs, restarts = committed(tmp_path, 3)
     assert restarts == 1
     for e, seen in enumerate(epochs):

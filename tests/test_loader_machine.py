@@ -11,8 +11,12 @@ loader's protocol (``_iteration_starts`` / ``_before_next`` / ``_handed``, ``sta
 seeded function of the step, so every rank posts the same one). A second machine drives the real
 ``hetlb.Balancer`` on one rank through the same rules, so the emulation cannot drift from it.
 
-The rules: a new ``for`` loop; the next batch on every rank (the previous one's step then counts,
-as in a loop body without a backward); its backward; the rest of the iteration; ``set_epoch`` of
+The rules: a new ``for`` loop; the next batch on every rank (batches not trained yet queue, as
+in a loop that fetches ahead; the oldest one's step ends there if its forward ran); the oldest
+queued batch's forward and backward, or its forward alone (its step then counts without
+gradients, as in a loop body that skips the backward); a read of the position that settles a
+trained step (``len(loader)``); the rest of the iteration, its queued batches trained after the
+loader ran out (as a loop fetching ahead does) or left, which the next loop refuses; ``set_epoch`` of
 ``loader.epoch`` (and of other epochs, which must be refused); ``state_dict`` on every rank at
 any point (between yields, after a yield before the backward, mid-epoch, at an epoch's end);
 a restart from any checkpoint taken so far on 1 to 5 ranks, the state loaded into the bound
@@ -103,7 +107,8 @@ class _Rank:
     def __init__(self, loader, seed, rules):
         self.loader, self.board = loader, loader.board
         self.seed, self.rules = seed, rules
-        self.open = None  # the plan handed out, not finished yet
+        self.open = None  # the step open: the oldest batch handed out, not finished yet
+        self.forwarded = False  # its forward ran
         self.trained = False  # its backward ran
         self.steps = 0  # trained steps (the Balancer's step counter)
         self.board.post(self.decision())
@@ -117,7 +122,9 @@ class _Rank:
 
     # the loader's protocol (hetlb.data.protocol.StepOwner)
     def settle(self):
-        pass  # (a trained step is finished by state_dict and by the loop's next call)
+        if self.open is not None and self.trained:
+            self._finish()
+            self._arm()
 
     def exhausted(self):
         return None
@@ -130,11 +137,16 @@ class _Rank:
                 self.open = None  # a peek: handed out again
 
     def before_next(self):
-        if self.open is not None:
+        if self.open is not None and (self.forwarded or self.trained):
             self._finish()  # trained, or stepped without gradients: it counts
+            self._arm()
 
     def handed(self, plan):
-        self.open, self.trained = plan, False
+        self._arm()
+
+    def _arm(self):
+        if self.open is None and self.board.current is not None:
+            self.open, self.forwarded, self.trained = self.board.current, False, False
 
     def _finish(self):
         plan, self.open = self.open, None
@@ -148,8 +160,7 @@ class _Rank:
         board.post(self.decision())
 
     def state_dict(self):
-        if self.open is not None and self.trained:
-            self._finish()
+        self.settle()
         return {"steps": self.steps, "position": self.board.position(), "loader": self.config,
                 "policy": {}}
 
@@ -248,7 +259,11 @@ class LoaderMachine(RuleBasedStateMachine):
 
     def after_build(self, state):
         self.iters = None
-        self.handed = None  # (plan, every rank's batch) of the open step
+        # (every rank's plan, every rank's batch) of each batch handed out and not finished,
+        # oldest first, and whether the oldest one's forward and backward ran
+        self.queue, self.head_forwarded, self.head_trained = [], False, False
+        self.ran_out = False  # the latest loop ran out of batches (its queue may be left)
+        self.left = [False] * self.world  # the ranks whose oldest queued step was completed
         self.restored = state is not None
         for r, loader in enumerate(self.loaders):
             self.watch(r, loader.board)
@@ -259,20 +274,26 @@ class LoaderMachine(RuleBasedStateMachine):
 
         def commit(plan):
             complete(plan)
-            assert self.handed is not None and plan is self.handed[0][rank], \
-                "a step was completed that is not the one handed out"
+            assert self.queue and plan is self.queue[0][0][rank], \
+                "a step was completed that is not the oldest one handed out"
             assert plan.epoch == board.epoch, "a step completed after its epoch was left"
-            self.committed.setdefault(plan.epoch, []).extend(self.handed[1][rank])
+            assert self.head_forwarded, "a step counted whose batch was never forwarded"
+            self.committed.setdefault(plan.epoch, []).extend(self.queue[0][1][rank])
             self.left[rank] = True
             if all(self.left):
-                self.handed = None
+                self.queue.pop(0)
+                self.left = [False] * self.world
+                self.head_forwarded = self.head_trained = False
 
         board.complete = commit
 
-    def train(self):
-        """The loop's forward and backward on every rank."""
+    def train(self, backward=True):
+        """The loop's forward (and ``backward``) of the oldest queued batch on every rank."""
+        self.head_forwarded = True
+        self.head_trained = self.head_trained or backward
         for d in self.drivers:
-            d.trained = True
+            d.forwarded = True
+            d.trained = d.trained or backward
 
     def new_balancer_steps(self):
         return [d.steps for d in self.drivers]
@@ -289,13 +310,14 @@ class LoaderMachine(RuleBasedStateMachine):
         full = (self.n // self.batch) * self.batch
         return sorted(expected_permutation(self.n, self.seed, epoch, self.shuffle)[:full].tolist())
 
-    def check_plan(self, plans, batches, decisions):
+    def check_plan(self, plans, batches, decisions, queued=0):
+        """``queued``: batches handed out before this one and not finished."""
         p = plans[0]
         for q in plans[1:]:
             assert (q.epoch, q.step, q.sizes.tolist(), q.checksum) == \
                    (p.epoch, p.step, p.sizes.tolist(), p.checksum), "the ranks drew different plans"
         b = self.boards[0]
-        assert (p.epoch, p.step) == (b.epoch, b.done), "a step other than the next untrained one"
+        assert (p.epoch, p.step) == (b.epoch, b.done + queued), "a step other than the next untrained one"
         for r, batch in enumerate(batches):
             assert len(batch) == p.sizes[r], f"rank {r}: a batch of {len(batch)}, the plan says {p.sizes[r]}"
             if self.sizes is not None:
@@ -334,18 +356,31 @@ class LoaderMachine(RuleBasedStateMachine):
 
     @rule()
     def new_loop(self):
-        """A new ``for batch in loader`` (after a break, a peek, a restart, or the next epoch)."""
+        """A new ``for batch in loader`` (after a break, a peek, a restart, or the next epoch).
+        After a loop that ran out and left batches it received untrained (a skip before the
+        forward), every rank refuses it, once."""
         self.iters = None  # the previous loop's iterators go first, as a `for` statement's do
-        self.iters = [iter(loader) for loader in self.loaders]
-        self.iter_epoch = self.boards[0].epoch
-        self.handed = None  # a step handed out and not trained is handed out again
+        if self.ran_out and len(self.queue) > (1 if self.head_trained else 0):
+            for loader in self.loaders:
+                with pytest.raises(RuntimeError, match="left .* untrained"):
+                    iter(loader)
+            event("a loop that ran out with batches untrained: the next one refused")
+        else:
+            self.iters = [iter(loader) for loader in self.loaders]
+            self.iter_epoch = self.boards[0].epoch
+        self._forget()
+
+    def _forget(self):
+        """The batches handed out and not trained are handed out again."""
+        self.queue, self.head_forwarded, self.head_trained = [], False, False
+        self.left = [False] * self.world
+        self.ran_out = False
 
     @precondition(lambda self: self.iters is not None)
     @rule(k=st.integers(1, 3))
     def next_batch(self, k):
-        """Ask every rank for its next batch, ``k`` times (a step not trained by ``backward``
-        counts all the same once the next batch is asked for, as in a loop body without a
-        backward)."""
+        """Ask every rank for its next batch, ``k`` times (the batch queues behind those not
+        trained yet; the oldest one's step ends if its forward ran)."""
         for _ in range(k):
             if self.iters is None:
                 return
@@ -359,37 +394,59 @@ class LoaderMachine(RuleBasedStateMachine):
             assert len(set(stopped)) == 1, "some ranks ran out of steps before the others"
             if stopped[0]:
                 self.iters = None
-                self.handed = None
+                self.ran_out = True
                 # set_epoch of the next epoch (loader.epoch once this one is complete) may have
                 # moved the ranks on while the loop was still open: it ends then too.
                 e = self.iter_epoch
                 for b in self.boards:
-                    assert b.epoch == e and (b.epoch_finished() or b.steps_per_epoch == 0) or \
-                        b.epoch > e, "the iteration ended before the epoch did"
-                assert sorted(self.committed.get(e, [])) == self.epoch_samples(e)
-                event("an epoch ran to its end")
+                    assert b.epoch > e or b.epoch == e and (
+                        b.epoch_finished() or b.done + len(self.queue) >= b.steps_per_epoch), \
+                        "the iteration ended before every step of its epoch was handed out"
+                if not self.queue:
+                    assert sorted(self.committed.get(e, [])) == self.epoch_samples(e)
+                    event("an epoch ran to its end")
                 return
-            plans = [b.current for b in self.boards]
+            plans = [b.handed[-1] for b in self.boards]
             # the decision posted when the step was drawn (after the previous step finished)
             decisions = [d.decision() if isinstance(d, _Rank) else None for d in self.drivers]
             batches = [o.tolist() for o in out]
-            self.check_plan(plans, batches, decisions)
-            self.handed = (plans, batches)
-            self.left = [False] * self.world
+            self.check_plan(plans, batches, decisions, queued=len(self.queue))
+            self.queue.append((plans, batches))
+            if len(self.queue) > 1:
+                event("a loop fetched ahead")
 
     @precondition(lambda self: self.iters is not None)
     @rule(train=st.booleans())
     def run_to_the_end(self, train):
-        """The rest of the iteration (``train``: every batch's backward runs)."""
+        """The rest of the iteration (``train``: every batch's forward and backward run, the
+        batches queued when the loader ran out too, as a loop that fetched ahead trains them)."""
         while self.iters is not None:
             self.next_batch(1)
-            if train and self.handed is not None:
+            if train and self.queue and not self.head_trained:
+                self.train()
+        while train and self.queue:
+            if self.head_trained:
+                self.settle()
+            else:
                 self.train()
 
-    @precondition(lambda self: self.handed is not None)
+    @precondition(lambda self: self.queue and not self.head_trained)
     @rule()
     def backward(self):
         self.train()
+
+    @precondition(lambda self: self.queue and not self.head_forwarded)
+    @rule()
+    def forward_only(self):
+        """The oldest queued batch's forward without a backward (a loop skipping it): its step
+        counts (without gradients) once the next batch is asked for."""
+        self.train(backward=False)
+
+    @rule()
+    def settle(self):
+        """``len(loader)`` on every rank: a step whose backward ran counts from now on."""
+        for loader in self.loaders:
+            len(loader)
 
     @rule()
     def set_epoch(self):
@@ -402,7 +459,9 @@ class LoaderMachine(RuleBasedStateMachine):
 
     @rule()
     def set_epoch_refused(self):
-        """Another epoch than the position's is refused (and changes nothing)."""
+        """Another epoch than the position's is refused (and changes nothing but settling a
+        trained step, as every set_epoch does first)."""
+        self.settle()
         b = self.boards[0]
         before = [to_plain(x.position()) for x in self.boards]
         for loader in self.loaders:
@@ -463,15 +522,12 @@ class LoaderMachine(RuleBasedStateMachine):
             if self.iters is None:
                 break
             self.next_batch(1)
-            if self.handed is not None:
+            if self.queue and not self.head_trained:
                 self.train()
-        if train and self.handed is not None and not self.trained_now():
+        if train and self.queue and not self.head_trained:
             self.train()
         self.checkpoint()
         self.restart(0, world, False, order)
-
-    def trained_now(self):
-        return self.drivers[0].trained
 
     def check_resumed(self, state):
         pos = state["position"]
@@ -502,7 +558,8 @@ class LoaderMachine(RuleBasedStateMachine):
             for it in self.iters:
                 with pytest.raises(RuntimeError, match="start a new `for` loop"):
                     next(it)
-        self.iters, self.handed, self.restored = None, None, True
+        self.iters, self.restored = None, True
+        self._forget()
         self.committed = {e: list(v) for e, v in snapshot.items()}
         self.check_resumed(state)
 
@@ -568,20 +625,23 @@ class BalancerMachine(LoaderMachine):
         self.loaders, self.drivers = [loader], [bal]
         self.after_build(state)
 
-    def train(self):
-        x = torch.tensor(self.handed[1][0], dtype=torch.float64)[:, None]
-        self.model(x).sum().backward()
+    def train(self, backward=True):
+        x = torch.tensor(self.queue[0][1][0], dtype=torch.float64)[:, None]
+        loss = self.model(x).sum()
+        if backward:
+            loss.backward()
+        self.head_forwarded = True
+        self.head_trained = self.head_trained or backward
 
     def new_balancer_steps(self):
         return [self.bal.steps]
 
-    @precondition(lambda self: self.handed is not None and not self.trained_now())
-    @rule()
-    def backward(self):
-        self.train()
-
-    def trained_now(self):
-        return self.bal.telemetry.hooked
+    @invariant()
+    def the_open_step_is_the_oldest_batch(self):
+        """The Balancer's open step trains the oldest queued batch, its backward as the loop's."""
+        if self.queue:
+            assert self.bal.board.current is self.queue[0][0][0]
+            assert self.bal.telemetry.hooked == self.head_trained
 
 
 TestLoaderMachine = LoaderMachine.TestCase
@@ -689,7 +749,11 @@ def test_next_epoch_selected_after_the_last_step_ends_the_loop():
                     bal.state_dict()
                 loader.set_epoch(1)
         assert seen == [0, 1, 2] and bal.steps == 3
-        assert [x.tolist() for x in loader] == [[0], [1], [2]]
+        again = []
+        for x in loader:
+            model(x.double()[:, None]).sum().backward()
+            again.append(x.tolist())
+        assert again == [[0], [1], [2]]
         assert loader.epoch == 2
 
 

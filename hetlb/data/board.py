@@ -297,7 +297,7 @@ class PlanBoard(Board):
         """Whether every step of the current epoch has been handed out (the last may be open)."""
         if self.epoch_finished():
             return True
-        spe, cur = self.steps_per_epoch, self.current
+        spe, cur = self.steps_per_epoch, self.handed[-1] if self.handed else None
         return spe is not None and cur is not None and cur.epoch == self.epoch and cur.step + 1 >= spe
 
     def set_partition(self, partition: Partition) -> None:
@@ -349,13 +349,30 @@ class PlanBoard(Board):
             self.partition.apply_pending()  # re-placed after a world-size change
         return self.done
 
+    def _check_untrained(self) -> None:
+        if not (self.ran_out and self.handed):
+            return
+        left = list(self.handed)
+        self._forget()  # (drawn again by the next iteration, as after a break)
+        raise RuntimeError(
+            f"hetlb: the last loop over the loader ran to its end and left {len(left)} of the "
+            f"batches it received untrained (step(s) {[p.step for p in left]} of epoch "
+            f"{left[0].epoch}). A step opens at its batch's first training forward and takes the "
+            f"batches in the order they were handed out (so a loop may fetch batches ahead): a "
+            f"batch never forwarded (`continue` at the top of the loop body, a ported script's "
+            f"own 'skip the first k batches' on resume, a forward under torch.no_grad()) moves "
+            f"every later batch onto the plan of the one before it. Skip a batch after its "
+            f"forward (compute the loss, skip the backward on every rank), drop a resume skip "
+            f"(the loader resumes at its position itself), and evaluate with a loader bound to "
+            f"no Balancer")
+
     def complete(self, plan: StepPlan) -> None:
         """``plan`` has trained (for accumulation: its window has): the position moves past it."""
         if plan.epoch == self.epoch:
             self.done = max(self.done, plan.step + 1)
         self.last_sizes = plan.sizes
         if self.current is plan:
-            self.current = None
+            self.handed.popleft()
 
     # ------------------------------------------------------------------ epochs and checkpoints
 

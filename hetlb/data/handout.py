@@ -32,7 +32,9 @@ class Board:
         steps_per_epoch: steps of the attached loader's epochs (None before a loader attaches).
         attached: whether a loader's sampler draws from this board (:meth:`attach`).
         drawn: plans drawn by the sampler and not handed out yet, in order.
-        current: the plan handed out last, until its owner is done with it.
+        handed: plans handed out to the loop and not done yet, oldest first (a loop that fetches
+            ahead holds several; its steps take them in order).
+        ran_out: the latest iteration over the loader ran out of batches (it ended by itself).
         generation: bumped by a restore; an iterator started before it refuses to go on.
         iteration: bumped by every new iteration over the loader (:meth:`restart`); an older
             iterator refuses to go on (it would hand out steps the newer one trains too).
@@ -57,31 +59,41 @@ class Board:
         self.iteration = 0
         self.left: Optional[Tuple[int, bool]] = None
         self.drawn: Deque[Any] = deque()
-        self.current: Any = None
+        self.handed: Deque[Any] = deque()
+        self.ran_out = False
         self._early = EarlyState()
 
     # ------------------------------------------------------------------ handing out
+
+    @property
+    def current(self) -> Any:
+        """The oldest plan handed out and not done: the one the open step, or else the next
+        step, trains (None: none)."""
+        return self.handed[0] if self.handed else None
 
     def hand(self) -> Any:
         """The next drawn plan, now handed to the training loop."""
         if not self.drawn:
             raise RuntimeError("hetlb: the DataLoader delivered a batch the sampler never drew "
                                "(batches must come back in order: do not set in_order=False)")
-        self.current = self.drawn.popleft()
-        return self.current
+        plan = self.drawn.popleft()
+        self.handed.append(plan)
+        return plan
 
     def hand_own(self, plan: Any) -> None:
         """Hand out ``plan``, which the owner made itself (a step without a loader)."""
-        self.current = plan
+        self.handed.append(plan)
 
     def drop_current(self) -> None:
-        """The owner is done with the plan handed out last (trained, or given up)."""
-        self.current = None
+        """The owner is done with :attr:`current` (trained, or given up)."""
+        if self.handed:
+            self.handed.popleft()
 
     def _forget(self) -> None:
         """Forget the plans drawn or handed out and not trained (they are drawn again)."""
         self.drawn.clear()
-        self.current = None
+        self.handed.clear()
+        self.ran_out = False
 
     # ------------------------------------------------------------------ loaders
 
@@ -169,8 +181,13 @@ class Board:
         self.generation += 1
         self._forget()
 
+    def _check_untrained(self) -> None:
+        """Before a new iteration or epoch forgets the plans handed out: refuse those that an
+        iteration which ran out left untrained (:class:`hetlb.data.board.PlanBoard`)."""
+
     def _new_iteration(self) -> None:
         """What every new iteration starts with (see :meth:`restart`)."""
+        self._check_untrained()
         self._forget()
         self._early.restored = False
         self.iteration += 1
@@ -201,6 +218,7 @@ class Board:
             raise ValueError(f"set_epoch({e}): the loader is already at epoch {self.epoch}{where}; "
                              f"epochs run in order")
         self._check_skip(e, finished)
+        self._check_untrained()
         self.left = (self.epoch, self._all_handed())
         self._new_epoch(e)
         self._forget()

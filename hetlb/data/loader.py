@@ -8,8 +8,8 @@ uses the same sizes; the Balancer verifies it each step against the sizes the ra
 
 What counts as consumed: a batch counts once a training step has run on it (its backward, or its
 ``with bal.step():`` block). A batch handed out and not trained, as by a peek such as
-``next(iter(loader))`` or a checkpoint taken at the top of the loop body, is handed out again by
-the next iteration or after a resume.
+``next(iter(loader))``, a checkpoint taken at the top of the loop body or a loop left with batches
+fetched ahead, is handed out again by the next iteration or after a resume.
 """
 from __future__ import annotations
 
@@ -248,6 +248,8 @@ class BalancedLoader:
         ``DistributedSampler.set_epoch``, it is for the next loop: a ``for`` loop still running over
         an epoch with steps left raises at its next batch.
         """
+        if self._owner is not None:
+            self._owner.settle()  # (a last step trained after the loader ran out counts)
         self.board.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
@@ -416,6 +418,7 @@ class _Iteration:
                 self._it = iter(self._dl)
                 return next(self)
             self._done = True
+            self._board.ran_out = True
             raise
         self._owner.handed(self._board.hand())
         return batch

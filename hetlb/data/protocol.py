@@ -5,12 +5,13 @@ Balancer's step driver, or :class:`hetlb.DelayedSync`), which it tells where the
 saves its checkpoint through an owner of state (:class:`Stateful`: the Balancer or DelayedSync),
 whose state carries the data position the loader's board keeps. It calls nothing else of them.
 
-A loop left early (``break``, an exception) tells the owner of steps nothing: the step of the
-batch handed out last stays open, and the next call that reads or moves the position (the next
-iteration, ``len(loader)``, ``loader.epoch``, a ``state_dict``, ``bal.steps``) settles it:
-trained if its backward ran, else handed out again. The watchdog needs no word of it either: it
-counts a worker as waiting for the others only inside a collective of a step (see
-:mod:`hetlb.ranks.watchdog`), which a step left before its forward or after its backward is not.
+A loop left early (``break``, an exception) tells the owner of steps nothing: the open step
+stays open, and the next call that reads or moves the position (the next iteration,
+``len(loader)``, ``loader.epoch``, ``set_epoch``, a ``state_dict``, ``bal.steps``) settles it:
+trained if its backward ran, else handed out again (with the batches fetched after it). The
+watchdog needs no word of it either: it counts a worker as waiting for the others only inside a
+collective of a step (see :mod:`hetlb.ranks.watchdog`), which a step left before its forward or
+after its backward is not.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class StepOwner(Protocol):
         forgotten (its batch is handed out again)."""
 
     def before_next(self) -> None:
-        """The loop asks for the next batch: the previous batch's step ends here."""
+        """The loop asks for the next batch: the open step ends here if its batch was trained
+        (a loop fetching ahead asks before training it)."""
 
     def handed(self, plan: Any) -> None:
         """The loop received the batch of ``plan`` (a :class:`~hetlb.data.board.StepPlan` or

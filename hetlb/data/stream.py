@@ -156,8 +156,9 @@ class StreamBoard(Board):
     def hand_empty(self) -> StreamPlan:
         """This rank's shard is used up: an empty reference batch at its end, handed out now (its
         step takes part in an iteration with nothing to add)."""
-        self.current = StreamPlan(self.epoch, int(self._shards[self.rank]), 0, 0.0)
-        return self.current
+        plan = StreamPlan(self.epoch, int(self._shards[self.rank]), 0, 0.0)
+        self.handed.append(plan)
+        return plan
 
     def stream_offset(self) -> int:
         """Where this rank's shard starts in the epoch's global order."""

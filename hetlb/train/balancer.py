@@ -482,8 +482,9 @@ class Balancer:
     @property
     def batch_sizes(self) -> np.ndarray:
         """int64 ``[world]`` (a NumPy array, a fresh copy): sizes of the step in progress, else of
-        the batch handed out last (also once its ``with bal.step():`` has ended it, or its
-        accumulation window), else of the next step to be drawn (without the Balancer's loader:
+        the oldest batch handed out and not trained yet (the next step's), else of the step that
+        a ``with bal.step():`` block (or its accumulation window) has just ended, else of the
+        next step to be drawn (without the Balancer's loader:
         of the next step, to draw its batch by); under a size-aware rule
         (:class:`hetlb.Chronica`), whose sizes are drawn with each step's samples, of the last
         step (zeros before any). A step that has ended: :attr:`finished` ``.sizes``."""

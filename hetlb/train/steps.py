@@ -1,11 +1,15 @@
 """The step driver: the step in progress, the telemetry block and the accumulation window.
 
-A step opens when the loader hands its batch to the loop (or at ``with bal.step():``), its
-compute is timed from the model's first forward to the end of its backward (the hook's last
-bucket), and it ends when the loop asks for the next batch (or the ``with`` block closes): the
-table of the step, or of the block it closes, is checked against the plans, recorded in the
-decision loop, and the next decision is posted to the board. The driver is the loader's owner of
-steps (:class:`hetlb.data.protocol.StepOwner`).
+The batches the loader hands out queue on the board (:attr:`hetlb.data.handout.Board.handed`),
+and steps take them in order, so a loop may fetch batches ahead of its training. The oldest
+batch's step is open (its weights set) from when it heads the queue (or at ``with
+bal.step():``); its compute is timed from the model's first forward to the end of its backward
+(the hook's last bucket), and it ends when the loop asks for the next batch after its forward
+ran (or when the ``with`` block closes, or a count or the position is read after its backward):
+the table of the step, or of the block it closes, is checked against the plans, recorded in the
+decision loop, and the next decision is posted to the board. A batch not forwarded yet when the
+loop asks for the next one stays the open step (the loop fetched ahead). The driver is the
+loader's owner of steps (:class:`hetlb.data.protocol.StepOwner`).
 """
 from __future__ import annotations
 
@@ -51,6 +55,23 @@ def equal_weights(weighting: str, decision: Any) -> bool:
     if not isinstance(decision, np.ndarray) or weighting == "sizes":
         return False
     return same_weights(weights_for(weighting, decision, decision))
+
+
+def rebalance(part: Partition, loop: DecisionLoop, epoch: int, world: int) -> None:
+    """``epoch`` ended (sharded mode): decide the moves for the next one, from the size-aware
+    policy's time models when it has them, else from each rank's measured time per unit of data
+    over the epoch. Every rank computes the same from the same values."""
+    d = loop.decision
+    if isinstance(d, ScheduleRule) and np.all(d.slope > 0):
+        slope, intercept = d.slope, d.intercept
+    else:
+        rates = epoch_rates(loop.history, epoch, world)
+        if rates is None:
+            log.warning("epoch %d: no usable timing of every rank; the partition is kept", epoch)
+            return
+        slope, intercept = rates, np.zeros(world)
+    moves = part.plan(slope, intercept)
+    log.info("epoch %d: rebalancing moves %d of %d samples", epoch, len(moves), part.home.size)
 
 
 @dataclass(slots=True)  # (one a step)
@@ -373,6 +394,7 @@ class StepDriver:
             self.losses.micro_step_done()
             self.telemetry.close()
             self._open = None
+            self.board.drop_current()  # (the window's position moves at its last micro-step)
             if not self.bound:
                 self._micro += 1
             self._spent += time.perf_counter() - t
@@ -458,7 +480,7 @@ class StepDriver:
         part = self.board.partition
         if part is not None and part.rebalance and part.pending is None and \
                 plan.epoch == self.board.epoch and self.board.epoch_finished():
-            self._rebalance(part, plan.epoch)
+            rebalance(part, self.loop, plan.epoch, self.world)
         self._spent += time.perf_counter() - t
         self.last_overhead, self._spent = self._spent, 0.0
 
@@ -519,28 +541,11 @@ class StepDriver:
         self.board.complete(plan)
         if not self.bound:
             self._micro = 0
-            self.board.drop_current()
         self._step += 1
         if not self._step & (self._step - 1) and self.hooks.searches:  # (steps 1, 2, 4, ...)
             self.hooks.wants_check = True
         if self.watchdog is not None:
             self.watchdog.beat(self._step)
-
-    def _rebalance(self, part: Partition, epoch: int) -> None:
-        """The epoch ended (sharded mode): decide the moves for the next one, from the size-aware
-        policy's time models when it has them, else from each rank's measured time per unit of
-        data over the epoch. Every rank computes the same from the same values."""
-        d = self.loop.decision
-        if isinstance(d, ScheduleRule) and np.all(d.slope > 0):
-            slope, intercept = d.slope, d.intercept
-        else:
-            rates = epoch_rates(self.loop.history, epoch, self.world)
-            if rates is None:
-                log.warning("epoch %d: no usable timing of every rank; the partition is kept", epoch)
-                return
-            slope, intercept = rates, np.zeros(self.world)
-        moves = part.plan(slope, intercept)
-        log.info("epoch %d: rebalancing moves %d of %d samples", epoch, len(moves), part.home.size)
 
     def _record(self, steps: List[Tuple[int, np.ndarray]]) -> bool:
         """The records the tables of ``steps`` (in order; one step, or an exchanged block's)
@@ -586,6 +591,7 @@ class StepDriver:
         o = self._open
         if o is not None and not o.explicit and not self._in_with and self.telemetry.hooked:
             self._finish()
+            self._arm()
 
     def iteration_starts(self) -> None:
         """A new iteration over the loader: a step that trained is finished; a batch handed out
@@ -617,21 +623,28 @@ class StepDriver:
         self._ended = None
 
     def before_next(self) -> None:
-        """The loop asks for the next batch: the previous one's step ends here."""
+        """The loop asks for the next batch: the open step ends here if its forward ran
+        (trained, or stepped without gradients); else the loop fetched ahead and it stays open."""
         self._ended = None
         o = self._open
-        if o is not None and not self._in_with:
+        tele = self.telemetry
+        if o is not None and not self._in_with and (tele.hooked or tele.core.restarted):
             self._finish()  # trained (its hook ran), or stepped without gradients: exchanged
-        elif self.accumulate > 1 and self.board.current is not None \
-                and self.board.current is not self._consumed:
-            raise RuntimeError(f"hetlb: with accumulate={self.accumulate} every batch of the loader "
-                               f"goes through `with bal.step():`; step {self.board.current.step} "
-                               f"of epoch {self.board.current.epoch} did not")
+            self._arm()
 
     def handed(self, plan: StepPlan) -> None:
-        """The loop received ``plan``'s batch: without accumulation its step opens now."""
-        if self.accumulate == 1:
-            self._begin(plan, explicit=False)
+        """The loop received ``plan``'s batch (queued on the board): without accumulation the
+        oldest queued batch's step is open."""
+        self._arm()
+
+    def _arm(self) -> None:
+        """Without accumulation, open the step of the oldest batch handed out (it heads the
+        board's queue) if no step is open: its weights must be set before its backward, and a
+        plain loop's body holds no other point of hetlb's before the forward."""
+        if self.accumulate == 1 and self._open is None and not self._in_with and self.bound:
+            plan = self.board.current
+            if plan is not None:
+                self._begin(plan, explicit=False)
 
     def exhausted(self) -> Optional[str]:
         """The DataLoader ran out: the iteration ends (balanced steps have no rounds)."""

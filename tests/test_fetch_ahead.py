@@ -1,0 +1,142 @@
+"""Loops that fetch batches ahead of training them (issue 54): steps take the batches in the
+order they were handed out and open at their first forward, so the gradient of every step is the
+mean over the samples it trained, whatever the loop holds in hand.
+
+The loops are the trainers' shapes, on 2 real Gloo ranks under DDP, with sizes that change every
+step: accelerate's prepared loader (one batch beyond the one it yields), the Trainer's
+accumulation window taken whole before its first forward (with ``accumulate=`` and without), and
+a loop that takes several batches at once and trains each in its own step. Each step's gradient
+is compared with one process's gradient over the samples the ranks actually fed the model, the
+epoch's samples must each train once, and the ranks must record the same steps.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetlb  # at the top: spawned workers import it before init_process_group
+from distributed import run, unwrap
+from test_balancer_dist import Jitter, _data, _loss, _net, _reference
+
+
+def ahead(loader):
+    """accelerate's DataLoaderShard: the next batch is fetched before the current one is yielded."""
+    it = iter(loader)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield current
+        current = following
+    yield current
+
+
+def windows(loader, k):
+    """The Trainer's get_batch_samples: up to ``k`` batches fetched before the first forward."""
+    it = iter(loader)
+    while True:
+        got = []
+        for _ in range(k):
+            try:
+                got.append(next(it))
+            except StopIteration:
+                break
+        if not got:
+            return
+        yield got
+
+
+def fetch_ahead_worker(rank, world, style, epochs=2):
+    K = 2 if style == "accumulate" else 1
+    net = _net()
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    bal = hetlb.Balancer(ddp, 12, policy=Jitter(4), accumulate=K, lower=0)
+    x, y, tokens = _data(62)
+    loader = bal.loader(torch.utils.data.TensorDataset(x, y, torch.arange(len(x))), seed=3)
+    errs, seen, window = [], [], []
+
+    def train(xb, yb, ib, explicit):
+        window.append(ib)
+        with bal.step() if explicit else contextlib.nullcontext():
+            loss = _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)) / K
+            loss.backward()
+        if bal.synced:
+            parts = [np.concatenate([p.numpy() for p in rank_ib]) for rank_ib in _gathered(window, world)]
+            ref = _reference(net, x, y, tokens, parts, "samples")
+            errs.append(max(((p.grad - r).abs().max() / r.abs().max()).item()
+                            for p, r in zip(net.parameters(), ref)))
+            seen.extend(np.concatenate(parts).tolist())
+            window.clear()
+            opt.step()
+            opt.zero_grad()
+
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        if style == "plain":
+            for xb, yb, ib in loader:
+                train(xb, yb, ib, explicit=False)
+        elif style == "ahead":
+            for xb, yb, ib in ahead(loader):
+                train(xb, yb, ib, explicit=False)
+        elif style in ("window", "accumulate"):
+            for got in windows(loader, 3 if style == "window" else K):
+                for xb, yb, ib in got:
+                    train(xb, yb, ib, explicit=True)
+    return {"errs": errs, "seen": seen, "steps": bal.steps,
+            "batches": [r.batch.tolist() for r in bal.history]}
+
+
+def _gathered(window, world):
+    """Every rank's indices of the micro-steps in ``window`` (a collective: all ranks call it)."""
+    mine = [ib.clone() for ib in window]
+    out = [None] * world
+    dist.all_gather_object(out, mine)
+    return out
+
+
+@pytest.mark.parametrize("style", ["plain", "ahead", "window", "accumulate"])
+def test_a_loop_that_fetches_ahead_trains_every_step_exactly(style):
+    res = unwrap(run(fetch_ahead_worker, 2, style))
+    for r in res:
+        assert max(r["errs"]) < 1e-12, r["errs"]
+        assert sorted(r["seen"]) == sorted(list(range(62)) * 2)  # each sample once an epoch
+        assert len({tuple(b) for b in r["batches"]}) > 1  # the sizes changed between steps
+        # 62 samples, global batch 12: 5 whole steps and a short one an epoch; windows of 2:
+        # [0,1] [2,3] [4] [5] (the short last step is a window of its own)
+        assert r["steps"] == 2 * (4 if style == "accumulate" else 6)
+    assert res[0]["batches"] == res[1]["batches"]
+
+
+@pytest.mark.parametrize("next_loop", ["set_epoch", "iter"])
+def test_a_batch_skipped_before_its_forward_is_named_by_the_next_loop(next_loop):
+    # Steps take the batches in order, so the forward after a `continue` trains the skipped
+    # batch's step: every later batch runs one plan late, and the loop ends with the last plan
+    # untrained. The next loop (or set_epoch) says so, once; a batch skipped after its forward
+    # counts, and a loop that fetched ahead and trained what it fetched leaves nothing.
+    model = torch.nn.Linear(1, 1).double()
+    bal = hetlb.Balancer(model, 2, policy=hetlb.Uniform())
+    loader = bal.loader(torch.arange(6.0, dtype=torch.float64)[:, None], shuffle=False)
+    for i, x in enumerate(loader):
+        if i == 1:
+            continue
+        model(x).sum().backward()
+    assert bal.steps == 2
+    with pytest.raises(RuntimeError, match=r"left 1 of the batches it received untrained "
+                                           r"\(step\(s\) \[2\] of epoch 0\).*`continue`"):
+        loader.set_epoch(1) if next_loop == "set_epoch" else iter(loader)
+    for i, x in enumerate(loader):  # drawn again: step 2 of epoch 0
+        assert x.flatten().tolist() == [4.0, 5.0]
+        model(x).sum()  # a forward, then no backward: the step counts, untrained
+    assert bal.steps == 3 and loader.epoch == 1
+    loader.set_epoch(1)
+    for x in ahead(loader):
+        model(x).sum().backward()
+    assert bal.steps == 6 and loader.epoch == 2
+    loader.set_epoch(2)
