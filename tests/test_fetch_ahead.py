@@ -78,7 +78,9 @@ def fetch_ahead_worker(rank, world, style, epochs=2):
             opt.zero_grad()
 
     for epoch in range(epochs):
-        loader.set_epoch(epoch)
+        # (a ported DDP script's sampler.set_epoch: after a loop fetching ahead, whose last
+        # batch trained after the loader ran out, the epoch moves on with that step counted)
+        (loader.sampler if style == "ahead" else loader).set_epoch(epoch)
         if style == "plain":
             for xb, yb, ib in loader:
                 train(xb, yb, ib, explicit=False)
@@ -140,3 +142,40 @@ def test_a_batch_skipped_before_its_forward_is_named_by_the_next_loop(next_loop)
         model(x).sum().backward()
     assert bal.steps == 6 and loader.epoch == 2
     loader.set_epoch(2)
+
+
+def state_worker(rank, world, policy):
+    import io
+
+    from hetlb.core.models import LinearModel
+    from hetlb.sim.emulate import Emulator
+    net = _net()
+    ddp = DDP(net)
+    sized = policy == "chronica"
+    pol = hetlb.Chronica() if sized else hetlb.LBB()
+    emu = Emulator(LinearModel(1e-3, 5e-5 if sized else 2e-4), speed=1.0 + rank,
+                   by="data" if sized else "batch")  # rank 1 twice as fast
+    bal = hetlb.Balancer(ddp, 12, policy=pol, weighting="sizes" if sized else "samples",
+                         lower=0 if sized else 1, emulator=emu)
+    x, y, tokens = _data(62)
+    loader = bal.loader(torch.utils.data.TensorDataset(x, y), seed=3,
+                        sample_sizes=tokens.numpy() if sized else None)
+    states = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for i, (xb, yb) in enumerate(ahead(loader)):
+            _loss(ddp(xb), yb, torch.ones(len(xb), dtype=torch.float64)).backward()
+            ddp.zero_grad()
+            if i in (2, 5):  # mid-epoch (a batch fetched ahead) and at the epoch's last step
+                buf = io.BytesIO()
+                torch.save(bal.state_dict(), buf)
+                states.append(buf.getvalue())
+    return states
+
+
+@pytest.mark.parametrize("policy", ["lbb", "chronica"])
+def test_the_state_is_the_same_on_every_rank(policy):
+    # accelerate's register_for_checkpointing and Lightning save the main process's state only:
+    # it must be every rank's (its position, policy, decision and history are replicated).
+    a, b = unwrap(run(state_worker, 2, policy))
+    assert len(a) == 4 and a == b

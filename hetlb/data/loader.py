@@ -155,7 +155,6 @@ class BalancedLoader:
         #: What scripts read of a ``DistributedSampler`` (see :class:`RankSampler`).
         self.sampler = RankSampler(self.order, dataset)
         self.board = board
-        self._owner: Optional[StepOwner] = None  # runs the steps of the batches (see bind)
         self._state: Optional[Stateful] = None  # owns the checkpoint state (see bind)
         # DistributedSamplers over the dataset that no loader reads, found by the first training
         # iteration (see hetlb.data.porting)
@@ -165,6 +164,11 @@ class BalancedLoader:
         self._steps = _Steps(self.order)
         self._dl = DataLoader(dataset, batch_sampler=self._steps,
                               collate_fn=EmptySafeCollate(dataset, collate), **dataloader_kwargs)
+
+    @property
+    def _owner(self) -> Optional[StepOwner]:
+        """What runs the steps of the batches (see :meth:`bind`), or None."""
+        return self.order.owner
 
     @property
     def sharded(self) -> bool:
@@ -233,7 +237,7 @@ class BalancedLoader:
         if self._state is not None:
             raise ValueError("this loader is already bound to a Balancer")
         pending = self.board.bind(self.order.config())
-        self._owner, self._state = steps, state
+        self.order.owner, self._state = steps, state
         if not self.order.shuffle:
             warn_unshuffled(self.board.rank)
         return pending
@@ -248,9 +252,7 @@ class BalancedLoader:
         ``DistributedSampler.set_epoch``, it is for the next loop: a ``for`` loop still running over
         an epoch with steps left raises at its next batch.
         """
-        if self._owner is not None:
-            self._owner.settle()  # (a last step trained after the loader ran out counts)
-        self.board.set_epoch(epoch)
+        self.order.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         n = len(self.dataset)

@@ -26,6 +26,7 @@ import torch
 from hetlb.core.checks import flag, integer
 from hetlb.data.board import PlanBoard, StepPlan
 from hetlb.data.handout import Board
+from hetlb.data.protocol import StepOwner
 from hetlb.data.stream import StreamBoard
 
 
@@ -48,6 +49,9 @@ class GlobalOrderSampler:
         self.seed = integer(seed, "seed", 0, MAX_SEED)
         self.sample_sizes = sample_sizes
         self._perm: Optional[tuple] = None
+        #: What runs the steps of the loader this sampler draws for, once it is bound (settled
+        #: before the epoch moves: a step whose backward ran counts in the epoch it trained in).
+        self.owner: Optional[StepOwner] = None
         board.attach(self.steps_per_epoch)
 
     @property
@@ -78,6 +82,8 @@ class GlobalOrderSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (see :meth:`BalancedLoader.set_epoch`)."""
+        if self.owner is not None:
+            self.owner.settle()  # (a loop that fetched ahead trains its last batch after the end)
         self.board.set_epoch(epoch)
 
     def __len__(self) -> int:
