@@ -179,3 +179,68 @@ def test_the_state_is_the_same_on_every_rank(policy):
     # it must be every rank's (its position, policy, decision and history are replicated).
     a, b = unwrap(run(state_worker, 2, policy))
     assert len(a) == 4 and a == b
+
+
+def test_a_step_that_raises_gives_its_batch_up_and_the_next_step_takes_the_next_batch():
+    # (the "skip the batch on an error" loop; 7 samples, global batch 2: the short last step
+    # would be trained under the previous plan if the failed batch stayed queued)
+    model = torch.nn.Linear(1, 1).double()
+    bal = hetlb.Balancer(model, 2, policy=hetlb.Uniform())
+    loader = bal.loader(torch.arange(7.0, dtype=torch.float64)[:, None], shuffle=False)
+    for i, x in enumerate(loader):
+        try:
+            with bal.step():
+                if i == 1:
+                    raise MemoryError("out of memory")
+                model(x).sum().backward()
+        except MemoryError:
+            pass
+    assert bal.steps == 3 and loader.epoch == 1 and not bal.board.handed
+    loader.set_epoch(1)
+    # without a loader: a failed step's plan is not kept either
+    own = hetlb.Balancer(torch.nn.Linear(1, 1).double(), 2)
+    for i in range(4):
+        with contextlib.suppress(MemoryError), own.step():
+            if i == 1:
+                raise MemoryError("out of memory")
+            own.model(torch.ones(2, 1, dtype=torch.float64)).sum().backward()
+    assert own.steps == 3 and not own.board.handed
+
+
+def test_a_window_whose_micro_step_raised_is_refused():
+    model = torch.nn.Linear(1, 1).double()
+    bal = hetlb.Balancer(model, 2, policy=hetlb.Uniform(), accumulate=2)
+    loader = bal.loader(torch.arange(8.0, dtype=torch.float64)[:, None], shuffle=False)
+    it = iter(loader)
+    next(it)
+    with contextlib.suppress(MemoryError), bal.step():
+        raise MemoryError("out of memory")
+    x = next(it)
+    with pytest.raises(RuntimeError, match="micro-step 1 of the accumulation window that started "
+                                           "at step 0 of epoch 0 raised"):
+        with bal.step():
+            model(x).sum().backward()
+
+
+def test_a_loop_that_fetches_between_forward_and_backward_is_refused():
+    # nanoGPT's shape: the next batch is taken after the forward, before the backward, which then
+    # lands in the next batch's step
+    model = torch.nn.Linear(1, 1).double()
+    bal = hetlb.Balancer(model, 2, policy=hetlb.Uniform())
+    it = iter(bal.loader(torch.arange(8.0, dtype=torch.float64)[:, None]))
+    x = next(it)
+    with pytest.raises(RuntimeError, match="backward of step 1 of epoch 0 ran before its forward"):
+        for _ in range(3):
+            loss = model(x).sum()
+            x = next(it)
+            loss.backward()
+
+
+def test_the_sampler_copies_without_the_balancer():
+    import copy
+    import pickle
+    bal = hetlb.Balancer(torch.nn.Linear(1, 1), 2)
+    loader = bal.loader(torch.arange(8.0)[:, None])
+    for s in (copy.deepcopy(loader.sampler), pickle.loads(pickle.dumps(loader.sampler))):
+        assert s.order.owner is None and len(s) == len(loader.sampler)
+    assert loader.sampler.order.owner is not None

@@ -54,6 +54,10 @@ class GlobalOrderSampler:
         self.owner: Optional[StepOwner] = None
         board.attach(self.steps_per_epoch)
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # A copy draws for no loop: the owner of steps (and the model it holds) stays behind.
+        return {**self.__dict__, "owner": None}
+
     @property
     def global_batch(self) -> int:
         return self.board.global_batch

@@ -57,6 +57,35 @@ def equal_weights(weighting: str, decision: Any) -> bool:
     return same_weights(weights_for(weighting, decision, decision))
 
 
+def broken_window(broken: StepPlan) -> str:
+    """The error for a micro-step after one of its window raised."""
+    return (f"hetlb: micro-step {broken.window_pos + 1} of the accumulation window that started "
+            f"at step {broken.step - broken.window_pos} of epoch {broken.epoch} raised, so the "
+            f"window cannot end exactly (its weights count every micro-step's samples). Leave the "
+            f"loop, drop the window's gradients (optimizer.zero_grad()) on every rank and start a "
+            f"new loop over the loader: it trains the window from its first micro-step")
+
+
+def backward_before_forward(plan: StepPlan) -> str:
+    """The error for a step whose backward ran before its forward (the previous batch's)."""
+    return (f"hetlb: the backward of step {plan.step} of epoch {plan.epoch} ran before its "
+            f"forward: it was the previous batch's backward. The loop asked for the next batch "
+            f"between a forward and its backward (as nanoGPT's get_batch after the forward), which "
+            f"ended that batch's step before its gradient existed. Call the backward before asking "
+            f"the loader for the next batch, or mark each step with `with bal.step():` around its "
+            f"forward and backward")
+
+
+def left_in_window(c: StepPlan) -> str:
+    """The error for a new loop while the last one's window left its gradients behind."""
+    return (f"hetlb: the previous loop over the loader was left inside an accumulation window "
+            f"(after micro-step {c.window_pos + 1} of {c.window_len}, step {c.step} of epoch "
+            f"{c.epoch}) and the parameters still hold that window's gradients; a new loop trains "
+            f"the window from its first micro-step, so those samples would count twice. Leave a "
+            f"loop only when bal.synced is True, or drop the window's gradients "
+            f"(optimizer.zero_grad()) on every rank before the new loop")
+
+
 def rebalance(part: Partition, loop: DecisionLoop, epoch: int, world: int) -> None:
     """``epoch`` ended (sharded mode): decide the moves for the next one, from the size-aware
     policy's time models when it has them, else from each rank's measured time per unit of data
@@ -207,6 +236,7 @@ class StepDriver:
         self._step = steps  # completed steps (accumulation windows)
         self._in_with = False
         self._consumed: Optional[StepPlan] = None  # the handed plan a bal.step() already used
+        self._broken: Optional[StepPlan] = None  # a micro-step whose `with bal.step():` raised
         self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
         self._micro = 0  # micro-steps without a loader (window position)
         self.window = Window(self.gradients, self.accumulate)
@@ -363,12 +393,17 @@ class StepDriver:
                                    "every step consumes exactly one batch it hands out")
         else:
             plan = self._plan_without_loader()
-            self.board.hand_own(plan)
+        broken = self._broken
+        if broken is not None and plan.window_pos > 0:  # (until the next window or loop)
+            raise RuntimeError(broken_window(broken))
+        self._broken = None
         if self.accumulate == 1:
             off = self.gradients.no_sync_on(self.model)
             if off is not None:
                 raise RuntimeError(not_syncing(off))
         self.window.check(plan)
+        if not self.bound:
+            self.board.hand_own(plan)
         self._begin(plan, explicit=True)
         self._in_with = True
         try:
@@ -377,6 +412,11 @@ class StepDriver:
         except BaseException:
             self._in_with = False
             self._discard()
+            # The batch is given up, as a loop that skips it after an error does; the next step
+            # takes the next batch (a window missing a micro-step cannot end exactly: refused).
+            self.board.drop_current()
+            if self.accumulate > 1:
+                self._broken = plan
             raise
         self._in_with = False
         self._consumed = plan
@@ -611,15 +651,9 @@ class StepDriver:
             # idle rank's gradients may be zero while the others' are not.
             everyone = self.peers.gather({"dropped": self.window.dropped()})
             if not all(e["dropped"] for e in everyone):
-                raise RuntimeError(
-                    f"hetlb: the previous loop over the loader was left inside an accumulation "
-                    f"window (after micro-step {c.window_pos + 1} of {c.window_len}, step "
-                    f"{c.step} of epoch {c.epoch}) and the parameters still hold that window's "
-                    f"gradients; a new loop trains the window from its first micro-step, so "
-                    f"those samples would count twice. Leave a loop only when bal.synced is "
-                    f"True, or drop the window's gradients (optimizer.zero_grad()) on every rank "
-                    f"before the new loop")
+                raise RuntimeError(left_in_window(c))
         self._consumed = None
+        self._broken = None
         self._ended = None
 
     def before_next(self) -> None:
@@ -629,6 +663,8 @@ class StepDriver:
         o = self._open
         tele = self.telemetry
         if o is not None and not self._in_with and (tele.hooked or tele.core.restarted):
+            if not tele.core.restarted:  # (every rank alike: the loop is the same on all)
+                raise RuntimeError(backward_before_forward(o.plan))
             self._finish()  # trained (its hook ran), or stepped without gradients: exchanged
             self._arm()
 
