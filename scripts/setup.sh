@@ -10,4 +10,4 @@ python -m pip install -q --upgrade pip
 # A CPU build of torch; an unpinned `torch` would pull a multi-GB CUDA build.
 python -m pip install -q torch==2.13.0
 python -m pip install -q numpy scipy pybind11 ninja "setuptools>=77" wheel
-python -m pip install -q --no-build-isolation -e ".[test,demo,hf]"
+python -m pip install -q --no-build-isolation -e ".[test,demo,hf,lightning]"

@@ -1,0 +1,81 @@
+"""hetlb.integrations.lightning under a real PyTorch Lightning Trainer (DDP, 2 Gloo ranks on CPU,
+launched by torchrun): every epoch's samples exactly once with sizes that change between steps,
+and a Lightning checkpoint taken mid-epoch resumes the rest of that epoch and then whole epochs
+(with the loader's own length, the steps left, Lightning cut every epoch after a resume short)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("pytorch_lightning")
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_worker.py")
+
+
+def torchrun(out, *args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           WORKER, "--out", str(out), *map(str, args)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+def per_epoch(result):
+    epochs = {}
+    for rank in result["batches"]:
+        for epoch, samples in rank:
+            epochs.setdefault(epoch, []).extend(samples)
+    return epochs
+
+
+def test_every_epoch_once_and_a_mid_epoch_resume(tmp_path):
+    # stopped after step 9 (3 of epoch 1's 6), resumed to the end of epoch 2
+    ckpt = tmp_path / "mid.ckpt"
+    torchrun(tmp_path / "first.json", "--epochs", 3, "--stop-at", 9, "--ckpt", ckpt)
+    torchrun(tmp_path / "rest.json", "--epochs", 3, "--resume", ckpt)
+    first, rest = (json.loads((tmp_path / f).read_text()) for f in ("first.json", "rest.json"))
+    assert len({tuple(s) for s in first["sizes"]}) > 1  # LBB moved samples between the ranks
+    first, rest = per_epoch(first), per_epoch(rest)
+    assert sorted(first[0]) == list(range(64)) and len(first[1]) == 3 * 12
+    assert sorted(first[1] + rest[1]) == list(range(64))  # the rest of epoch 1, nothing twice
+    assert sorted(rest[2]) == list(range(64))  # and then a whole epoch
+    assert json.loads((tmp_path / "rest.json").read_text())["steps"] == 18
+
+
+def test_accumulation_is_refused():
+    import pytorch_lightning as pl
+    import torch
+    from hetlb.integrations.lightning import Balance
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return balance.loader(torch.utils.data.TensorDataset(torch.ones(8, 1)))
+
+    balance = Balance(4)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=2,
+                         callbacks=[balance], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2 is not supported"):
+        trainer.fit(Model())
+    assert balance.balancer is None
+
+
+def test_without_lightning_the_import_names_the_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "hetlb.integrations.lightning", raising=False)
+    for name in ("pytorch_lightning", "lightning", "lightning.pytorch"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r"pip install hetlb\[lightning\]"):
+        import hetlb.integrations.lightning  # noqa: F401
