@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the token peers need transformers (pip install -e '.[hf]')")
+from extras import extra
+
+extra("transformers", "hf")  # (the token peers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from extras import extra
 
-pytest.importorskip("pytorch_lightning")
+extra("pytorch_lightning", "lightning")
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_worker.py")
 

@@ -371,32 +371,38 @@ def test_a_lagged_row_carries_the_loss_of_the_window_lag_windows_back(lag):
 # ------------------------------------------------------------- 7. a DDP model that joins late
 
 
-def late_head_worker(rank, world, joins):
+def late_head_worker(rank, world, joins, alone):
     torch.manual_seed(0)
     enc = DDP(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh()).double())
     bal = hetlb.Balancer(enc, 8, policy=Fixed([3, 5]))
     loader = bal.loader(Indexed(80), seed=1)
     head = None
-    for step, (x, y, _) in enumerate(loader):
-        if step == joins:
-            torch.manual_seed(1)
-            head = DDP(torch.nn.Linear(6, 1).double())  # created late, never attached
-        h = enc(x)
-        out = head(h) if head is not None else h.sum(1, keepdim=True)
-        try:
+    try:
+        for step, (x, y, _) in enumerate(loader):
+            if step == joins:
+                torch.manual_seed(1)
+                head = DDP(torch.nn.Linear(6, 1).double())  # created late, never attached
+            h = enc(x)
+            out = head(h) if head is not None else h.sum(1, keepdim=True)
             torch.nn.functional.mse_loss(out, y).backward()
-            bal.steps  # (ends the step: its check runs at its end)
-        except RuntimeError as e:
-            return {"step": step, "error": str(e)}
-    return {"step": None, "error": None}
+            if rank == 0 or not alone:
+                bal.steps  # (ends the step: its check runs at its end)
+    except RuntimeError as e:
+        return {"steps": bal.steps, "error": str(e)}
+    return {"steps": bal.steps, "error": None}
 
 
 # A model made inside a step (after the step opened, which is when a step's search starts) is
-# found in the next step: a DDP model was made since the last search.
-@pytest.mark.parametrize("joins,found", [(2, 3), (5, 6)])
-def test_a_ddp_model_that_joins_late_is_refused_at_the_next_check(joins, found):
-    for r in unwrap(run(late_head_worker, 2, joins)):
-        assert r["step"] == found, r
+# found in the next step: a DDP model was made since the last search. Read on one rank only,
+# `bal.steps` ends the step on that rank alone: the ranks compare their searches at the next
+# batch (comparing at the read would be a collective the other rank never joins).
+@pytest.mark.parametrize("joins,found,alone", [(2, 3, False), (5, 6, False), (2, 3, True),
+                                               (5, 6, True)])
+def test_a_ddp_model_that_joins_late_is_refused_at_the_next_check(joins, found, alone):
+    rs = unwrap(run(late_head_worker, 2, joins, alone))
+    print([(r["steps"], r["error"][:60]) for r in rs])
+    for r in rs:
+        assert r["steps"] == found + 1, r
         assert f"found in step {found}" in r["error"] and "bal.attach(model)" in r["error"]
 
 

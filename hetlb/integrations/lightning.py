@@ -22,7 +22,7 @@ when only the ``lightning`` package is installed: its Trainer takes callbacks of
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Optional
 
 try:
     import pytorch_lightning as _pl
@@ -33,41 +33,10 @@ except ImportError:  # pragma: no cover (the other distribution of the same code
         raise ImportError("hetlb.integrations.lightning needs PyTorch Lightning: "
                           "pip install hetlb[lightning]") from None
 
-from hetlb.data.loader import BalancedLoader
+from hetlb.integrations.epoch import EpochLoader
 from hetlb.train.balancer import Balancer
 
 __all__ = ["Balance", "EpochLoader"]
-
-
-class EpochLoader:
-    """A Balancer's loader as Lightning reads a training loader: ``len()`` is the whole epoch's
-    steps (the loader's own is the steps left in a partly trained epoch; Lightning adds the
-    batches already done after a resume, and would end every later epoch early); iterating,
-    ``sampler`` (its ``set_epoch``), ``state_dict`` and ``load_state_dict`` are the loader's."""
-
-    def __init__(self, loader: BalancedLoader) -> None:
-        self.loader = loader
-
-    def __len__(self) -> int:
-        len(self.loader)  # (settles a step whose backward ran: the epoch may be complete)
-        return self.loader.order.steps_per_epoch
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-    @property
-    def sampler(self) -> Any:
-        return self.loader.sampler
-
-    @property
-    def dataset(self) -> Any:
-        return self.loader.dataset
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
 
 
 class Balance(_pl.Callback):

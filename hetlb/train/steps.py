@@ -103,6 +103,41 @@ def rebalance(part: Partition, loop: DecisionLoop, epoch: int, world: int) -> No
     log.info("epoch %d: rebalancing moves %d of %d samples", epoch, len(moves), part.home.size)
 
 
+def plan_without_loader(d: Any, k: int, steps: int, micro: int) -> StepPlan:
+    """The plan of a step without a loader (``bal.step()`` on batches of the script's own):
+    the decision's sizes, micro-step ``micro`` of window ``steps`` of ``k``."""
+    if not isinstance(d, np.ndarray):
+        raise RuntimeError("a size-aware decision (ScheduleRule) needs the Balancer's loader")
+    sizes, data = d.copy(), d.astype(np.float64)
+    sizes.flags.writeable = data.flags.writeable = False  # a plan is a value (records share it)
+    return StepPlan(epoch=0, step=steps * k + micro, sizes=sizes, data=data,
+                    checksum=decision_checksum(d), window_pos=micro, window_len=k)
+
+
+class UnattachedSearches:
+    """The searches for models trained unattached (see :class:`ModelHooks`) of finished steps,
+    compared with the other ranks'. Every rank searches the same steps and compares each once:
+    at the step's end, or for a step one rank settled alone (``len``, ``bal.steps``, a checkpoint)
+    at the next batch, loop or flush, where the others end it: a comparison at the settling
+    would be a collective the other ranks never join."""
+
+    def __init__(self, peers: Peers, wrapper: str) -> None:
+        self.peers, self.wrapper = peers, wrapper
+        self.pending: List[Tuple[Optional[str], int]] = []  # (what was found, the step)
+
+    def ended(self, found: Optional[str], step: int) -> None:
+        self.pending.append((found, step))
+
+    def compare(self) -> None:
+        while self.pending:
+            found, step = self.pending.pop(0)
+            everyone = self.peers.gather({"found": found})
+            seen = [r for r, e in enumerate(everyone) if e["found"] is not None]
+            if seen:
+                raise RuntimeError(unattached_message(self.wrapper, everyone[seen[0]]["found"],
+                                                     seen, step))
+
+
 @dataclass(slots=True)  # (one a step)
 class _Open:
     """The step (or accumulation micro-step) in progress."""
@@ -239,6 +274,7 @@ class StepDriver:
         self._broken: Optional[StepPlan] = None  # a micro-step whose `with bal.step():` raised
         self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
         self._micro = 0  # micro-steps without a loader (window position)
+        self.unattached = UnattachedSearches(self.peers, self.gradients.name)
         self.window = Window(self.gradients, self.accumulate)
         self._partials: Dict[int, tuple] = {}
         # The block's steps run since the last exchange (exchange_every > 1): (step, plan).
@@ -318,16 +354,6 @@ class StepDriver:
         complete: step the optimizer). Always True without accumulation."""
         return self._consumed is None or self._consumed.window_end
 
-    def _plan_without_loader(self) -> StepPlan:
-        d = self.loop.decision
-        if not isinstance(d, np.ndarray):
-            raise RuntimeError("a size-aware decision (ScheduleRule) needs the Balancer's loader")
-        k = self.accumulate
-        sizes, data = d.copy(), d.astype(np.float64)
-        sizes.flags.writeable = data.flags.writeable = False  # a plan is a value (records share it)
-        return StepPlan(epoch=0, step=self._step * k + self._micro, sizes=sizes, data=data,
-                        checksum=decision_checksum(d), window_pos=self._micro, window_len=k)
-
     def _weight(self, plan: StepPlan) -> Tuple[float, float, float, bool]:
         """This rank's aggregation weight, batch and data amount in ``plan``, and whether every
         rank's weight is the same (``1 / world``: DDP's own mean); the weight of a window shorter
@@ -392,7 +418,8 @@ class StepDriver:
                 raise RuntimeError("Balancer.step() without a new batch from the Balancer's loader: "
                                    "every step consumes exactly one batch it hands out")
         else:
-            plan = self._plan_without_loader()
+            plan = plan_without_loader(self.loop.decision, self.accumulate, self._step,
+                                       self._micro)
         broken = self._broken
         if broken is not None and plan.window_pos > 0:  # (until the next window or loop)
             raise RuntimeError(broken_window(broken))
@@ -473,8 +500,9 @@ class StepDriver:
         self._open = None
         self.hooks.stop_check()
 
-    def _finish(self) -> None:
-        """End the open step: its table, checks, record, the next decision, the position."""
+    def _finish(self, alone: bool = False) -> None:
+        """End the open step: its table, checks, record, the next decision, the position.
+        ``alone``: this rank may be the only one ending it here (see :meth:`settle`)."""
         t = time.perf_counter()
         plan, ship = self._open.plan, self._open.ship
         tele = self.telemetry
@@ -484,7 +512,7 @@ class StepDriver:
             tele.end_kept()
             self._open = None
             self._block.append((self._step, plan))
-            self._advance(plan)
+            self._advance(plan, alone)
             self._spent += time.perf_counter() - t
             self.last_overhead, self._spent = self._spent, 0.0
             return
@@ -515,7 +543,7 @@ class StepDriver:
         self._block = []
         self._ship_next = False
         done = self._split(steps, table)
-        self._advance(plan)
+        self._advance(plan, alone)
         self._next_block(self._record([(g, tab) for (g, _), tab in done]))
         part = self.board.partition
         if part is not None and part.rebalance and part.pending is None and \
@@ -543,6 +571,7 @@ class StepDriver:
         if self._in_with:
             raise RuntimeError("bal.flush() inside `with bal.step():`; call it between steps")
         self.settle()  # a step whose backward ran is trained (and may itself exchange)
+        self.unattached.compare()
         o = self._open
         if not self._block:
             return
@@ -569,15 +598,12 @@ class StepDriver:
         if self.adaptive_exchange:
             self._block_len = next_block_length(self._block_len, steady, self.exchange_every)
 
-    def _advance(self, plan: StepPlan) -> None:
-        """``plan``'s step is done: the position, the step count and the watchdog move on."""
+    def _advance(self, plan: StepPlan, alone: bool = False) -> None:
+        """``plan``'s step is done: the position, the step count and the watchdog move on.
+        ``alone``: the other ranks may not be here (:meth:`settle`); a search for unattached
+        models is then compared with theirs at the next point every rank reaches."""
         if self.hooks.checking:  # the step ran with its models checked (see ModelHooks)
-            found = self.hooks.end_check()
-            everyone = self.peers.gather({"found": found})  # (every rank checks the same steps)
-            seen = [r for r, e in enumerate(everyone) if e["found"] is not None]
-            if seen:
-                raise RuntimeError(unattached_message(self.gradients.name, everyone[seen[0]]["found"],
-                                                     seen, self._step))
+            self.unattached.ended(self.hooks.end_check(), self._step)
         self.board.complete(plan)
         if not self.bound:
             self._micro = 0
@@ -586,6 +612,8 @@ class StepDriver:
             self.hooks.wants_check = True
         if self.watchdog is not None:
             self.watchdog.beat(self._step)
+        if not alone:  # (after the count: the step trained; the error is about another model)
+            self.unattached.compare()
 
     def _record(self, steps: List[Tuple[int, np.ndarray]]) -> bool:
         """The records the tables of ``steps`` (in order; one step, or an exchanged block's)
@@ -627,15 +655,17 @@ class StepDriver:
         """Finish a handed step whose backward ran now rather than at the next batch (a loop
         left after it: ``len(loader)``, ``bal.steps`` and a checkpoint count it). No collective
         here that the other ranks would not join: its hook (or with a deferred hook, the end of
-        its backward) sent the table; one process exchanges with itself."""
+        its backward) sent the table; one process exchanges with itself; the step's search for
+        unattached models is compared with the other ranks' at the next batch, loop or flush."""
         o = self._open
         if o is not None and not o.explicit and not self._in_with and self.telemetry.hooked:
-            self._finish()
+            self._finish(alone=True)
             self._arm()
 
     def iteration_starts(self) -> None:
         """A new iteration over the loader: a step that trained is finished; a batch handed out
         and never trained (a peek) is forgotten, and will be handed out again."""
+        self.unattached.compare()
         o = self._open
         if o is not None and not self._in_with:
             if self.telemetry.hooked:
@@ -660,6 +690,7 @@ class StepDriver:
         """The loop asks for the next batch: the open step ends here if its forward ran
         (trained, or stepped without gradients); else the loop fetched ahead and it stays open."""
         self._ended = None
+        self.unattached.compare()
         o = self._open
         tele = self.telemetry
         if o is not None and not self._in_with and (tele.hooked or tele.core.restarted):

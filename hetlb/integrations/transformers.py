@@ -1,0 +1,352 @@
+"""hetlb under Hugging Face's Trainer with DDP: :class:`BalancedTrainer`, a Trainer whose training
+batches a :class:`hetlb.Balancer` sizes per rank every step::
+
+    trainer = BalancedTrainer(model=model, args=TrainingArguments(per_device_train_batch_size=8,
+                              ...), train_dataset=dataset, data_collator=collate, policy=hetlb.LBB())
+    trainer.train()                              # launched with torchrun, as any DDP Trainer run
+
+``per_device_train_batch_size`` is the average: the global batch is it times the world, and the
+Balancer gives each rank its own share. The training loader is a :class:`hetlb.DataLoader` over
+the dataset (the Trainer's collator and column removal, ``seed``/``data_seed``,
+``dataloader_drop_last`` and the DataLoader settings of the arguments); evaluation keeps the
+Trainer's own loaders. The Balancer is made on the Trainer's DDP model before the first batch is
+drawn (the Trainer wraps the model after it made the loader); one ``train()`` per trainer
+under DDP (DDP keeps the Balancer's hook for the model's life).
+
+The loss: the Trainer normalises it one of three ways, and each needs its own weight.
+
+* The model takes loss kwargs (``num_items_in_batch``, transformers' own models) or a
+  ``compute_loss_func`` is given, and ``average_tokens_across_devices`` is on (the default): the
+  Trainer divides each rank's summed loss by the step's global item count and multiplies it by
+  the world to undo DDP's mean. Every rank's weight is then ``1 / world`` (``weighting="world"``,
+  chosen here), and the step's gradient is that of the token mean over all ranks.
+* No loss kwargs: each rank's loss is its batch's mean, and hetlb's own weight (the rank's share
+  of the step's samples, ``weighting="samples"``) makes the step's gradient that of the mean over
+  the step's samples.
+* Loss kwargs with ``average_tokens_across_devices=False`` (each rank's own token mean) is
+  refused: its exact weight is each rank's share of the step's tokens; turn the flag on, which
+  trains the same token mean exactly.
+
+Each step checks that its weighting matches what the Trainer did to the loss, before the forward.
+
+Checkpoints: the Balancer's state (with the data position) is written beside each checkpoint as
+``hetlb.pt`` and read by ``train(resume_from_checkpoint=...)``, so a run resumes at the batch it
+stopped at. The Trainer's own skipping of the batches already trained is off
+(``ignore_data_skip=True`` in the trainer's copy of the arguments): hetlb's loader resumes at its
+position, and skipping again would drop a part of the epoch.
+
+Gradient accumulation: the Balancer runs with ``accumulate=gradient_accumulation_steps``, each
+micro-batch of the Trainer is a ``with bal.step():`` micro-step, and the Trainer's ``no_sync`` on
+all but a window's last batch is the window's own. Runs whose epochs the Trainer and hetlb would cut
+into different windows are refused (see :func:`_check_windows`), and so is a resume inside an epoch
+whose last window is short (the Trainer would not step the optimizer after it).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Mapping
+from functools import partial
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+
+try:
+    import accelerate  # noqa: F401 (the Trainer runs on it)
+    import transformers as _tf
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
+except ImportError:
+    raise ImportError("hetlb.integrations.transformers needs transformers and accelerate: "
+                      "pip install hetlb[hf]") from None
+
+from hetlb.data.loader import BalancedLoader
+from hetlb.integrations.epoch import EpochLoader
+from hetlb.train.balancer import Balancer
+
+__all__ = ["BalancedTrainer", "SaveBalance", "STATE_FILE"]
+
+log = logging.getLogger(__name__)
+
+#: The Balancer's state in a checkpoint folder.
+STATE_FILE = "hetlb.pt"
+
+
+class _FromFirstBatch:
+    """An iteration over a loader that starts at the first batch asked for: the Trainer takes the
+    iterator before its first window, and the loader must be bound to the Balancer by then."""
+
+    def __init__(self, loader: BalancedLoader) -> None:
+        self._loader = loader
+        self._it: Optional[Iterator[Any]] = None
+
+    def __iter__(self) -> "_FromFirstBatch":
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._it = iter(self._loader)
+        return next(self._it)
+
+
+class TrainerLoader(EpochLoader):
+    """The training loader the Trainer reads: :class:`EpochLoader`, whose iteration starts at the
+    first batch asked for (the Balancer binds the loader in between)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return _FromFirstBatch(self.loader)
+
+
+class SaveBalance(_tf.TrainerCallback):
+    """Writes the training loader's state (the Balancer's, with the data position) into each
+    checkpoint folder as :data:`STATE_FILE`. Every rank takes it (the ranks' states are the same,
+    byte for byte); the process that saves the checkpoint writes it."""
+
+    def on_save(self, args: Any, state: Any, control: Any, train_dataloader: Any = None,
+                **kwargs: Any) -> None:
+        if not isinstance(train_dataloader, EpochLoader):
+            return
+        balance = train_dataloader.state_dict()
+        if args.should_save:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            torch.save(balance, os.path.join(folder, STATE_FILE))
+
+
+def _loss_mismatch(weighting: str, items: Any, average_tokens: bool) -> Optional[str]:
+    """Why the Balancer's weighting does not fit the loss the Trainer computes this step, or
+    None. ``items`` is the Trainer's item count (None when it normalises no loss by it)."""
+    if items is not None and not average_tokens:
+        return ("the model takes loss kwargs and average_tokens_across_devices=False: each rank's "
+                "loss is its own token mean, whose exact weight is the rank's share of the step's "
+                "tokens. Set average_tokens_across_devices=True (the default): the Trainer then "
+                "divides by the step's global token count, and hetlb weighs every rank 1/world, "
+                "training the same token mean exactly")
+    if items is not None and weighting != "world":
+        return (f"the Trainer divides each rank's loss by the step's global item count "
+                f"(average_tokens_across_devices with a model taking loss kwargs), so every "
+                f"rank's weight must be 1/world: weighting='world' (BalancedTrainer's choice for "
+                f"this case), not {weighting!r}")
+    if items is None and weighting == "world":
+        return ("this step's loss is each rank's own mean (the Trainer counted no items: the "
+                "batches have no 'labels', or the model takes no loss kwargs), so the ranks' "
+                "weights must be their shares of the step: weighting='samples'")
+    return None
+
+
+class BalancedTrainer(_tf.Trainer):
+    """A ``transformers.Trainer`` whose training steps a :class:`hetlb.Balancer` balances (see the
+    module docstring). Takes the Trainer's arguments, and:
+
+    Args:
+        policy: the Balancer's policy (default: its own, :class:`hetlb.LBB`).
+        balancer_kwargs: more :class:`hetlb.Balancer` arguments (``lower``, ``emulator``,
+            ``weighting``, ...), less the model, the global batch, the policy and the loader.
+        loader_kwargs: more :class:`hetlb.DataLoader` arguments (``sample_sizes`` for
+            :class:`hetlb.Chronica`, ...); they take precedence over those derived from the
+            training arguments.
+
+    Attributes:
+        balancer: the :class:`hetlb.Balancer` of the current ``train()``, from its first batch on
+            (None before).
+    """
+
+    def __init__(self, *args: Any, policy: Any = None,
+                 balancer_kwargs: Optional[Dict[str, Any]] = None,
+                 loader_kwargs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.args.n_gpu > 1:
+            raise ValueError("hetlb: BalancedTrainer runs one process per GPU (torchrun, DDP); "
+                             "this process sees several GPUs and would use DataParallel: launch "
+                             "with torchrun --nproc-per-node=<GPUs>")
+        if not self.args.ignore_data_skip:
+            # hetlb's loader resumes at its own position: the Trainer must not skip batches too
+            self.args = copy.copy(self.args)
+            self.args.ignore_data_skip = True
+        self.policy = policy
+        self.balancer_kwargs = dict(balancer_kwargs or {})
+        self.loader_kwargs = dict(loader_kwargs or {})
+        for key in ("model", "global_batch", "policy", "loader", "accumulate"):
+            if key in self.balancer_kwargs:
+                raise ValueError(f"hetlb: balancer_kwargs must not hold {key!r}: BalancedTrainer "
+                                 f"passes it (policy= is an argument of its own)")
+        self.balancer: Optional[Balancer] = None
+        self._train_loader: Optional[TrainerLoader] = None
+        self._resume: Optional[str] = None
+        self.add_callback(SaveBalance)
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a checkpoint resumed from must hold the Balancer's state
+        (:data:`STATE_FILE`, written by this trainer)."""
+        if self.balancer is not None and self.model_wrapped is not self.model:
+            raise RuntimeError(
+                "hetlb: this BalancedTrainer has trained its DDP model once, and DDP keeps the "
+                "Balancer's communication hook for the model's life. For another train() (a "
+                "resume too), make a new BalancedTrainer with model=trainer.model (the module "
+                "inside the DDP wrapper): it is wrapped anew")
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+        self._resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_train_dataloader(self) -> TrainerLoader:
+        """The training loader: a :class:`hetlb.DataLoader` with the whole epoch's length (and the
+        resumed checkpoint's state, applied when the Balancer binds it)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        a = self.args
+        dataset, collate = self.train_dataset, self.data_collator
+        if _is_hf_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        kwargs: Dict[str, Any] = dict(
+            collate_fn=collate, num_workers=a.dataloader_num_workers,
+            pin_memory=a.dataloader_pin_memory, persistent_workers=a.dataloader_persistent_workers,
+            prefetch_factor=a.dataloader_prefetch_factor,
+            multiprocessing_context=a.dataloader_multiprocessing_context,
+            in_order=a.dataloader_in_order,
+            worker_init_fn=partial(seed_worker, num_workers=a.dataloader_num_workers,
+                                   rank=a.process_index),
+            seed=a.data_seed if a.data_seed is not None else a.seed,
+            drop_last=a.dataloader_drop_last)
+        kwargs.update(self.loader_kwargs)
+        loader = BalancedLoader(dataset, a.per_device_train_batch_size, **kwargs)
+        _check_windows(len(dataset), a.per_device_train_batch_size * a.world_size,
+                       loader.order.drop_last, a.gradient_accumulation_steps)
+        short = len(dataset) % (a.per_device_train_batch_size * a.world_size)
+        if not loader.order.drop_last and 0 < short < a.world_size:
+            log.warning("hetlb: the epoch's last step has %d sample(s) for %d ranks: a rank gets "
+                        "an empty batch there, which transformers' models refuse; set "
+                        "dataloader_drop_last=True", short, a.world_size)
+        if self._resume is not None:
+            loader.load_state_dict(_read_state(self._resume))
+        self.balancer = None
+        self._train_loader = TrainerLoader(loader)
+        return self._train_loader
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> Any:
+        """``Trainer.get_batch_samples``, making the Balancer before the first batch and checking
+        each step's weighting against the Trainer's loss normalisation."""
+        if self.balancer is None:
+            self.balancer = self._make_balancer()
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batches:
+            why = _loss_mismatch(self.balancer.weighting, items,
+                                 self.args.average_tokens_across_devices)
+            if why is not None:
+                raise ValueError(f"hetlb: {why}")
+        return batches, items
+
+    def training_step(self, model: torch.nn.Module, inputs: Dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """``Trainer.training_step``; a model that refuses this rank's empty batch (a rank given
+        no samples still runs its forward and backward: DDP's all-reduce needs every rank) gets
+        an error saying so."""
+        try:
+            if self.args.gradient_accumulation_steps == 1:
+                return super().training_step(model, inputs, num_items_in_batch)
+            with self.balancer.step():  # (a micro-step of the window: no_sync but on its last)
+                return super().training_step(model, inputs, num_items_in_batch)
+        except RuntimeError as e:
+            if not _empty(inputs):
+                raise
+            raise RuntimeError(
+                "hetlb: the model refused this rank's empty batch. The Balancer gave the rank no "
+                "samples this step (balancer_kwargs lower=0, or the epoch's short last step has "
+                "fewer samples than ranks), and every rank must still run its forward and "
+                "backward for DDP's all-reduce. Keep lower >= 1 (the default) and set "
+                "dataloader_drop_last=True, or make the model take a batch of 0 samples") from e
+
+    def compute_loss(self, model: torch.nn.Module, inputs: Dict[str, Any], *args: Any,
+                     **kwargs: Any) -> Any:
+        """``Trainer.compute_loss``; in training, the loss of a micro-step of an epoch's short
+        last window times ``length / gradient_accumulation_steps``: the Trainer normalises a
+        window by its own length (dividing by it, or by the window's item count), and hetlb scales
+        a short window's weight by ``accumulate / length``, as for a loop dividing by
+        ``accumulate``."""
+        got = super().compute_loss(model, inputs, *args, **kwargs)
+        k = self.args.gradient_accumulation_steps
+        if k == 1 or not (model.training and torch.is_grad_enabled()):
+            return got
+        length = self.current_gradient_accumulation_steps  # (set for each window in training)
+        if length >= k:
+            return got
+        if isinstance(got, tuple):
+            return (got[0] * (length / k),) + tuple(got[1:])
+        return got * (length / k)
+
+    def _make_balancer(self) -> Balancer:
+        if self._train_loader is None:
+            raise RuntimeError("hetlb: BalancedTrainer draws batches only from the loader of its "
+                               "get_train_dataloader()")
+        kwargs = dict(self.balancer_kwargs)
+        if "weighting" not in kwargs:
+            scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+            kwargs["weighting"] = ("world" if scaled and self.args.average_tokens_across_devices
+                                   else "samples")
+        loader = self._train_loader.loader
+        bal = Balancer(self.model_wrapped, self.args.per_device_train_batch_size * self.args.world_size,
+                       self.policy, loader=loader, accumulate=self.args.gradient_accumulation_steps,
+                       **kwargs)
+        k, spe = self.args.gradient_accumulation_steps, loader.order.steps_per_epoch
+        left = len(loader)
+        if k > 1 and spe % k and 0 < left < spe:
+            raise ValueError(
+                f"hetlb: this checkpoint stopped inside an epoch ({left} of its {spe} batches "
+                f"left) whose last accumulation window is short ({spe % k} of "
+                f"gradient_accumulation_steps={k}). The Trainer counts a resumed epoch's batches "
+                f"from 0 (its own skip is off: hetlb's loader resumes at its position), so it "
+                f"would never step the optimizer after that window. Resume from a checkpoint at "
+                f"an epoch's end, or train with epochs of whole windows (dataloader_drop_last=True "
+                f"and a number of steps per epoch that {k} divides)")
+        if bal.steps != self.state.global_step:
+            raise ValueError(
+                f"hetlb: the Balancer's state is at step {bal.steps} and the Trainer's at "
+                f"{self.state.global_step}: the checkpoint's {STATE_FILE} is not of the same run "
+                f"and step as its trainer_state.json")
+        return bal
+
+
+def _check_windows(n: int, global_batch: int, drop_last: bool, k: int) -> None:
+    """Refuse accumulation windows on which the Trainer and hetlb would disagree. The Trainer
+    cuts an epoch's batches into windows of ``k`` by count, the last taking the rest; hetlb's
+    windows do not cross an epoch's short last step (it is a window of its own, its sizes being
+    another step's). They agree unless the epoch has a short last step after a number of whole
+    steps that ``k`` does not divide."""
+    whole, short = divmod(n, global_batch)
+    if k == 1 or drop_last or short == 0 or whole % k == 0:
+        return
+    raise ValueError(
+        f"hetlb: with gradient_accumulation_steps={k}, an epoch of {n} samples in steps of "
+        f"{global_batch} is {whole} whole steps and a short one of {short}: the Trainer would "
+        f"put the short step in a window with {whole % k} whole one(s), and the Balancer fixes "
+        f"each rank's size per window (a window of both cannot weigh its samples exactly). Set "
+        f"dataloader_drop_last=True, or make the whole steps a multiple of {k}")
+
+
+def _is_hf_dataset(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(dataset, datasets.Dataset)
+
+
+def _empty(inputs: Any) -> bool:
+    """Whether a collated batch holds no samples (its tensors have 0 rows)."""
+    if not isinstance(inputs, Mapping):
+        return False
+    rows = [v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return bool(rows) and max(rows) == 0
+
+
+def _read_state(folder: str) -> Dict[str, Any]:
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"hetlb: the checkpoint {folder} has no {STATE_FILE}, the Balancer's state with the "
+            f"data position: it was not written by BalancedTrainer. Resuming without it would "
+            f"train the batches of the interrupted epoch again; resume from a checkpoint of a "
+            f"BalancedTrainer run, or start anew")
+    return torch.load(path, weights_only=True)
