@@ -12,12 +12,13 @@ from hetlb.cli.commands import main
 
 def test_shortened_demo_matches_uniform_and_balances(capsys, caplog, tmp_path):
     png = tmp_path / "demo.png"
-    code = main(["demo", "--epochs", "2", "--policy", "uniform,lbb", "--plot", str(png), "--json"])
+    code = main(["demo", "--epochs", "1", "--min-steps", "22", "--policy", "uniform,lbb", "--plot",
+                 str(png), "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    # 11 steps an epoch at global batch 128: --min-steps 40 (the default) raises 2 epochs to 4,
-    # and says so
-    assert out["epochs"] == 4 and "epochs raised from 2 to 4" in caplog.text
+    # 11 steps an epoch at global batch 128: --min-steps 22 raises 1 epoch to 2, and says so
+    # (the default, 40, would make it 4)
+    assert out["epochs"] == 2 and "epochs raised from 1 to 2" in caplog.text
     rows = {r["policy"]: r for r in out["results"]}
     assert out["world"] == 4 and out["global_batch"] == 128
     assert out["ideal_speedup"] == pytest.approx(2.06, abs=0.02)  # (296 ms) / (144 ms)

@@ -112,7 +112,7 @@ def test_the_port_trains_the_same_model_and_resumes(tmp_path):
             torch.testing.assert_close(got["MODEL_STATE"][k], v, rtol=1e-5, atol=1e-6)
 
 
-def test_the_unmodified_port_exits_cleanly_eight_times(tmp_path):
+def test_the_unmodified_port_exits_cleanly_six_times(tmp_path):
     # The script keeps its Trainer (and so the DDP model) alive through destroy_process_group(),
     # as the tutorial does: exit must neither hang nor abort (run_checked.py also fails a run
     # that leaves Gloo threads behind: running past its deadline, or kept by a reference cycle).
@@ -128,11 +128,11 @@ def test_the_unmodified_port_exits_cleanly_eight_times(tmp_path):
         except subprocess.TimeoutExpired:
             return "hung", ""
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(one, range(8)))  # (longer probes: tools/exit_hang_repro.py --runs N)
+        results = list(pool.map(one, range(6)))  # (longer probes: tools/exit_hang_repro.py --runs N)
     if log.exists():
         print(log.read_text())
     bad = [(i, rc, err) for i, (rc, err) in enumerate(results) if rc != 0]
-    assert not bad, f"{len(bad)} of 8 runs failed; run {bad[0][0]} (exit {bad[0][1]}): {bad[0][2]}"
+    assert not bad, f"{len(bad)} of 6 runs failed; run {bad[0][0]} (exit {bad[0][1]}): {bad[0][2]}"
 
 
 def test_exit_after_collectives_of_the_script_s_own_does_not_hang():
