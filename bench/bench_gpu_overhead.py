@@ -153,7 +153,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0,
                    help="DataLoader worker processes per variant (0: batches collated on the main thread)")
     p.add_argument("--trace", default=None, metavar="DIR",
-                   help="then profile 30 steps of each variant (torch.profiler): top operators, Chrome traces in DIR")
+                   help="then profile 30 steps (at most --steps) of each variant (torch.profiler): top operators, "
+                        "Chrome traces in DIR")
     args = p.parse_args()
     import torch.distributed as dist
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -203,7 +204,7 @@ def main() -> None:
                 print(f"{v}: {bal.steps} steps, compute column median "
                       f"{float(np.median(h.column('compute'))) * 1e3:.3f} ms")
         if args.trace:
-            trace(runs, model, device, args.trace)
+            trace(runs, model, device, args.trace, steps=min(30, args.steps))
         del runs
     dist.destroy_process_group()
 

@@ -30,14 +30,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def agent(out, port, *args, host=False, nnodes="3:4", restarts=2, env=(), share_store=False):
+def agent(out, port, *args, host=False, nnodes="3:4", restarts=2, env=(), share_store=False, conf=""):
     """One torchrun agent with one worker: a "node" of a multi-node job on the c10d rendezvous.
 
     The agents' shared store is turned off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as docs/restarts.md
     tells users of ``--nnodes MIN:MAX``): with it, torch 2.13's agents cannot re-form a group that a
     node joined (the new round's MASTER_ADDR is never published when rank 0 stays rank 0).
     """
-    conf = f"is_host={int(host)},last_call_timeout=2,join_timeout=120"
+    conf = f"is_host={int(host)},last_call_timeout=2,join_timeout=120" + conf
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hetlb-test",
            f"--rdzv-conf={conf}", f"--max-restarts={restarts}", "--monitor-interval=0.2",
@@ -119,8 +119,10 @@ def test_a_lost_node_restarts_the_job_on_three_workers(tmp_path, reference):
     # Four one-worker nodes on the c10d rendezvous (--nnodes 3:4); the fourth node's agent dies at
     # step 8: the job comes back on three workers, re-planned, from the checkpoint at step 6.
     port = free_port()
-    # torch's default shared agent store here (hetlb.init_process_group's fresh-store path).
+    # torch's default shared agent store here (hetlb.init_process_group's fresh-store path). A node
+    # whose agent sent no heartbeat for 3 s is dead (torch's default: 15 s, most of this test's time).
     procs = [agent(tmp_path, port, "--epochs", 3, host=i == 0, share_store=True,
+                   conf=",keep_alive_interval=1,keep_alive_max_attempt=3",
                    env={"HETLB_TEST_LOSE_NODE": "8"} if i == 3 else {}) for i in range(4)]
     codes, err = finish(procs)
     assert codes[:3] == [0, 0, 0] and codes[3] != 0, err

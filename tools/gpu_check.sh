@@ -36,7 +36,8 @@ except RuntimeError as e:
     print('error messages format:', str(e).splitlines()[0][:80])
 else:
     raise SystemExit('no error for mixed dtypes')"
-step cuda_tests "$PY" -m pytest tests/test_ops.py tests/test_profile.py tests/test_bad_input.py -q -p no:cacheprovider -x
+step cuda_tests "$PY" -m pytest tests/test_ops.py tests/test_profile.py tests/test_bad_input.py -q -p no:cacheprovider -x \
+  -o addopts="-ra --benchmark-disable --timeout=600"  # (one process; the image may lack pytest-xdist)
 step gpu_checks "$PY" tools/gpu_check.py
 step bench_kernels "$PY" bench/bench_kernels.py --device cuda
 # hetlb's per-step cost on one GPU, step-interleaved (one step of each variant in turn, each between
