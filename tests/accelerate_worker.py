@@ -9,7 +9,6 @@ steps' gradients and one process's over the step's samples.
 import argparse
 import contextlib
 import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ import hetlb
 from hetlb.core.models import LinearModel
 from hetlb.integrations.accelerate import prepare
 from hetlb.sim.emulate import Emulator
+from distributed import union_gradient_errors
 
 N, GLOBAL_BATCH = 50, 12  # 5 steps an epoch, the last of 2 samples
 
@@ -78,16 +78,8 @@ def main():
     dist.all_gather_object(everyone, trained)
     steps = bal.steps
     if accelerator.is_main_process:
-        errors = {}
-        for step, pairs in kept.items():
-            union = [i for rank in everyone for s, idx in rank if s == step for i in idx]
-            ref = net()
-            with torch.no_grad():
-                for q, (value, _) in zip(ref.parameters(), pairs):
-                    q.copy_(value)
-            torch.nn.functional.mse_loss(ref(x[union]), y[union]).backward()
-            errors[step] = max(float((q.grad - gr).abs().max())
-                               for q, (_, gr) in zip(ref.parameters(), pairs))
+        errors = union_gradient_errors(
+            net, kept, everyone, lambda m, i: torch.nn.functional.mse_loss(m(x[i]), y[i]))
         with open(a.out, "w") as f:
             json.dump({"trained": everyone, "steps": steps, "errors": errors,
                        "sizes": [r.batch.tolist() for r in bal.history]}, f)

@@ -140,3 +140,40 @@ def unwrap(results: List[Any]) -> List[Any]:
         failed.sort(key=lambda rv: "closed by peer" in rv[1])
         raise AssertionError("\n".join(f"rank {r} failed:\n{v}" for r, v in failed))
     return [v for _, v in results]
+
+
+def torchrun(script: str, out: Any, *args: Any, nproc: int = 2, timeout: float = 300.0) -> Any:
+    """``script --out OUT ARGS`` under ``torchrun --standalone`` with ``nproc`` processes of one
+    thread each; asserts that it succeeded (the stderr's tail otherwise) and returns the JSON the
+    script wrote to ``out``."""
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           script, "--out", str(out), *map(str, args)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def union_gradient_errors(make: Callable, kept: dict, trained_by_rank: List[Any],
+                          loss_of: Callable) -> dict:
+    """For each kept step (``step: [(parameter, gradient), ...]``, taken before the optimizer
+    step): the largest difference between its gradient and one process's gradient over the
+    samples every rank trained in that step (``trained_by_rank[r]``: ``(step, indices)`` pairs),
+    on a fresh ``make()`` holding the step's parameters; ``loss_of(model, indices)`` is the loss
+    of those samples."""
+    import torch
+    errors = {}
+    for step, pairs in kept.items():
+        union = [i for rank in trained_by_rank for s, idx in rank if s == step for i in idx]
+        model = make()
+        with torch.no_grad():
+            for p, (value, _) in zip(model.parameters(), pairs):
+                p.copy_(value)
+        loss_of(model, union).backward()
+        errors[step] = max(float((p.grad - g).abs().max()) for p, (_, g) in
+                           zip(model.parameters(), pairs))
+    return errors

@@ -3,13 +3,12 @@ torchrun): batches on the accelerator's device, sizes that change every step, ea
 window's gradient (a short one included) equal to one process's over its samples under
 gradient accumulation, and accelerate's own save_state / load_state resuming mid-way through the
 second epoch with every sample of each epoch once. In one process: what it refuses."""
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from distributed import torchrun
 from extras import extra
 
 extra("accelerate", "hf")
@@ -18,23 +17,17 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_wo
 N = 50  # samples; steps of 12: windows of 2 micro-steps [0, 1] [2, 3] [4: short] an epoch
 
 
-def torchrun(tmp_path, name, *args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           WORKER, "--out", str(out), "--dir", str(tmp_path / "state"), *map(str, args)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(out.read_text())
+def run(tmp_path, name, *args):
+    return torchrun(WORKER, tmp_path / f"{name}.json", "--dir", tmp_path / "state", *args)
 
 
 def test_accumulated_windows_and_a_resume_through_save_state(tmp_path):
     common = ("--epochs", 3, "--accumulate", 2)
-    first = torchrun(tmp_path, "first", *common, "--check", "1,2,3", "--stop-at", 5)
+    first = run(tmp_path, "first", *common, "--check", "1,2,3", "--stop-at", 5)
     assert first["steps"] == 5 and len({tuple(s) for s in first["sizes"]}) > 2
     assert sorted(first["errors"]) == ["1", "2", "3"]  # (2: the short window)
     assert max(first["errors"].values()) < 1e-6, first["errors"]
-    rest = torchrun(tmp_path, "rest", *common, "--resume")
+    rest = run(tmp_path, "rest", *common, "--resume")
     assert rest["steps"] == 9
     epochs = {}
     for result in (first, rest):

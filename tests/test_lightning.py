@@ -4,24 +4,15 @@ and a Lightning checkpoint taken mid-epoch resumes the rest of that epoch and th
 (with the loader's own length, the steps left, Lightning cut every epoch after a resume short)."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from distributed import torchrun
 from extras import extra
 
 extra("pytorch_lightning", "lightning")
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_worker.py")
-
-
-def torchrun(out, *args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           WORKER, "--out", str(out), *map(str, args)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return r
 
 
 def per_epoch(result):
@@ -35,9 +26,8 @@ def per_epoch(result):
 def test_every_epoch_once_and_a_mid_epoch_resume(tmp_path):
     # stopped after step 9 (3 of epoch 1's 6), resumed to the end of epoch 2
     ckpt = tmp_path / "mid.ckpt"
-    torchrun(tmp_path / "first.json", "--epochs", 3, "--stop-at", 9, "--ckpt", ckpt)
-    torchrun(tmp_path / "rest.json", "--epochs", 3, "--resume", ckpt)
-    first, rest = (json.loads((tmp_path / f).read_text()) for f in ("first.json", "rest.json"))
+    first = torchrun(WORKER, tmp_path / "first.json", "--epochs", 3, "--stop-at", 9, "--ckpt", ckpt)
+    rest = torchrun(WORKER, tmp_path / "rest.json", "--epochs", 3, "--resume", ckpt)
     assert len({tuple(s) for s in first["sizes"]}) > 1  # LBB moved samples between the ranks
     first, rest = per_epoch(first), per_epoch(rest)
     assert sorted(first[0]) == list(range(64)) and len(first[1]) == 3 * 12

@@ -5,12 +5,11 @@ count; a module whose loss is its batch's mean, with an idle rank), the sizes ch
 steps, the Trainer evaluates between steps, and a checkpoint taken mid-way through the second
 epoch resumes the rest of that epoch with the Trainer's step count right. In one process: the
 refusals and their messages."""
-import json
 import os
-import subprocess
 import sys
 
 import pytest
+from distributed import torchrun
 from extras import extra
 
 extra("transformers", "hf")
@@ -21,14 +20,8 @@ N = w.N  # samples (tests/transformers_worker.py)
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformers_worker.py")
 
 
-def torchrun(tmp_path, name, *args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           WORKER, "--out", str(out), "--dir", str(tmp_path / "run"), *map(str, args)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(out.read_text())
+def run(tmp_path, name, *args):
+    return torchrun(WORKER, tmp_path / f"{name}.json", "--dir", tmp_path / "run", *args)
 
 
 def by_epoch(result, steps):
@@ -41,13 +34,13 @@ def by_epoch(result, steps):
 
 def test_token_mean_gradients_and_a_resume_in_the_second_epoch(tmp_path):
     steps = 4  # 48 samples in steps of 12; stopped after step 6, mid-way through epoch 1
-    first = torchrun(tmp_path, "first", "--case", "tokens", "--epochs", 3, "--check", "0,1,5",
+    first = run(tmp_path, "first", "--case", "tokens", "--epochs", 3, "--check", "0,1,5",
                      "--stop-at", 6)
     assert first["weighting"] == "world" and first["global_step"] == first["steps"] == 6
     assert len({tuple(s) for s in first["sizes"]}) > 1  # LBB moved samples between the ranks
     assert sorted(first["errors"]) == ["0", "1", "5"]
     assert max(first["errors"].values()) < 1e-5, first["errors"]
-    rest = torchrun(tmp_path, "rest", "--case", "tokens", "--epochs", 3, "--resume")
+    rest = run(tmp_path, "rest", "--case", "tokens", "--epochs", 3, "--resume")
     assert rest["global_step"] == rest["steps"] == 3 * steps
     a, b = by_epoch(first, steps), by_epoch(rest, steps)
     assert sorted(a[0]) == list(range(N)) and 0 not in b
@@ -58,7 +51,7 @@ def test_token_mean_gradients_and_a_resume_in_the_second_epoch(tmp_path):
 def test_accumulated_token_means(tmp_path):
     # 54 samples in steps of 12: windows of 2 micro-steps [0, 1], [2, 3] and the short [4] (6
     # samples), whose weight hetlb scales
-    r = torchrun(tmp_path, "accumulated", "--case", "tokens", "--samples", 54, "--accumulate", 2,
+    r = run(tmp_path, "accumulated", "--case", "tokens", "--samples", 54, "--accumulate", 2,
                  "--check", "0,1,2")
     assert r["weighting"] == "world" and r["global_step"] == r["steps"] == 3
     assert len({tuple(s) for s in r["sizes"]}) > 1
@@ -67,8 +60,22 @@ def test_accumulated_token_means(tmp_path):
     assert sorted(i for rank in r["trained"] for _, idx in rank for i in idx) == list(range(54))
 
 
+def test_a_classifier_whose_loss_ignores_the_item_count(tmp_path):
+    # LlamaForSequenceClassification takes loss kwargs (its forward has **kwargs) and returns its
+    # batch's mean: weighed as the token mean ("world"), its steps were the mean of the ranks'
+    # means. Windows of 2 with a short one, LBB at emulated 1:2.
+    r = run(tmp_path, "classify", "--case", "classify", "--samples", 54, "--accumulate", 2,
+                 "--check", "0,1,2")
+    assert r["weighting"] == "samples" and r["global_step"] == r["steps"] == 3
+    assert len({tuple(s) for s in r["sizes"]}) > 1
+    assert sorted(r["errors"]) == ["0", "1", "2"]
+    assert max(r["errors"].values()) < 1e-5, r["errors"]
+
+
 def test_accumulated_mean_losses_with_an_idle_rank(tmp_path):
-    r = torchrun(tmp_path, "mean", "--case", "mean", "--samples", 54, "--accumulate", 2,
+    # (the worker's trainer computes this loss itself: the short window's scaling does not rely
+    # on the Trainer's compute_loss)
+    r = run(tmp_path, "mean", "--case", "mean", "--samples", 54, "--accumulate", 2,
                  "--check", "0,1,2", "--idle")
     assert r["weighting"] == "samples" and r["steps"] == 3
     # per micro-step, fixed per window; the short last step scaled to its 6 samples
@@ -77,7 +84,7 @@ def test_accumulated_mean_losses_with_an_idle_rank(tmp_path):
     assert "make a new BalancedTrainer with model=trainer.model" in r["again"]
 
 
-def one_process(tmp_path, model, **args):
+def one_process(tmp_path, model, trainer_kwargs=None, **args):
     """A BalancedTrainer of one process on the worker's sequences."""
     from transformers import TrainingArguments
     from hetlb.integrations.transformers import BalancedTrainer
@@ -91,7 +98,7 @@ def one_process(tmp_path, model, **args):
               logging_strategy="no", save_strategy="no", num_train_epochs=1)
     kw.update(args)
     args = TrainingArguments(**kw)
-    return Trainer(model=model, args=args, train_dataset=w.sequences()), args
+    return Trainer(model=model, args=args, train_dataset=w.sequences(), **(trainer_kwargs or {})), args
 
 
 def test_refusals_and_what_they_say(tmp_path):
@@ -120,6 +127,24 @@ def test_refusals_and_what_they_say(tmp_path):
         t.train()
     assert all(p.grad is None for p in t.model.parameters())
     assert all((p == q).all() for p, q in zip(t.model.parameters(), before))
+    # a compute_loss_func that ignores the item count: the Trainer would take its batch means
+    # for a loss normalised over the window
+    mean = {"compute_loss_func": lambda out, labels, num_items_in_batch=None: out["logits"].square().mean()}
+    t, _ = one_process(tmp_path, w.llama(), trainer_kwargs=mean)
+    with pytest.raises(ValueError, match="compute_loss_func ignores num_items_in_batch"):
+        t.train()
+    assert all(p.grad is None for p in t.model.parameters())
+    # dividing by the count passes the same check
+    summed = {"compute_loss_func": lambda out, labels, num_items_in_batch=None:
+              out["logits"].square().sum() / num_items_in_batch}
+    t, _ = one_process(tmp_path, w.llama(), trainer_kwargs=summed, max_steps=1)
+    t.train()
+    assert t.balancer.weighting == "world" and t.model_accepts_loss_kwargs
+    # what the trainer does not support
+    with pytest.raises(ValueError, match="auto_find_batch_size"):
+        one_process(tmp_path, w.llama(), auto_find_batch_size=True)
+    with pytest.raises(ValueError, match="hyperparameter search"):
+        t.hyperparameter_search()
 
 
 def test_a_model_that_refuses_an_empty_batch_is_told_why(tmp_path):
@@ -143,14 +168,17 @@ def test_the_trainer_skips_nothing_and_a_checkpoint_needs_the_balancer_state(tmp
     t, _ = one_process(tmp_path, w.llama(), **dict(args, max_steps=4))
     with pytest.raises(FileNotFoundError, match="not written by BalancedTrainer"):
         t.train(resume_from_checkpoint=True)
+    with pytest.raises(FileNotFoundError, match="not written by BalancedTrainer"):
+        t.train(resume_from_checkpoint=folder)  # (a path, not a str)
 
 
-def test_a_mid_epoch_resume_before_a_short_window_is_refused(tmp_path):
+def test_a_mid_epoch_resume_before_a_short_window_is_refused(tmp_path, caplog):
     # 54 samples in steps of 12, windows of 2: [0, 1] [2, 3] [4: short]; stopped after window 0
     args = dict(gradient_accumulation_steps=2, save_strategy="steps", save_steps=1, max_steps=1)
     t, _ = one_process(tmp_path, w.llama(), **args)
     t.train_dataset = w.sequences(54)
     t.train()
+    assert "a checkpoint taken inside an epoch cannot be resumed" in caplog.text  # said up front
     t, _ = one_process(tmp_path, w.llama(), **dict(args, max_steps=3))
     t.train_dataset = w.sequences(54)
     with pytest.raises(ValueError, match="would never step the optimizer after that window"):

@@ -5,12 +5,13 @@ Balancer's sizes, steps and the Trainer's global step, and for the steps named b
 largest difference between the step's gradient and the gradient over the step's samples computed
 in one process.
 
-    transformers_worker.py --out FILE --dir DIR --case tokens|mean [--epochs E] [--check S,S]
+    transformers_worker.py --out FILE --dir DIR --case tokens|classify|mean [--epochs E] [--check S,S]
                            [--stop-at STEP] [--resume] [--idle] [--samples N] [--accumulate K]
 
 Cases: "tokens", a transformers Llama (it takes loss kwargs: the Trainer divides the loss by the
-step's global label count) on sequences whose label counts differ; "mean", a module whose loss is
-its batch's mean (no loss kwargs).
+step's global label count) on sequences whose label counts differ; "classify", a transformers
+Llama classifier (it takes loss kwargs and ignores them: its loss is its batch's mean); "mean", a
+module whose loss is its batch's mean (no loss kwargs), under a compute_loss of the trainer's own.
 """
 import argparse
 import json
@@ -25,6 +26,7 @@ import hetlb
 from hetlb.core.models import LinearModel
 from hetlb.integrations.transformers import BalancedTrainer
 from hetlb.sim.emulate import Emulator
+from distributed import union_gradient_errors
 from fixed_policy import Scripted
 
 N, PER_RANK, L, VOCAB = 48, 6, 8, 32  # 4 steps an epoch of 12 samples
@@ -62,9 +64,25 @@ class MeanLoss(torch.nn.Module):
         return {"loss": torch.nn.functional.cross_entropy(logits, y)}
 
 
+def classifier():
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=L, num_labels=3,
+                                   pad_token_id=VOCAB)  # (never in the data: the last token classifies)
+    return transformers.LlamaForSequenceClassification(cfg)
+
+
+MODELS = {"tokens": llama, "classify": classifier, "mean": MeanLoss}
+
+
 def inputs(case, batch):
+    if "idx" not in batch:  # (already the model's inputs)
+        return batch
     if case == "tokens":
         return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    if case == "classify":
+        return {"input_ids": batch["input_ids"], "labels": batch["y"]}
     return {"input_ids": batch["input_ids"], "y": batch["y"]}
 
 
@@ -77,7 +95,14 @@ class Recorded(BalancedTrainer):
 
     def training_step(self, model, batch, num_items_in_batch=None):
         self.trained.append((self.state.global_step, batch["idx"].tolist()))
-        return super().training_step(model, inputs(self.case, batch), num_items_in_batch)
+        return super().training_step(model, batch, num_items_in_batch)
+
+    def compute_loss(self, model, batch, return_outputs=False, num_items_in_batch=None):
+        batch = inputs(self.case, batch)
+        if self.case == "mean":  # a loss of the subclass's own: the Trainer's is not called
+            out = model(**batch)
+            return (out["loss"], out) if return_outputs else out["loss"]
+        return super().compute_loss(model, batch, return_outputs, num_items_in_batch)
 
     def prediction_step(self, model, batch, prediction_loss_only, ignore_keys=None):
         return super().prediction_step(model, inputs(self.case, batch), prediction_loss_only,
@@ -101,27 +126,11 @@ class Watch(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
 
-def gradient_errors(case, make, kept, trained_by_rank, data):
-    """For each kept step: the largest |gradient - one process's gradient over its samples|."""
-    errors = {}
-    for step, pairs in kept.items():
-        union = [i for rank in trained_by_rank for s, idx in rank if s == step for i in idx]
-        model = make()
-        with torch.no_grad():
-            for p, (value, _) in zip(model.parameters(), pairs):
-                p.copy_(value)
-        batch = {k: torch.stack([data[i][k] for i in union]) for k in data[0]}
-        model(**inputs(case, batch))["loss"].backward()
-        errors[step] = max(float((p.grad - g).abs().max()) for p, (_, g) in
-                           zip(model.parameters(), pairs))
-    return errors
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--dir", required=True)
-    p.add_argument("--case", choices=["tokens", "mean"], required=True)
+    p.add_argument("--case", choices=sorted(MODELS), required=True)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--check", default="")
@@ -133,7 +142,12 @@ def main():
     a = p.parse_args()
     rank = int(os.environ["RANK"])
     data = sequences(a.samples)
-    make = llama if a.case == "tokens" else MeanLoss
+    make = MODELS[a.case]
+
+    def loss_of(model, union):
+        batch = {k: torch.stack([data[i][k] for i in union]) for k in data[0]}
+        return model(**inputs(a.case, batch))["loss"]
+
     check = {int(s) for s in a.check.split(",") if s}
     watch = Watch(check, a.stop_at)
     args = TrainingArguments(output_dir=a.dir, per_device_train_batch_size=PER_RANK,
@@ -167,7 +181,7 @@ def main():
                        "global_step": trainer.state.global_step,
                        "weighting": bal.weighting, "again": again,
                        "sizes": [r.batch.tolist() for r in bal.history],
-                       "errors": gradient_errors(a.case, make, watch.kept, everyone, data)}, f)
+                       "errors": union_gradient_errors(make, watch.kept, everyone, loss_of)}, f)
     import gc
     del trainer, bal, watch
     gc.collect()

@@ -13,21 +13,28 @@ Trainer's own loaders. The Balancer is made on the Trainer's DDP model before th
 drawn (the Trainer wraps the model after it made the loader); one ``train()`` per trainer
 under DDP (DDP keeps the Balancer's hook for the model's life).
 
-The loss: the Trainer normalises it one of three ways, and each needs its own weight.
+The loss: the Trainer normalises it one of three ways, and each needs its own weight. Which one
+a model's loss follows is measured before the first batch: its loss on the first samples of the
+dataset, with the model in eval mode, computed through ``compute_loss`` (a subclass's own
+included) for two item counts. A loss that halves when the count doubles is divided by it;
+one that does not change ignores it (transformers' classification models take loss kwargs and
+return a plain mean).
 
-* The model takes loss kwargs (``num_items_in_batch``, transformers' own models) or a
-  ``compute_loss_func`` is given, and ``average_tokens_across_devices`` is on (the default): the
-  Trainer divides each rank's summed loss by the step's global item count and multiplies it by
-  the world to undo DDP's mean. Every rank's weight is then ``1 / world`` (``weighting="world"``,
-  chosen here), and the step's gradient is that of the token mean over all ranks.
-* No loss kwargs: each rank's loss is its batch's mean, and hetlb's own weight (the rank's share
-  of the step's samples, ``weighting="samples"``) makes the step's gradient that of the mean over
-  the step's samples.
-* Loss kwargs with ``average_tokens_across_devices=False`` (each rank's own token mean) is
-  refused: its exact weight is each rank's share of the step's tokens; turn the flag on, which
-  trains the same token mean exactly.
+* The loss is divided by the item count (``num_items_in_batch``: transformers' language models,
+  or a ``compute_loss_func`` that divides by it) and ``average_tokens_across_devices`` is on (the
+  default): the Trainer divides each rank's summed loss by the step's global item count and
+  multiplies it by the world to undo DDP's mean. Every rank's weight is then ``1 / world``
+  (``weighting="world"``), and the step's gradient is that of the token mean over all ranks.
+* The loss is each batch's mean (a model without loss kwargs, or one that ignores the count:
+  the trainer then stops passing it, ``model_accepts_loss_kwargs=False``): hetlb's own weight
+  (the rank's share of the step's samples, ``weighting="samples"``) makes the step's gradient
+  that of the mean over the step's samples.
+* Divided by the item count with ``average_tokens_across_devices=False`` (each rank's own token
+  mean) is refused: its exact weight is each rank's share of the step's tokens; turn the flag on,
+  which trains the same token mean exactly. So is a ``compute_loss_func`` that ignores the count
+  (the Trainer takes its loss for one normalised over the window).
 
-Each step checks that its weighting matches what the Trainer did to the loss, before the forward.
+Each step checks that its weighting matches what the Trainer does to the loss, before the forward.
 
 Checkpoints: the Balancer's state (with the data position) is written beside each checkpoint as
 ``hetlb.pt`` and read by ``train(resume_from_checkpoint=...)``, so a run resumes at the batch it
@@ -39,7 +46,14 @@ Gradient accumulation: the Balancer runs with ``accumulate=gradient_accumulation
 micro-batch of the Trainer is a ``with bal.step():`` micro-step, and the Trainer's ``no_sync`` on
 all but a window's last batch is the window's own. Runs whose epochs the Trainer and hetlb would cut
 into different windows are refused (see :func:`_check_windows`), and so is a resume inside an epoch
-whose last window is short (the Trainer would not step the optimizer after it).
+whose last window is short (the Trainer would not step the optimizer after it). An epoch's short
+last window: the Trainer normalises it by its own length (or its own item count), hetlb's weight
+expects a loss normalised as a whole window's, so ``training_step`` has the Trainer divide that
+window's losses by ``gradient_accumulation_steps`` (or by its item count times
+``gradient_accumulation_steps / length``), whatever ``compute_loss`` a subclass has.
+
+Not supported (refused): ``auto_find_batch_size`` and hyperparameter search (each trains the DDP
+model again), several GPUs in one process (DataParallel).
 """
 from __future__ import annotations
 
@@ -158,6 +172,15 @@ class BalancedTrainer(_tf.Trainer):
             raise ValueError("hetlb: BalancedTrainer runs one process per GPU (torchrun, DDP); "
                              "this process sees several GPUs and would use DataParallel: launch "
                              "with torchrun --nproc-per-node=<GPUs>")
+        if self.args.auto_find_batch_size:
+            raise ValueError("hetlb: BalancedTrainer does not support auto_find_batch_size (each "
+                             "retry trains the DDP model again, and the Balancer sizes the "
+                             "batches): set per_device_train_batch_size, and hetlb.profile finds "
+                             "each rank's largest batch")
+        if self.loss_is_scaled_for_ga is not None:
+            raise ValueError("hetlb: BalancedTrainer measures how the loss is normalised (see "
+                             "hetlb.integrations.transformers); leave loss_is_scaled_for_ga "
+                             "unset (None)")
         if not self.args.ignore_data_skip:
             # hetlb's loader resumes at its own position: the Trainer must not skip batches too
             self.args = copy.copy(self.args)
@@ -172,11 +195,15 @@ class BalancedTrainer(_tf.Trainer):
         self.balancer: Optional[Balancer] = None
         self._train_loader: Optional[TrainerLoader] = None
         self._resume: Optional[str] = None
+        self._probe: Optional[Dict[str, Any]] = None  # a batch of the dataset's first samples
         self.add_callback(SaveBalance)
 
-    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, *args: Any,
+              **kwargs: Any) -> Any:
         """``Trainer.train``; a checkpoint resumed from must hold the Balancer's state
         (:data:`STATE_FILE`, written by this trainer)."""
+        if trial is not None:
+            raise ValueError("hetlb: BalancedTrainer does not support hyperparameter search")
         if self.balancer is not None and self.model_wrapped is not self.model:
             raise RuntimeError(
                 "hetlb: this BalancedTrainer has trained its DDP model once, and DDP keeps the "
@@ -185,8 +212,14 @@ class BalancedTrainer(_tf.Trainer):
                 "inside the DDP wrapper): it is wrapped anew")
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+        if isinstance(resume_from_checkpoint, os.PathLike):
+            resume_from_checkpoint = os.fspath(resume_from_checkpoint)
         self._resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        return super().train(resume_from_checkpoint, trial, *args, **kwargs)
+
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: each trial would train the DDP model again (see :meth:`train`)."""
+        raise ValueError("hetlb: BalancedTrainer does not support hyperparameter search")
 
     def get_train_dataloader(self) -> TrainerLoader:
         """The training loader: a :class:`hetlb.DataLoader` with the whole epoch's length (and the
@@ -218,8 +251,16 @@ class BalancedTrainer(_tf.Trainer):
             log.warning("hetlb: the epoch's last step has %d sample(s) for %d ranks: a rank gets "
                         "an empty batch there, which transformers' models refuse; set "
                         "dataloader_drop_last=True", short, a.world_size)
+        k, spe = a.gradient_accumulation_steps, loader.order.steps_per_epoch
+        if k > 1 and spe % k and a.save_strategy != "no":
+            log.warning("hetlb: the epoch's last accumulation window is short (%d of "
+                        "gradient_accumulation_steps=%d): a checkpoint taken inside an epoch "
+                        "cannot be resumed (only one at an epoch's end); make the epoch's "
+                        "steps a multiple of %d to resume anywhere", spe % k, k, k)
         if self._resume is not None:
             loader.load_state_dict(_read_state(self._resume))
+        first = [dataset[i] for i in range(min(len(dataset), 4))]
+        self._probe = (kwargs["collate_fn"] or torch.utils.data.default_collate)(first)
         self.balancer = None
         self._train_loader = TrainerLoader(loader)
         return self._train_loader
@@ -243,11 +284,20 @@ class BalancedTrainer(_tf.Trainer):
         """``Trainer.training_step``; a model that refuses this rank's empty batch (a rank given
         no samples still runs its forward and backward: DDP's all-reduce needs every rank) gets
         an error saying so."""
+        k = self.args.gradient_accumulation_steps
         try:
-            if self.args.gradient_accumulation_steps == 1:
+            if k == 1:
                 return super().training_step(model, inputs, num_items_in_batch)
-            with self.balancer.step():  # (a micro-step of the window: no_sync but on its last)
-                return super().training_step(model, inputs, num_items_in_batch)
+            length = self.current_gradient_accumulation_steps  # (this window's, set by the Trainer)
+            if length < k:  # normalised as a whole window's, as the Balancer's weight expects
+                if num_items_in_batch is not None:
+                    num_items_in_batch = num_items_in_batch * (k / length)
+                self.current_gradient_accumulation_steps = k
+            try:
+                with self.balancer.step():  # (a micro-step of the window: no_sync but on its last)
+                    return super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self.current_gradient_accumulation_steps = length
         except RuntimeError as e:
             if not _empty(inputs):
                 raise
@@ -258,32 +308,26 @@ class BalancedTrainer(_tf.Trainer):
                 "backward for DDP's all-reduce. Keep lower >= 1 (the default) and set "
                 "dataloader_drop_last=True, or make the model take a batch of 0 samples") from e
 
-    def compute_loss(self, model: torch.nn.Module, inputs: Dict[str, Any], *args: Any,
-                     **kwargs: Any) -> Any:
-        """``Trainer.compute_loss``; in training, the loss of a micro-step of an epoch's short
-        last window times ``length / gradient_accumulation_steps``: the Trainer normalises a
-        window by its own length (dividing by it, or by the window's item count), and hetlb scales
-        a short window's weight by ``accumulate / length``, as for a loop dividing by
-        ``accumulate``."""
-        got = super().compute_loss(model, inputs, *args, **kwargs)
-        k = self.args.gradient_accumulation_steps
-        if k == 1 or not (model.training and torch.is_grad_enabled()):
-            return got
-        length = self.current_gradient_accumulation_steps  # (set for each window in training)
-        if length >= k:
-            return got
-        if isinstance(got, tuple):
-            return (got[0] * (length / k),) + tuple(got[1:])
-        return got * (length / k)
-
     def _make_balancer(self) -> Balancer:
         if self._train_loader is None:
             raise RuntimeError("hetlb: BalancedTrainer draws batches only from the loader of its "
                                "get_train_dataloader()")
         kwargs = dict(self.balancer_kwargs)
         if "weighting" not in kwargs:
-            scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
-            kwargs["weighting"] = ("world" if scaled and self.args.average_tokens_across_devices
+            by_items = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+            if by_items and not self._divides_by_items():
+                if self.compute_loss_func is not None:
+                    raise ValueError(
+                        "hetlb: the compute_loss_func ignores num_items_in_batch, and the Trainer "
+                        "takes its loss for one normalised over the accumulation window (it "
+                        "neither divides it by the window's length nor lets DDP's mean stand). "
+                        "Divide the summed loss by num_items_in_batch, or drop compute_loss_func "
+                        "and return each batch's mean loss from compute_loss")
+                log.info("hetlb: the model's loss ignores num_items_in_batch (each batch's "
+                         "mean): the Trainer stops passing it (model_accepts_loss_kwargs=False) "
+                         "and the Balancer weighs each rank by its share of the step")
+                self.model_accepts_loss_kwargs = by_items = False
+            kwargs["weighting"] = ("world" if by_items and self.args.average_tokens_across_devices
                                    else "samples")
         loader = self._train_loader.loader
         bal = Balancer(self.model_wrapped, self.args.per_device_train_batch_size * self.args.world_size,
@@ -306,6 +350,37 @@ class BalancedTrainer(_tf.Trainer):
                 f"{self.state.global_step}: the checkpoint's {STATE_FILE} is not of the same run "
                 f"and step as its trainer_state.json")
         return bal
+
+    def _divides_by_items(self) -> bool:
+        """Whether the training loss is divided by ``num_items_in_batch``: the loss of the
+        dataset's first samples (the model in eval mode, no gradient) through ``compute_loss``
+        with two item counts."""
+        if self._probe is None:
+            raise RuntimeError("hetlb: BalancedTrainer draws batches only from the loader of its "
+                               "get_train_dataloader()")
+        model, was_training = self.model, self.model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                losses = []
+                for items in (3.0, 6.0):
+                    inputs = self._prepare_inputs(dict(self._probe))
+                    count = torch.tensor(items, device=self.args.device)
+                    got = self.compute_loss(model, inputs, num_items_in_batch=count)
+                    losses.append(float((got[0] if isinstance(got, tuple) else got).detach()))
+        finally:
+            model.train(was_training)
+        ratio = losses[0] / losses[1] if losses[1] else float("nan")
+        if abs(ratio - 2.0) < 0.05:
+            return True
+        if abs(ratio - 1.0) < 0.05:
+            return False
+        raise ValueError(
+            f"hetlb: cannot tell how the training loss is normalised: on the dataset's first "
+            f"samples it is {losses[0]!r} with num_items_in_batch=3 and {losses[1]!r} with 6 (a "
+            f"loss divided by it halves, a batch mean stays the same). Pass "
+            f"balancer_kwargs={{'weighting': 'world'}} if it is divided by num_items_in_batch, "
+            f"else 'samples' (and set trainer.model_accepts_loss_kwargs = False)")
 
 
 def _check_windows(n: int, global_batch: int, drop_last: bool, k: int) -> None:
