@@ -30,3 +30,42 @@ def test_balanced_training_example_runs_under_torchrun(tmp_path):
     # whatever split it chose (the summary prints the global batch's loss, not rank 0's).
     losses = dict(re.findall(r"(\w+)\s+median step .* global loss ([\d.]+ \(step \d+\) -> [\d.]+ \(step \d+\))", text))
     assert set(losses) == {"Uniform", "LBB"} and losses["Uniform"] == losses["LBB"], losses
+
+
+def _torchrun_example(name, *args, cwd):
+    """``examples/<name>`` on 2 ranks; its summary line's last mean batch sizes (rank 0, rank 1)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", name), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(t for t in out.stdout.splitlines() if "mean batch per rank" in t)
+    last = [float(v) for v in re.search(r"-> \[([\d.]+), ([\d.]+)\]", line).groups()]
+    return line, last
+
+
+def test_the_lightning_example_runs(tmp_path):
+    from extras import extra
+    extra("pytorch_lightning", "lightning")
+    line, last = _torchrun_example("lightning_fit.py", "--epochs", 2, "--accumulate", 2, cwd=tmp_path)
+    assert line.startswith("16 steps;"), line
+    assert last[1] > 1.5 * last[0], line  # the rank of speed 2 takes more
+
+
+def test_the_transformers_example_runs(tmp_path):
+    from extras import extra
+    extra("transformers", "hf")
+    line, last = _torchrun_example("hf_trainer.py", "--epochs", 1, "--accumulate", 2, cwd=tmp_path)
+    assert line.startswith("8 steps (weighting 'world')"), line
+    assert last[1] > 1.5 * last[0], line
+
+
+def test_the_accelerate_example_stops_and_resumes(tmp_path):
+    from extras import extra
+    extra("accelerate", "hf")
+    common = ("--dir", tmp_path / "state", "--epochs", 2)
+    line, _ = _torchrun_example("accelerate_loop.py", *common, "--stop-at", 20, cwd=tmp_path)
+    assert line.startswith("at step 20 (epoch 1)"), line
+    line, last = _torchrun_example("accelerate_loop.py", *common, "--resume", cwd=tmp_path)
+    assert line.startswith("at step 32 (epoch 2)"), line
+    assert last[1] > 1.5 * last[0], line

@@ -1,7 +1,8 @@
 """hetlb.integrations.lightning under a real PyTorch Lightning Trainer (DDP, 2 Gloo ranks on CPU,
 launched by torchrun): every epoch's samples exactly once with sizes that change between steps,
 and a Lightning checkpoint taken mid-epoch resumes the rest of that epoch and then whole epochs
-(with the loader's own length, the steps left, Lightning cut every epoch after a resume short)."""
+(with the loader's own length, the steps left, Lightning cut every epoch after a resume short);
+with accumulate_grad_batches, every checked window's gradient is one process's over its samples."""
 import json
 import os
 import sys
@@ -36,7 +37,27 @@ def test_every_epoch_once_and_a_mid_epoch_resume(tmp_path):
     assert json.loads((tmp_path / "rest.json").read_text())["steps"] == 18
 
 
-def test_accumulation_is_refused():
+def test_accumulated_windows_exact_and_a_resume_inside_an_epoch(tmp_path):
+    # 52 samples in steps of 12, windows of 2: [0, 1] [2, 3] [4: 4 samples] (3 optimizer steps an
+    # epoch); stopped after the first window of epoch 1, resumed to the end of epoch 2; the short
+    # windows 2 and 5 (after the resume) checked too
+    ckpt = tmp_path / "mid.ckpt"
+    common = ("--epochs", 3, "--samples", 52, "--accumulate", 2)
+    first = torchrun(WORKER, tmp_path / "first.json", *common, "--stop-at", 4, "--ckpt", ckpt,
+                     "--check", "0,1,2,3")
+    rest = torchrun(WORKER, tmp_path / "rest.json", *common, "--resume", ckpt, "--check", "4,5,8")
+    assert first["global_step"] == first["steps"] == 4 and rest["global_step"] == rest["steps"] == 9
+    assert len({tuple(s) for s in first["sizes"] + rest["sizes"]}) > 1
+    for r, checked in ((first, ["0", "1", "2", "3"]), (rest, ["4", "5", "8"])):
+        assert sorted(r["errors"]) == checked
+        assert max(r["errors"].values()) < 1e-6, r["errors"]
+    a, b = per_epoch(first), per_epoch(rest)
+    assert sorted(a[0]) == list(range(52)) and 0 not in b
+    assert sorted(a[1] + b[1]) == list(range(52))  # the rest of epoch 1, nothing twice
+    assert sorted(b[2]) == list(range(52))
+
+
+def test_windows_that_lightning_would_cut_otherwise_are_refused():
     import pytorch_lightning as pl
     import torch
     from hetlb.integrations.lightning import Balance
@@ -53,15 +74,17 @@ def test_accumulation_is_refused():
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
         def train_dataloader(self):
-            return balance.loader(torch.utils.data.TensorDataset(torch.ones(8, 1)))
+            # 3 whole steps and a short one: Lightning's windows [0, 1] [2, 3] mix sizes
+            return balance.loader(torch.utils.data.TensorDataset(torch.ones(14, 1)))
 
+    with pytest.raises(ValueError, match="accumulate"):
+        Balance(4, accumulate=2)
     balance = Balance(4)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=2,
                          callbacks=[balance], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ValueError, match="accumulate_grad_batches=2 is not supported"):
+    with pytest.raises(ValueError, match="drop_last=True in balance.loader"):
         trainer.fit(Model())
-    assert balance.balancer is None
 
 
 def test_without_lightning_the_import_names_the_extra(monkeypatch):

@@ -6,7 +6,7 @@ from typing import Any, Dict, Iterator
 
 from hetlb.data.loader import BalancedLoader
 
-__all__ = ["EpochLoader"]
+__all__ = ["EpochLoader", "check_windows"]
 
 
 class EpochLoader:
@@ -46,3 +46,21 @@ class EpochLoader:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
+
+
+def check_windows(n: int, global_batch: int, drop_last: bool, k: int, accumulate: str,
+                  drop: str) -> None:
+    """Refuse accumulation windows on which a trainer and hetlb would disagree. The trainers cut
+    an epoch's batches into windows of ``k`` by count, the last taking the rest; hetlb's windows
+    do not cross an epoch's short last step (it is a window of its own, its sizes being another
+    step's). They agree unless the epoch has a short last step after a number of whole steps
+    that ``k`` does not divide. ``accumulate`` and ``drop`` name the trainer's settings."""
+    whole, short = divmod(n, global_batch)
+    if k == 1 or drop_last or short == 0 or whole % k == 0:
+        return
+    raise ValueError(
+        f"hetlb: with {accumulate}={k}, an epoch of {n} samples in steps of {global_batch} is "
+        f"{whole} whole steps and a short one of {short}: the trainer would put the short step "
+        f"in a window with {whole % k} whole one(s), and the Balancer fixes each rank's size per "
+        f"window (a window of both cannot weigh its samples exactly). Set {drop}, or make the "
+        f"whole steps a multiple of {k}")

@@ -14,14 +14,27 @@ initialised the process group); Lightning calls ``train_dataloader()`` after it.
 reports the whole epoch's steps as its length, as Lightning expects of a loader it resumes: it
 restores the loader's state (the Balancer's, with the data position) from its checkpoint and
 counts the epoch's batches already done itself. Lightning writes rank 0's loader state only,
-which is every rank's (the Balancer's state is replicated). ``accumulate_grad_batches`` above 1
-is refused for now (Lightning enters DDP's ``no_sync`` by its own count of batches).
+which is every rank's (the Balancer's state is replicated).
+
+Gradient accumulation (``accumulate_grad_batches=K``): the Balancer runs with ``accumulate=K``,
+and each of Lightning's batches is a ``with bal.step():`` micro-step, entered at the batch's start
+and left after its backward on a window's last batch (before the optimizer steps), at the batch's
+end on the others: Lightning enters DDP's ``no_sync`` on them after the batch started, and
+contexts that restore DDP's sync flag must be left in the reverse order. Lightning divides every
+loss by ``K``, as the Balancer expects (it scales an epoch's short last window). It zeroes the
+gradients after the forward of a window's first batch, where the Balancer checks that the last
+window's gradient was taken: at the end of a window's last batch, once the optimizer stepped, the
+callback zeroes them through the module's ``optimizer_zero_grad``. Lightning counts
+an epoch's windows by batches, the last taking the rest; runs where that differs from hetlb's
+windows (a short last step after whole steps that ``K`` does not divide) are refused when the
+loader is made (:func:`hetlb.integrations.epoch.check_windows`).
 
 The framework is ``pytorch_lightning`` (``pip install hetlb[lightning]``), or ``lightning.pytorch``
 when only the ``lightning`` package is installed: its Trainer takes callbacks of its own classes.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Optional
 
 try:
@@ -33,7 +46,9 @@ except ImportError:  # pragma: no cover (the other distribution of the same code
         raise ImportError("hetlb.integrations.lightning needs PyTorch Lightning: "
                           "pip install hetlb[lightning]") from None
 
-from hetlb.integrations.epoch import EpochLoader
+from torch.nn.parallel import DistributedDataParallel
+
+from hetlb.integrations.epoch import EpochLoader, check_windows
 from hetlb.train.balancer import Balancer
 
 __all__ = ["Balance", "EpochLoader"]
@@ -52,8 +67,12 @@ class Balance(_pl.Callback):
 
     def __init__(self, global_batch: int, policy: Any = None, **balancer_kwargs: Any) -> None:
         super().__init__()
+        if "accumulate" in balancer_kwargs:
+            raise ValueError("hetlb: Balance takes its accumulation from the Trainer's "
+                             "accumulate_grad_batches; leave accumulate out")
         self.global_batch, self.policy, self.kwargs = global_batch, policy, balancer_kwargs
         self.balancer: Optional[Balancer] = None
+        self._micro: Optional[AbstractContextManager] = None  # the batch's bal.step()
 
     def loader(self, dataset: Any, **loader_kwargs: Any) -> EpochLoader:
         """The training loader of ``dataset`` (``loader_kwargs`` as :meth:`hetlb.Balancer.loader`
@@ -65,15 +84,43 @@ class Balance(_pl.Callback):
                 "calls it early when configure_optimizers reads trainer.estimated_stepping_batches "
                 "(and would then never restore the loader's state): compute the schedule's length "
                 "from the dataset instead, len(dataset) // global_batch per epoch")
-        return EpochLoader(self.balancer.loader(dataset, **loader_kwargs))
+        loader = self.balancer.loader(dataset, **loader_kwargs)
+        check_windows(len(loader.dataset), self.global_batch, loader.order.drop_last,
+                      self.balancer.accumulate, "accumulate_grad_batches",
+                      "drop_last=True in balance.loader(...)")
+        return EpochLoader(loader)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"hetlb: accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported "
-                f"with hetlb.integrations.lightning yet: Lightning enters DDP's no_sync by its own "
-                f"count of batches, which hetlb's per-rank weights cannot follow. Use "
-                f"accumulate_grad_batches=1 and a larger global_batch")
         # (a new one for every fit: the strategy wraps the model anew)
         self.balancer = Balancer(trainer.strategy.model, self.global_batch, self.policy,
-                                 **self.kwargs)
+                                 accumulate=trainer.accumulate_grad_batches, **self.kwargs)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.balancer is not None and self.balancer.accumulate > 1:
+            self._micro = self.balancer.step()
+            self._micro.__enter__()
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        model = trainer.strategy.model
+        if not (isinstance(model, DistributedDataParallel) and not model.require_backward_grad_sync):
+            self._leave()  # (a window's last batch: no no_sync is open around it)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._leave()  # (a batch inside Lightning's no_sync, or one training_step skipped)
+        bal = self.balancer
+        if bal is not None and bal.accumulate > 1 and bal.synced:
+            for optimizer in trainer.optimizers:
+                pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._leave(exception)
+
+    def _leave(self, exception: Optional[BaseException] = None) -> None:
+        """Ends the batch's micro-step (with the exception that ended the batch, if one did)."""
+        micro, self._micro = self._micro, None
+        if micro is not None:
+            if exception is None:
+                micro.__exit__(None, None, None)
+            else:
+                micro.__exit__(type(exception), exception, exception.__traceback__)

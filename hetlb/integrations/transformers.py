@@ -44,12 +44,12 @@ position, and skipping again would drop a part of the epoch.
 
 Gradient accumulation: the Balancer runs with ``accumulate=gradient_accumulation_steps``, each
 micro-batch of the Trainer is a ``with bal.step():`` micro-step, and the Trainer's ``no_sync`` on
-all but a window's last batch is the window's own. Runs whose epochs the Trainer and hetlb would cut
-into different windows are refused (see :func:`_check_windows`), and so is a resume inside an epoch
-whose last window is short (the Trainer would not step the optimizer after it). An epoch's short
-last window: the Trainer normalises it by its own length (or its own item count), hetlb's weight
-expects a loss normalised as a whole window's, so ``training_step`` has the Trainer divide that
-window's losses by ``gradient_accumulation_steps`` (or by its item count times
+all but a window's last batch is the window's own. Runs whose epochs the Trainer and hetlb would
+cut into different windows are refused (:func:`hetlb.integrations.epoch.check_windows`), and so
+is a resume inside an epoch whose last window is short (the Trainer would not step the optimizer
+after it). An epoch's short last window: the Trainer normalises it by its own length (or its own
+item count), hetlb's weight expects a loss normalised as a whole window's, so ``training_step``
+has the Trainer divide that window's losses by ``gradient_accumulation_steps`` (or by its item count times
 ``gradient_accumulation_steps / length``), whatever ``compute_loss`` a subclass has.
 
 Not supported (refused): ``auto_find_batch_size`` and hyperparameter search (each trains the DDP
@@ -75,7 +75,7 @@ except ImportError:
                       "pip install hetlb[hf]") from None
 
 from hetlb.data.loader import BalancedLoader
-from hetlb.integrations.epoch import EpochLoader
+from hetlb.integrations.epoch import EpochLoader, check_windows
 from hetlb.train.balancer import Balancer
 
 __all__ = ["BalancedTrainer", "SaveBalance", "STATE_FILE"]
@@ -244,8 +244,9 @@ class BalancedTrainer(_tf.Trainer):
             drop_last=a.dataloader_drop_last)
         kwargs.update(self.loader_kwargs)
         loader = BalancedLoader(dataset, a.per_device_train_batch_size, **kwargs)
-        _check_windows(len(dataset), a.per_device_train_batch_size * a.world_size,
-                       loader.order.drop_last, a.gradient_accumulation_steps)
+        check_windows(len(dataset), a.per_device_train_batch_size * a.world_size,
+                      loader.order.drop_last, a.gradient_accumulation_steps,
+                      "gradient_accumulation_steps", "dataloader_drop_last=True")
         short = len(dataset) % (a.per_device_train_batch_size * a.world_size)
         if not loader.order.drop_last and 0 < short < a.world_size:
             log.warning("hetlb: the epoch's last step has %d sample(s) for %d ranks: a rank gets "
@@ -381,23 +382,6 @@ class BalancedTrainer(_tf.Trainer):
             f"loss divided by it halves, a batch mean stays the same). Pass "
             f"balancer_kwargs={{'weighting': 'world'}} if it is divided by num_items_in_batch, "
             f"else 'samples' (and set trainer.model_accepts_loss_kwargs = False)")
-
-
-def _check_windows(n: int, global_batch: int, drop_last: bool, k: int) -> None:
-    """Refuse accumulation windows on which the Trainer and hetlb would disagree. The Trainer
-    cuts an epoch's batches into windows of ``k`` by count, the last taking the rest; hetlb's
-    windows do not cross an epoch's short last step (it is a window of its own, its sizes being
-    another step's). They agree unless the epoch has a short last step after a number of whole
-    steps that ``k`` does not divide."""
-    whole, short = divmod(n, global_batch)
-    if k == 1 or drop_last or short == 0 or whole % k == 0:
-        return
-    raise ValueError(
-        f"hetlb: with gradient_accumulation_steps={k}, an epoch of {n} samples in steps of "
-        f"{global_batch} is {whole} whole steps and a short one of {short}: the Trainer would "
-        f"put the short step in a window with {whole % k} whole one(s), and the Balancer fixes "
-        f"each rank's size per window (a window of both cannot weigh its samples exactly). Set "
-        f"dataloader_drop_last=True, or make the whole steps a multiple of {k}")
 
 
 def _is_hf_dataset(dataset: Any) -> bool:
