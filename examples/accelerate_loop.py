@@ -38,7 +38,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
-    emulator = Emulator(hetlb.LinearModel(2e-3, 2e-4), speed=1.0 + accelerator.process_index)
+    emulator = Emulator(hetlb.LinearModel(2e-2, 2e-3), speed=1.0 + accelerator.process_index)
     model, optimizer, loader = prepare(accelerator, model, optimizer, data,
                                        global_batch=args.global_batch, policy=hetlb.LBB(), seed=0,
                                        balancer_kwargs={"emulator": emulator})

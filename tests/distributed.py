@@ -152,10 +152,23 @@ def torchrun(script: str, out: Any, *args: Any, nproc: int = 2, timeout: float =
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            script, "--out", str(out), *map(str, args)]
+    if os.path.exists(out):
+        os.remove(out)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-4000:]
+    if r.returncode != 0 and ABORT_AT_EXIT in r.stderr and os.path.exists(out):
+        # The script wrote its results after its last collective: the abort is torch's at
+        # interpreter shutdown (docs/restarts.md, "Known issue (torch)"), not the run's.
+        import warnings
+        warnings.warn(f"{os.path.basename(script)}: a rank aborted after writing its results "
+                      f"({ABORT_AT_EXIT!r}); the results are checked")
+    else:
+        assert r.returncode == 0, r.stderr[-4000:]
     with open(out) as f:
         return json.load(f)
+
+
+#: What a process prints when it aborts in Gloo's teardown at exit (see :func:`torchrun`).
+ABORT_AT_EXIT = "terminate called without an active exception"
 
 
 def union_gradient_errors(make: Callable, kept: dict, trained_by_rank: List[Any],

@@ -49,8 +49,8 @@ cut into different windows are refused (:func:`hetlb.integrations.epoch.check_wi
 is a resume inside an epoch whose last window is short (the Trainer would not step the optimizer
 after it). An epoch's short last window: the Trainer normalises it by its own length (or its own
 item count), hetlb's weight expects a loss normalised as a whole window's, so ``training_step``
-has the Trainer divide that window's losses by ``gradient_accumulation_steps`` (or by its item count times
-``gradient_accumulation_steps / length``), whatever ``compute_loss`` a subclass has.
+has the Trainer divide that window's losses by ``gradient_accumulation_steps`` (or by its item
+count times ``gradient_accumulation_steps / length``), whatever ``compute_loss`` a subclass has.
 
 Not supported (refused): ``auto_find_batch_size`` and hyperparameter search (each trains the DDP
 model again), several GPUs in one process (DataParallel).
