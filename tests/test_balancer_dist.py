@@ -374,6 +374,75 @@ def test_misuse_gets_an_error_on_every_rank_without_hanging(case, match):
         assert re.search(match, msg), msg
 
 
+class _Box:
+    """A forward's output that holds its tensor in a plain object."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _Boxed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1).double()
+
+    def forward(self, x):
+        return _Box(self.lin(x))
+
+
+def zeroing_worker(rank, world):
+    """Where a loop clears a window's gradient, per variant: the trained weights, or the error."""
+    y = torch.randn(90, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for where in ("after_step", "inside", "inside_after_penalty", "inside_after_parameter_penalty",
+                  "inside_bucket_views", "never_after_penalty", "never_boxed", "never_bucket_views"):
+        torch.manual_seed(0)
+        # (bucket views: DDP replaces the gradients at the first forward after its first
+        # synchronised backward, the second window's)
+        ddp = DDP(_Boxed() if where == "never_boxed" else torch.nn.Linear(3, 1).double(),
+                  gradient_as_bucket_view=where.endswith("bucket_views"))
+        # 90 samples, global batch 16, accumulate=2: windows [0,1] [2,3] [4] [5] an epoch
+        bal = hetlb.Balancer(ddp, 16, policy=hetlb.Uniform(), accumulate=2)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        loader = bal.loader(torch.utils.data.TensorDataset(y))
+        first = True
+        try:
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                for (xb,) in loader:
+                    with bal.step():
+                        xb = xb.clone().requires_grad_()
+                        got = ddp(xb)
+                        loss = ((got.value if where == "never_boxed" else got) ** 2).sum() / 2
+                        if where.endswith("after_penalty"):  # passes for given inputs add nothing
+                            torch.autograd.grad(loss, xb, retain_graph=True)
+                        if where.endswith("parameter_penalty"):  # (as a gradient norm's, SAM's)
+                            torch.autograd.grad(loss, list(ddp.parameters()), retain_graph=True)
+                        if first and where.startswith("inside"):  # (Lightning's place)
+                            opt.zero_grad()
+                        loss.backward()
+                    first = bal.synced
+                    if bal.synced:
+                        opt.step()
+                        if where == "after_step":
+                            opt.zero_grad()
+            out[where] = [p.detach().flatten().tolist() for p in ddp.parameters()]
+        except RuntimeError as e:
+            out[where] = str(e)
+    return out
+
+
+def test_a_window_s_gradient_may_be_cleared_between_the_next_forward_and_backward():
+    for res in unwrap(run(zeroing_worker, 2)):
+        assert isinstance(res["after_step"], list), res
+        for where in ("inside", "inside_after_penalty", "inside_after_parameter_penalty",
+                      "inside_bucket_views"):
+            assert res[where] == res["after_step"], (where, res)
+        for where in ("never_after_penalty", "never_boxed", "never_bucket_views"):
+            assert "window that ended at step 1 of epoch 0" in res[where], (where, res)
+            assert "still in the parameters as step 2" in res[where], (where, res)
+
+
 # ---------------------------------------------------------------- coverage, steps, resume
 
 

@@ -40,6 +40,8 @@ class DDPTransport:
     name = "DistributedDataParallel"
     #: DDP cannot remove a communication hook: a model keeps its first Balancer.
     takes_over = False
+    #: The gradients stay in the parameters through a forward (see GradientTransport).
+    clears_after_forward = True
 
     @staticmethod
     def admit(model: torch.nn.Module, settings: WrapperSettings, balanced: bool) -> None:

@@ -95,6 +95,10 @@ class FSDP2Transport:
     name = "FSDP2 (fully_shard)"
     #: Its reductions stay set for a sum: a model keeps its first Balancer.
     takes_over = False
+    #: FSDP2's forward of a micro-step that does not synchronise takes the root module's sharded
+    #: gradients out of its parameters (they read None until the backward): a window's gradient
+    #: is checked before that forward.
+    clears_after_forward = False
 
     @staticmethod
     def admit(model: torch.nn.Module, settings: WrapperSettings, balanced: bool) -> None:

@@ -142,6 +142,10 @@ class GradientTransport(Protocol):
 
     #: The wrapper's name in messages.
     name: str
+    #: Whether a loop may clear a window's gradients between the next window's first forward and
+    #: its backward (the wrapper leaves them in the parameters through a forward), so the step
+    #: driver checks that they were cleared when that backward starts; else before the forward.
+    clears_after_forward: bool
 
     @property
     def models(self) -> List[torch.nn.Module]:

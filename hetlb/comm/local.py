@@ -21,6 +21,8 @@ class LocalTransport:
     name = "a plain module (one process)"
     #: A new Balancer of the same module takes it over (its hooks all come off).
     takes_over = True
+    #: The gradients stay in the parameters through a forward (see GradientTransport).
+    clears_after_forward = True
 
     @staticmethod
     def admit(model: torch.nn.Module, settings: WrapperSettings, balanced: bool) -> None:

@@ -21,10 +21,9 @@ and each of Lightning's batches is a ``with bal.step():`` micro-step, entered at
 and left after its backward on a window's last batch (before the optimizer steps), at the batch's
 end on the others: Lightning enters DDP's ``no_sync`` on them after the batch started, and
 contexts that restore DDP's sync flag must be left in the reverse order. Lightning divides every
-loss by ``K``, as the Balancer expects (it scales an epoch's short last window). It zeroes the
-gradients after the forward of a window's first batch, where the Balancer checks that the last
-window's gradient was taken: at the end of a window's last batch, once the optimizer stepped, the
-callback zeroes them through the module's ``optimizer_zero_grad``. Lightning counts
+loss by ``K``, as the Balancer expects (it scales an epoch's short last window), and zeroes the
+gradients between the forward and the backward of a window's first batch, before the Balancer
+checks that the last window's gradient was taken (when the backward starts). Lightning counts
 an epoch's windows by batches, the last taking the rest; runs where that differs from hetlb's
 windows (a short last step after whole steps that ``K`` does not divide) are refused when the
 loader is made (:func:`hetlb.integrations.epoch.check_windows`).
@@ -108,10 +107,6 @@ class Balance(_pl.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._leave()  # (a batch inside Lightning's no_sync, or one training_step skipped)
-        bal = self.balancer
-        if bal is not None and bal.accumulate > 1 and bal.synced:
-            for optimizer in trainer.optimizers:
-                pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._leave(exception)

@@ -39,6 +39,7 @@ from hetlb.train.micro import run_micro_steps
 from hetlb.train.model_hooks import ModelHooks, not_syncing, unattached_message
 from hetlb.train.runlog import RunLog
 from hetlb.train.verify import RECORD_COLS, verify_table
+from hetlb.train.window import Window
 
 
 log = logging.getLogger("hetlb.balancer")
@@ -147,82 +148,6 @@ class _Open:
     ship: bool = True  # this step sends the telemetry table (the last of its block)
 
 
-class Window:
-    """An accumulation window's state between its micro-steps: the data amount trained so far,
-    and what proves that the gradient was kept within a window and taken between windows."""
-
-    def __init__(self, gradients: GradientTransport, accumulate: int) -> None:
-        self.gradients, self.accumulate = gradients, accumulate
-        self.data = 0.0  # the window's data amount before its open micro-step
-        self._param: Optional[torch.Tensor] = None  # see _kept
-        self._synced: Optional[tuple] = None  # see _taken
-
-    def check(self, plan: StepPlan) -> None:
-        """Before a micro-step of ``plan``: the window's gradient kept, the last one's taken."""
-        if plan.window_pos > 0:
-            self._kept(plan)
-        elif self._synced is not None:
-            self._taken(plan)
-
-    def dropped(self) -> bool:
-        """Whether no parameter of the model holds a nonzero gradient (of this rank's part)."""
-        return all(g is None or not bool(g.any()) for g in self.gradients.local_grads())
-
-    def micro_step(self, data: float) -> None:
-        """A micro-step other than the window's last ended with ``data`` trained."""
-        self.data += data
-        # One gradient held now: the next micro-step checks it still is.
-        self._param = next((i for i, g in enumerate(self.gradients.local_grads()) if g is not None),
-                           None)
-
-    def synced(self, plan: StepPlan) -> None:
-        """``plan`` ended its window: the next window must start from cleared gradients."""
-        if self.accumulate > 1:
-            # (ids and versions, not the gradients: holding them would keep their memory)
-            held = [(i, id(g), g._version) for i, g in enumerate(self.gradients.local_grads())
-                    if g is not None]
-            self._synced = (held, plan) if held else None
-
-    def _kept(self, plan: StepPlan) -> None:
-        """A micro-step after the first of its window: the gradient the window's earlier
-        micro-steps accumulated must still be there. ``optimizer.step()`` and ``zero_grad()`` on
-        a micro-step that did not synchronise would update each rank's copy of the model with
-        its own local gradient, and the copies would drift apart with no error."""
-        i, self._param = self._param, None
-        if i is not None and self.gradients.local_grads()[i] is None:
-            raise RuntimeError(
-                f"hetlb: the gradient accumulated by micro-steps 1-{plan.window_pos} of this "
-                f"accumulation window (step {plan.step} of epoch {plan.epoch}) is gone "
-                f"(optimizer.zero_grad() after micro-step {plan.window_pos}?). Those micro-steps "
-                f"ran under ddp.no_sync(), so an optimizer step there updates each rank's copy "
-                f"with its own gradient and the copies drift apart: step the optimizer and zero "
-                f"the gradients only when bal.synced is True")
-
-    def _taken(self, plan: StepPlan) -> None:
-        """The first micro-step of a window: the previous window's synchronised gradient must
-        have been taken (``optimizer.step()`` then ``zero_grad()``), or it would be added to this
-        window's and applied again. A loop that steps on its own count of micro-steps instead of
-        ``bal.synced`` does this at an epoch's end, whose last windows may be shorter."""
-        held, done = self._synced
-        self._synced = None
-        # Every gradient untouched (none set to None, zeroed or replaced): parameters that an
-        # optimizer does not hold may keep theirs, so one untouched gradient proves nothing. A
-        # zeroing through .data leaves the version as it was: the first gradient, all zero, is
-        # taken as zeroed.
-        grads = self.gradients.local_grads()
-        if all(grads[i] is not None and id(grads[i]) == gid and grads[i]._version == version
-               for i, gid, version in held) and any(bool(grads[i].any()) for i, _, _ in held):
-            raise RuntimeError(
-                f"hetlb: the gradient of the accumulation window that ended at step {done.step} of "
-                f"epoch {done.epoch} (it was synchronised there: bal.synced was True) is still in "
-                f"the parameters as step {plan.step} starts a new window, so it would be added to "
-                f"this window's (its samples counted twice in the mean; gradients are not "
-                f"accumulated across windows). Step the optimizer and zero the gradients "
-                f"whenever bal.synced is True after bal.step(), not on a count of micro-steps: an "
-                f"epoch's last windows can be shorter than accumulate={self.accumulate} (its short "
-                f"last step is a window of its own)")
-
-
 class StepDriver:
     """Runs the steps of one Balancer (see the module docstring).
 
@@ -261,6 +186,7 @@ class StepDriver:
         self._open: Optional[_Open] = None
         #: This rank's logged losses of the open window (:meth:`log_loss`).
         self.losses = LossLog(telemetry)
+        self.window = Window(gradients, accumulate)
         self.reset(0)
 
     def reset(self, steps: int) -> None:
@@ -275,6 +201,7 @@ class StepDriver:
         self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
         self._micro = 0  # micro-steps without a loader (window position)
         self.unattached = UnattachedSearches(self.peers, self.gradients.name)
+        self.window.leave(failed=True)  # (an open window check's hooks come off)
         self.window = Window(self.gradients, self.accumulate)
         self._partials: Dict[int, tuple] = {}
         # The block's steps run since the last exchange (exchange_every > 1): (step, plan).
@@ -428,15 +355,17 @@ class StepDriver:
             off = self.gradients.no_sync_on(self.model)
             if off is not None:
                 raise RuntimeError(not_syncing(off))
-        self.window.check(plan)
         if not self.bound:
             self.board.hand_own(plan)
         self._begin(plan, explicit=True)
         self._in_with = True
         try:
+            self.window.check(plan, self.model)
             with contextlib.nullcontext() if plan.window_end else self.gradients.local():
                 yield owner
+            self.window.leave()
         except BaseException:
+            self.window.leave(failed=True)
             self._in_with = False
             self._discard()
             # The batch is given up, as a loop that skips it after an error does; the next step
