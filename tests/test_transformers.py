@@ -48,11 +48,12 @@ def test_token_mean_gradients_and_a_resume_in_the_second_epoch(tmp_path):
     assert sorted(b[2]) == list(range(N))
 
 
-def test_accumulated_token_means(tmp_path):
+def test_accumulated_token_means_each_rank_s_own_or_the_step_s(tmp_path):
     # 54 samples in steps of 12: windows of 2 micro-steps [0, 1], [2, 3] and the short [4] (6
-    # samples), whose weight hetlb scales
+    # samples), whose weight hetlb scales. average_tokens_across_devices=False (each rank's own
+    # token mean over its window): the same exact step as with the flag on, the default
     r = run(tmp_path, "accumulated", "--case", "tokens", "--samples", 54, "--accumulate", 2,
-                 "--check", "0,1,2")
+                 "--check", "0,1,2", "--own-token-means")
     assert r["weighting"] == "world" and r["global_step"] == r["steps"] == 3
     assert len({tuple(s) for s in r["sizes"]}) > 1
     assert sorted(r["errors"]) == ["0", "1", "2"]
@@ -118,19 +119,16 @@ def test_refusals_and_what_they_say(tmp_path):
     with pytest.raises(ValueError, match="make the whole steps a multiple of 3"):
         t.train()
     # each normalisation against each weighting: only the exact pairs pass
-    assert _loss_mismatch("world", 7, True) is None
-    assert _loss_mismatch("samples", None, True) is None
-    assert _loss_mismatch("samples", None, False) is None
-    assert "1/world" in _loss_mismatch("samples", 7, True)
-    assert "weighting='samples'" in _loss_mismatch("world", None, True)
-    assert "average_tokens_across_devices=True" in _loss_mismatch("world", 7, False)
-    # (b): each rank's own token mean, refused at the first step, before any forward
+    assert _loss_mismatch("world", 7) is None
+    assert _loss_mismatch("samples", None) is None
+    assert "1/world" in _loss_mismatch("samples", 7)
+    assert "weighting='samples'" in _loss_mismatch("world", None)
+    # (b), each rank's own token mean: training counts the step's items (the torchrun test of
+    # accumulated token means), evaluation keeps the flag as given
     t, _ = one_process(tmp_path, w.llama(), average_tokens_across_devices=False)
-    before = [p.detach().clone() for p in t.model.parameters()]
-    with pytest.raises(ValueError, match="average_tokens_across_devices=True"):
-        t.train()
-    assert all(p.grad is None for p in t.model.parameters())
-    assert all((p == q).all() for p, q in zip(t.model.parameters(), before))
+    with t._items_across_ranks():
+        assert t.args.average_tokens_across_devices
+    assert not t.args.average_tokens_across_devices
     # a compute_loss_func that ignores the item count: the Trainer would take its batch means
     # for a loss normalised over the window
     mean = {"compute_loss_func": lambda out, labels, num_items_in_batch=None: out["logits"].square().mean()}
@@ -157,6 +155,12 @@ def test_a_model_that_refuses_an_empty_batch_is_told_why(tmp_path):
     empty = {"input_ids": torch.zeros(0, w.L, dtype=torch.long),
              "labels": torch.zeros(0, w.L, dtype=torch.long), "idx": torch.zeros(0)}
     with pytest.raises(RuntimeError, match="refused this rank's empty batch"):
+        t.training_step(t.model, empty)
+
+    def step_error(*args, **kwargs):
+        raise RuntimeError("hetlb: an error of the step's own")
+    t.compute_loss = step_error  # hetlb's errors on an idle rank keep their own message
+    with pytest.raises(RuntimeError, match="an error of the step's own"):
         t.training_step(t.model, empty)
 
 

@@ -139,6 +139,8 @@ def main():
     p.add_argument("--idle", action="store_true")
     p.add_argument("--samples", type=int, default=N)
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--own-token-means", action="store_true",
+                   help="average_tokens_across_devices=False")
     a = p.parse_args()
     rank = int(os.environ["RANK"])
     data = sequences(a.samples)
@@ -153,6 +155,7 @@ def main():
     args = TrainingArguments(output_dir=a.dir, per_device_train_batch_size=PER_RANK,
                              num_train_epochs=a.epochs, max_steps=a.max_steps, learning_rate=0.05,
                              gradient_accumulation_steps=a.accumulate,
+                             average_tokens_across_devices=not a.own_token_means,
                              use_cpu=True, report_to=[], save_strategy="no",
                              remove_unused_columns=False, disable_tqdm=True, seed=3,
                              ddp_timeout=120, logging_strategy="no",

@@ -22,17 +22,24 @@ return a plain mean).
 
 * The loss is divided by the item count (``num_items_in_batch``: transformers' language models,
   or a ``compute_loss_func`` that divides by it) and ``average_tokens_across_devices`` is on (the
-  default): the Trainer divides each rank's summed loss by the step's global item count and
-  multiplies it by the world to undo DDP's mean. Every rank's weight is then ``1 / world``
+  default; training steps behave so whatever the flag, see the third case): the Trainer divides
+  each rank's summed loss by the step's global item count and multiplies it by the world to undo
+  DDP's mean. Every rank's weight is then ``1 / world``
   (``weighting="world"``), and the step's gradient is that of the token mean over all ranks.
 * The loss is each batch's mean (a model without loss kwargs, or one that ignores the count:
   the trainer then stops passing it, ``model_accepts_loss_kwargs=False``): hetlb's own weight
   (the rank's share of the step's samples, ``weighting="samples"``) makes the step's gradient
   that of the mean over the step's samples.
-* Divided by the item count with ``average_tokens_across_devices=False`` (each rank's own token
-  mean) is refused: its exact weight is each rank's share of the step's tokens; turn the flag on,
-  which trains the same token mean exactly. So is a ``compute_loss_func`` that ignores the count
-  (the Trainer takes its loss for one normalised over the window).
+* Divided by the item count with ``average_tokens_across_devices=False``: the Trainer would take
+  each rank's token mean over its window, and plain DDP average those means (a rank's few
+  tokens weighing as much as another's many, which per-rank batch sizes make systematic).
+  Weighed by each rank's share of the step's tokens, they give the token mean over all ranks, the
+  one-large-batch loss, and that is what training computes: the item counts and losses of
+  training steps are made as under the flag (the Trainer gathers the ranks' counts, one
+  all-gather of a number per window), so the first case applies, with no per-sample counts to
+  know in advance. Evaluation keeps the flag as given.
+* A ``compute_loss_func`` that ignores the count is refused (the Trainer takes its loss for one
+  normalised over the window).
 
 Each step checks that its weighting matches what the Trainer does to the loss, before the forward.
 
@@ -57,6 +64,7 @@ model again), several GPUs in one process (DataParallel).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -126,15 +134,9 @@ class SaveBalance(_tf.TrainerCallback):
             torch.save(balance, os.path.join(folder, STATE_FILE))
 
 
-def _loss_mismatch(weighting: str, items: Any, average_tokens: bool) -> Optional[str]:
+def _loss_mismatch(weighting: str, items: Any) -> Optional[str]:
     """Why the Balancer's weighting does not fit the loss the Trainer computes this step, or
     None. ``items`` is the Trainer's item count (None when it normalises no loss by it)."""
-    if items is not None and not average_tokens:
-        return ("the model takes loss kwargs and average_tokens_across_devices=False: each rank's "
-                "loss is its own token mean, whose exact weight is the rank's share of the step's "
-                "tokens. Set average_tokens_across_devices=True (the default): the Trainer then "
-                "divides by the step's global token count, and hetlb weighs every rank 1/world, "
-                "training the same token mean exactly")
     if items is not None and weighting != "world":
         return (f"the Trainer divides each rank's loss by the step's global item count "
                 f"(average_tokens_across_devices with a model taking loss kwargs), so every "
@@ -181,10 +183,15 @@ class BalancedTrainer(_tf.Trainer):
             raise ValueError("hetlb: BalancedTrainer measures how the loss is normalised (see "
                              "hetlb.integrations.transformers); leave loss_is_scaled_for_ga "
                              "unset (None)")
-        if not self.args.ignore_data_skip:
+        if not self.args.ignore_data_skip or not self.args.average_tokens_across_devices:
+            self.args = copy.copy(self.args)  # (the caller's arguments stay as they are)
             # hetlb's loader resumes at its own position: the Trainer must not skip batches too
-            self.args = copy.copy(self.args)
             self.args.ignore_data_skip = True
+        if not self.args.average_tokens_across_devices:
+            log.info("hetlb: training counts the step's items over all ranks as "
+                     "average_tokens_across_devices=True does (each rank's token mean weighed by "
+                     "its share of the step's tokens is the step's token mean); evaluation keeps "
+                     "the flag as given")
         self.policy = policy
         self.balancer_kwargs = dict(balancer_kwargs or {})
         self.loader_kwargs = dict(loader_kwargs or {})
@@ -272,10 +279,10 @@ class BalancedTrainer(_tf.Trainer):
         each step's weighting against the Trainer's loss normalisation."""
         if self.balancer is None:
             self.balancer = self._make_balancer()
-        batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        with self._items_across_ranks():
+            batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if batches:
-            why = _loss_mismatch(self.balancer.weighting, items,
-                                 self.args.average_tokens_across_devices)
+            why = _loss_mismatch(self.balancer.weighting, items)
             if why is not None:
                 raise ValueError(f"hetlb: {why}")
         return batches, items
@@ -285,6 +292,22 @@ class BalancedTrainer(_tf.Trainer):
         """``Trainer.training_step``; a model that refuses this rank's empty batch (a rank given
         no samples still runs its forward and backward: DDP's all-reduce needs every rank) gets
         an error saying so."""
+        with self._items_across_ranks():
+            return self._training_step(model, inputs, num_items_in_batch)
+
+    @contextlib.contextmanager
+    def _items_across_ranks(self) -> Iterator[None]:
+        """Training's item counts and losses as under ``average_tokens_across_devices=True``
+        (see the module docstring), whatever the flag says; evaluation keeps it as given."""
+        args = self.args
+        given, args.average_tokens_across_devices = args.average_tokens_across_devices, True
+        try:
+            yield
+        finally:
+            args.average_tokens_across_devices = given
+
+    def _training_step(self, model: torch.nn.Module, inputs: Dict[str, Any],
+                       num_items_in_batch: Any) -> torch.Tensor:
         k = self.args.gradient_accumulation_steps
         try:
             if k == 1:
@@ -300,7 +323,7 @@ class BalancedTrainer(_tf.Trainer):
             finally:
                 self.current_gradient_accumulation_steps = length
         except RuntimeError as e:
-            if not _empty(inputs):
+            if not _empty(inputs) or str(e).startswith("hetlb:"):  # (hetlb's own says what to do)
                 raise
             raise RuntimeError(
                 "hetlb: the model refused this rank's empty batch. The Balancer gave the rank no "
@@ -328,8 +351,7 @@ class BalancedTrainer(_tf.Trainer):
                          "mean): the Trainer stops passing it (model_accepts_loss_kwargs=False) "
                          "and the Balancer weighs each rank by its share of the step")
                 self.model_accepts_loss_kwargs = by_items = False
-            kwargs["weighting"] = ("world" if by_items and self.args.average_tokens_across_devices
-                                   else "samples")
+            kwargs["weighting"] = "world" if by_items else "samples"
         loader = self._train_loader.loader
         bal = Balancer(self.model_wrapped, self.args.per_device_train_batch_size * self.args.world_size,
                        self.policy, loader=loader, accumulate=self.args.gradient_accumulation_steps,
