@@ -85,7 +85,6 @@ class Window:
         """Before a micro-step of ``plan`` on ``model``: the window's gradient kept; at a window's
         first, the last window's taken (checked now if it is or if the transport moves gradients
         in a forward, else when the backward starts)."""
-        self.leave(failed=True)  # (a check left open by a step that failed to begin)
         if plan.window_pos > 0:
             self._kept(plan)
         elif self._synced is not None:
