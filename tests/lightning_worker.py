@@ -5,17 +5,21 @@ epoch the samples of each batch, the Balancer's steps and position, and for the 
 step's samples.
 
     lightning_worker.py --out FILE --epochs E [--stop-at STEP --ckpt FILE] [--resume FILE]
-                        [--samples N] [--accumulate K] [--check S,S]
+                        [--samples N] [--accumulate K] [--check S,S] [--then --out FILE ...]
+
+Each ``--then`` starts another run in the same processes, with a new Trainer, model and callbacks.
 """
 import argparse
+import gc
 import json
+import sys
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
 import hetlb
-from distributed import union_gradient_errors
+from distributed import each_run, union_gradient_errors
 from hetlb.integrations.lightning import Balance
 
 N, GLOBAL_BATCH = 64, 12  # 6 steps an epoch, the last of 4 samples
@@ -61,7 +65,7 @@ class Model(pl.LightningModule):
         return self.balance.loader(self.dataset, seed=1)
 
 
-def main():
+def run(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--epochs", type=int, default=2)
@@ -71,7 +75,7 @@ def main():
     p.add_argument("--samples", type=int, default=N)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--check", default="")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     n = args.samples
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
@@ -103,10 +107,15 @@ def main():
                        "global_step": trainer.global_step,
                        "position": bal.state_dict()["position"],
                        "sizes": [r.batch.tolist() for r in bal.history]}, f)
-    # (the DDP model's reducer before the group it holds: torn down after it at exit, a worker
-    # may abort, "terminate called without an active exception")
-    import gc
     del trainer, balance, seen
+    gc.collect()  # (the next run's hetlb finds no DDP model of this one)
+
+
+def main():
+    for argv in each_run(sys.argv[1:]):
+        run(argv)
+    # (the DDP models' reducers before the group they hold: torn down after it at exit, a worker
+    # may abort, "terminate called without an active exception")
     gc.collect()
     dist.destroy_process_group()
 

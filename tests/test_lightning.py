@@ -3,12 +3,11 @@ launched by torchrun): every epoch's samples exactly once with sizes that change
 and a Lightning checkpoint taken mid-epoch resumes the rest of that epoch and then whole epochs
 (with the loader's own length, the steps left, Lightning cut every epoch after a resume short);
 with accumulate_grad_batches, every checked window's gradient is one process's over its samples."""
-import json
 import os
 import sys
 
 import pytest
-from distributed import torchrun
+from distributed import torchrun_each
 from extras import extra
 
 extra("pytorch_lightning", "lightning")
@@ -24,28 +23,41 @@ def per_epoch(result):
     return epochs
 
 
-def test_every_epoch_once_and_a_mid_epoch_resume(tmp_path):
-    # stopped after step 9 (3 of epoch 1's 6), resumed to the end of epoch 2
-    ckpt = tmp_path / "mid.ckpt"
-    first = torchrun(WORKER, tmp_path / "first.json", "--epochs", 3, "--stop-at", 9, "--ckpt", ckpt)
-    rest = torchrun(WORKER, tmp_path / "rest.json", "--epochs", 3, "--resume", ckpt)
+#: Two stopped runs (their checkpoints mid-epoch) and their resumes, in two launches (a launch
+#: costs Lightning's imports, about 6 s a process): "plain" stopped after step 9 (3 of epoch 1's
+#: 6) and resumed to the end of epoch 2; "windows", 52 samples in steps of 12 and windows of 2,
+#: [0, 1] [2, 3] [4: 4 samples] (3 optimizer steps an epoch), stopped after the first window of
+#: epoch 1 and resumed to the end of epoch 2, the short windows 2 and 5 (after the resume) checked.
+WINDOWS = ("--epochs", 3, "--samples", 52, "--accumulate", 2)
+FIRST = {"plain": ("--epochs", 3, "--stop-at", 9),
+         "windows": (*WINDOWS, "--stop-at", 4, "--check", "0,1,2,3")}
+REST = {"plain": ("--epochs", 3), "windows": (*WINDOWS, "--check", "4,5,8")}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """``{name: (first, rest)}``: what each run of :data:`FIRST` and its resume wrote."""
+    tmp = tmp_path_factory.mktemp("lightning")
+    ckpt = {name: tmp / f"{name}.ckpt" for name in FIRST}
+    first = torchrun_each(WORKER, [(tmp / f"{name}-first.json", (*args, "--ckpt", ckpt[name]))
+                                   for name, args in FIRST.items()])
+    rest = torchrun_each(WORKER, [(tmp / f"{name}-rest.json", (*args, "--resume", ckpt[name]))
+                                  for name, args in REST.items()])
+    return {name: (first[i], rest[i]) for i, name in enumerate(FIRST)}
+
+
+def test_every_epoch_once_and_a_mid_epoch_resume(resumed):
+    first, rest = resumed["plain"]
     assert len({tuple(s) for s in first["sizes"]}) > 1  # LBB moved samples between the ranks
+    assert rest["steps"] == 18
     first, rest = per_epoch(first), per_epoch(rest)
     assert sorted(first[0]) == list(range(64)) and len(first[1]) == 3 * 12
     assert sorted(first[1] + rest[1]) == list(range(64))  # the rest of epoch 1, nothing twice
     assert sorted(rest[2]) == list(range(64))  # and then a whole epoch
-    assert json.loads((tmp_path / "rest.json").read_text())["steps"] == 18
 
 
-def test_accumulated_windows_exact_and_a_resume_inside_an_epoch(tmp_path):
-    # 52 samples in steps of 12, windows of 2: [0, 1] [2, 3] [4: 4 samples] (3 optimizer steps an
-    # epoch); stopped after the first window of epoch 1, resumed to the end of epoch 2; the short
-    # windows 2 and 5 (after the resume) checked too
-    ckpt = tmp_path / "mid.ckpt"
-    common = ("--epochs", 3, "--samples", 52, "--accumulate", 2)
-    first = torchrun(WORKER, tmp_path / "first.json", *common, "--stop-at", 4, "--ckpt", ckpt,
-                     "--check", "0,1,2,3")
-    rest = torchrun(WORKER, tmp_path / "rest.json", *common, "--resume", ckpt, "--check", "4,5,8")
+def test_accumulated_windows_exact_and_a_resume_inside_an_epoch(resumed):
+    first, rest = resumed["windows"]
     assert first["global_step"] == first["steps"] == 4 and rest["global_step"] == rest["steps"] == 9
     assert len({tuple(s) for s in first["sizes"] + rest["sizes"]}) > 1
     for r, checked in ((first, ["0", "1", "2", "3"]), (rest, ["4", "5", "8"])):

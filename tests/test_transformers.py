@@ -9,7 +9,7 @@ import os
 import sys
 
 import pytest
-from distributed import torchrun
+from distributed import torchrun, torchrun_each
 from extras import extra
 
 extra("transformers", "hf")
@@ -20,8 +20,31 @@ N = w.N  # samples (tests/transformers_worker.py)
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformers_worker.py")
 
 
-def run(tmp_path, name, *args):
-    return torchrun(WORKER, tmp_path / f"{name}.json", "--dir", tmp_path / "run", *args)
+#: The runs of one launch (a launch costs seconds of imports, a run a fraction of that), each
+#: its own Trainer: "first", token means, stopped after step 6, mid-way through epoch 1 of 4
+#: steps (48 samples in steps of 12; its resume is the second launch); "accumulated", 54 samples
+#: in steps of 12, windows of 2 micro-steps [0, 1], [2, 3] and the short [4] (6 samples), whose
+#: weight hetlb scales, with average_tokens_across_devices=False (each rank's own token mean over
+#: its window): the same exact step as with the flag on, the default; "classify",
+#: LlamaForSequenceClassification, which takes loss kwargs (its forward has **kwargs) and returns
+#: its batch's mean: weighed as the token mean ("world"), its steps were the mean of the ranks'
+#: means (windows of 2 with a short one, LBB at emulated 1:2); "mean", a loss of the worker's
+#: trainer's own (the short window's scaling does not rely on the Trainer's compute_loss) with
+#: rank 0 idle in window 1.
+WINDOWS = ("--samples", 54, "--accumulate", 2, "--check", "0,1,2")
+RUNS = {"first": ("--case", "tokens", "--epochs", 3, "--check", "0,1,5", "--stop-at", 6),
+        "accumulated": ("--case", "tokens", *WINDOWS, "--own-token-means"),
+        "classify": ("--case", "classify", *WINDOWS),
+        "mean": ("--case", "mean", *WINDOWS, "--idle")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{name: result}`` of :data:`RUNS`, and the folder the first one saved its checkpoint in."""
+    tmp = tmp_path_factory.mktemp("trainer")
+    results = torchrun_each(WORKER, [(tmp / f"{name}.json", (*args, "--dir", tmp / name))
+                                     for name, args in RUNS.items()])
+    return dict(zip(RUNS, results)), tmp
 
 
 def by_epoch(result, steps):
@@ -32,15 +55,16 @@ def by_epoch(result, steps):
     return epochs
 
 
-def test_token_mean_gradients_and_a_resume_in_the_second_epoch(tmp_path):
-    steps = 4  # 48 samples in steps of 12; stopped after step 6, mid-way through epoch 1
-    first = run(tmp_path, "first", "--case", "tokens", "--epochs", 3, "--check", "0,1,5",
-                     "--stop-at", 6)
+def test_token_mean_gradients_and_a_resume_in_the_second_epoch(runs):
+    steps = 4
+    results, tmp = runs
+    first = results["first"]
     assert first["weighting"] == "world" and first["global_step"] == first["steps"] == 6
     assert len({tuple(s) for s in first["sizes"]}) > 1  # LBB moved samples between the ranks
     assert sorted(first["errors"]) == ["0", "1", "5"]
     assert max(first["errors"].values()) < 1e-5, first["errors"]
-    rest = run(tmp_path, "rest", "--case", "tokens", "--epochs", 3, "--resume")
+    rest = torchrun(WORKER, tmp / "rest.json", "--dir", tmp / "first", "--case", "tokens",
+                    "--epochs", 3, "--resume")
     assert rest["global_step"] == rest["steps"] == 3 * steps
     a, b = by_epoch(first, steps), by_epoch(rest, steps)
     assert sorted(a[0]) == list(range(N)) and 0 not in b
@@ -48,12 +72,8 @@ def test_token_mean_gradients_and_a_resume_in_the_second_epoch(tmp_path):
     assert sorted(b[2]) == list(range(N))
 
 
-def test_accumulated_token_means_each_rank_s_own_or_the_step_s(tmp_path):
-    # 54 samples in steps of 12: windows of 2 micro-steps [0, 1], [2, 3] and the short [4] (6
-    # samples), whose weight hetlb scales. average_tokens_across_devices=False (each rank's own
-    # token mean over its window): the same exact step as with the flag on, the default
-    r = run(tmp_path, "accumulated", "--case", "tokens", "--samples", 54, "--accumulate", 2,
-                 "--check", "0,1,2", "--own-token-means")
+def test_accumulated_token_means_each_rank_s_own_or_the_step_s(runs):
+    r = runs[0]["accumulated"]
     assert r["weighting"] == "world" and r["global_step"] == r["steps"] == 3
     assert len({tuple(s) for s in r["sizes"]}) > 1
     assert sorted(r["errors"]) == ["0", "1", "2"]
@@ -61,26 +81,20 @@ def test_accumulated_token_means_each_rank_s_own_or_the_step_s(tmp_path):
     assert sorted(i for rank in r["trained"] for _, idx in rank for i in idx) == list(range(54))
 
 
-def test_a_classifier_whose_loss_ignores_the_item_count(tmp_path):
-    # LlamaForSequenceClassification takes loss kwargs (its forward has **kwargs) and returns its
-    # batch's mean: weighed as the token mean ("world"), its steps were the mean of the ranks'
-    # means. Windows of 2 with a short one, LBB at emulated 1:2.
-    r = run(tmp_path, "classify", "--case", "classify", "--samples", 54, "--accumulate", 2,
-                 "--check", "0,1,2")
+def test_a_classifier_whose_loss_ignores_the_item_count(runs):
+    r = runs[0]["classify"]
     assert r["weighting"] == "samples" and r["global_step"] == r["steps"] == 3
     assert len({tuple(s) for s in r["sizes"]}) > 1
     assert sorted(r["errors"]) == ["0", "1", "2"]
     assert max(r["errors"].values()) < 1e-5, r["errors"]
 
 
-def test_accumulated_mean_losses_with_an_idle_rank(tmp_path):
-    # (the worker's trainer computes this loss itself: the short window's scaling does not rely
-    # on the Trainer's compute_loss)
-    r = run(tmp_path, "mean", "--case", "mean", "--samples", 54, "--accumulate", 2,
-                 "--check", "0,1,2", "--idle")
+def test_accumulated_mean_losses_with_an_idle_rank(runs):
+    r = runs[0]["mean"]
     assert r["weighting"] == "samples" and r["steps"] == 3
     # per micro-step, fixed per window; the short last step scaled to its 6 samples
     assert r["sizes"][:2] == [[6, 6], [0, 12]]  # rank 0 idle in window 1
+    assert sorted(r["errors"]) == ["0", "1", "2"]
     assert max(r["errors"].values()) < 1e-6, r["errors"]
     assert "make a new BalancedTrainer with model=trainer.model" in r["again"]
 

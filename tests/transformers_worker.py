@@ -7,6 +7,9 @@ in one process.
 
     transformers_worker.py --out FILE --dir DIR --case tokens|classify|mean [--epochs E] [--check S,S]
                            [--stop-at STEP] [--resume] [--idle] [--samples N] [--accumulate K]
+                           [--own-token-means] [--then --out FILE --dir DIR --case ...]
+
+Each ``--then`` starts another run in the same processes, with a new model and Trainer.
 
 Cases: "tokens", a transformers Llama (it takes loss kwargs: the Trainer divides the loss by the
 step's global label count) on sequences whose label counts differ; "classify", a transformers
@@ -14,8 +17,10 @@ Llama classifier (it takes loss kwargs and ignores them: its loss is its batch's
 module whose loss is its batch's mean (no loss kwargs), under a compute_loss of the trainer's own.
 """
 import argparse
+import gc
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -26,7 +31,7 @@ import hetlb
 from hetlb.core.models import LinearModel
 from hetlb.integrations.transformers import BalancedTrainer
 from hetlb.sim.emulate import Emulator
-from distributed import union_gradient_errors
+from distributed import each_run, union_gradient_errors
 from fixed_policy import Scripted
 
 N, PER_RANK, L, VOCAB = 48, 6, 8, 32  # 4 steps an epoch of 12 samples
@@ -126,7 +131,7 @@ class Watch(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
 
-def main():
+def run(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--dir", required=True)
@@ -141,7 +146,7 @@ def main():
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--own-token-means", action="store_true",
                    help="average_tokens_across_devices=False")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     rank = int(os.environ["RANK"])
     data = sequences(a.samples)
     make = MODELS[a.case]
@@ -185,8 +190,13 @@ def main():
                        "weighting": bal.weighting, "again": again,
                        "sizes": [r.batch.tolist() for r in bal.history],
                        "errors": union_gradient_errors(make, watch.kept, everyone, loss_of)}, f)
-    import gc
     del trainer, bal, watch
+    gc.collect()  # (the next run's hetlb finds no DDP model of this one)
+
+
+def main():
+    for argv in each_run(sys.argv[1:]):
+        run(argv)
     gc.collect()
     dist.destroy_process_group()
 
