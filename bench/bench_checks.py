@@ -1,5 +1,7 @@
-"""What the Balancer's search for DDP models trained unattached costs: the steps that search
+"""What the Balancer's search for models trained unattached costs: the steps that search
 (step 0, the step after a DDP model is made, steps 1, 2, 4, 8, ...) against the others.
+``--wrapper fsdp2`` shards every model with ``fully_shard`` instead (searches in steps 0, 1, 2,
+4, 8, ... only, each finding the process's ``fully_shard`` models by the collector's traversal).
 
 Two Gloo ranks (one thread each) train bench_overhead.py's ``mlp`` model with
 ``Balancer(Uniform)`` through its loader for ``--steps`` steps; rank 0 times every step (from
@@ -10,7 +12,7 @@ their own, as an evaluation or second model would be), which the search hooks; `
 builds one more DDP model at step S (the step after searches for it). The process's number of
 objects tracked by the garbage collector (what a search traverses) is reported too.
 
-    python bench/bench_checks.py [--steps 600] [--models 0] [--made 300] [--out FILE]
+    python bench/bench_checks.py [--steps 600] [--models 0] [--made 300] [--wrapper ddp|fsdp2] [--out FILE]
 """
 from __future__ import annotations
 
@@ -37,8 +39,17 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
     from torch.nn.parallel import DistributedDataParallel as DDP
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    ddp = DDP(make_model("mlp"))
-    others = [DDP(torch.nn.Linear(16, 16)) for _ in range(args.models)]
+    if args.wrapper == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+
+        def wrap(m: torch.nn.Module) -> torch.nn.Module:
+            return fully_shard(m, mesh=mesh)
+    else:
+        wrap = DDP
+    ddp = wrap(make_model("mlp"))
+    others = [wrap(torch.nn.Linear(16, 16)) for _ in range(args.models)]
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     n = args.global_batch * (args.steps + 1)
     g = torch.Generator().manual_seed(1)
@@ -49,11 +60,12 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
     extra = []
     for step in range(args.steps):
         if step == args.made:
-            extra.append(DDP(torch.nn.Linear(16, 16)))  # made here: the next step searches
+            extra.append(wrap(torch.nn.Linear(16, 16)))  # made here: DDP's next step searches
         t = time.perf_counter()
         x, y = next(it)
         searched = bal.hooks.checking
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        bal.backward(loss) if args.wrapper == "fsdp2" else loss.backward()  # (FSDP2's weight: on the loss)
         for m in others:  # trained on batches of their own
             m(torch.randn(4, 16)).sum().backward()
         opt.step()
@@ -71,6 +83,7 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--models", type=int, default=0, help="other DDP models alive (not balanced)")
     p.add_argument("--made", type=int, default=300, help="step at which one more DDP model is made")
+    p.add_argument("--wrapper", choices=["ddp", "fsdp2"], default="ddp")
     p.add_argument("--out")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,8 +99,9 @@ def main() -> None:
     ordinary = statistics.median(t for i, t in enumerate(times) if i not in near and i > 0)
     added = [times[i] + times[i + 1] - 2 * ordinary for i in flagged]
     total = sum(times)
-    lines = [f"### Searches for unattached DDP models ({datetime.date.today()}): 2 Gloo ranks, mlp, "
-             f"global batch {args.global_batch}, {args.steps} steps, {args.models} other DDP models, "
+    name = "DDP" if args.wrapper == "ddp" else "FSDP2"
+    lines = [f"### Searches for unattached {name} models ({datetime.date.today()}): 2 Gloo ranks, mlp, "
+             f"global batch {args.global_batch}, {args.steps} steps, {args.models} other {name} models, "
              f"one made at step {args.made}; {res['objects']:,} objects tracked by the collector",
              "", "| searching step | added to its two steps (ms) |", "|---:|---:|",
              *[f"| {i} | {1e3 * a:.2f} |" for i, a in zip(flagged, added)], "",

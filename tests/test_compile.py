@@ -80,10 +80,11 @@ def test_compiled_balanced_models_train_exactly_without_graph_breaks():
             assert got["explain"] == 0, mode
             assert "gave the model a batch of 2 samples" in got.get("refused", ""), mode
             # Beyond torch's own (DDP's logger, its forward context, as with plain DDP) only the
-            # Balancer's hooks, kept out of the compiled region as DDP's context is
+            # Balancer's hooks, kept out of the compiled region as DDP's context is (the search
+            # for unattached models in steps 0, 1, 2: the first of the model's pre-hooks)
             extra = set(got["breaks"]) - set(plain["breaks"])
+            hooks = ("StepGate.__call__", "BackwardWatch.__call__", "UnattachedCheck.__call__")
             assert all(b.startswith("Skip inlining `torch.compiler.disable()`d function") and
-                       ("StepGate.__call__" in b or "BackwardWatch.__call__" in b)
-                       for b in extra), (mode, extra)
+                       any(h in b for h in hooks) for b in extra), (mode, extra)
             for g, want in zip(got["grads"], plain["grads"]):  # the mean over the same 8 samples
                 torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Type
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Set, Type
 
 import torch
 import torch.distributed as dist
@@ -275,6 +275,18 @@ class DDPModels:
     @classmethod
     def alive(cls) -> List[DistributedDataParallel]:
         return list(cls._known)
+
+    counts_made = True
+
+    @staticmethod
+    def keys(model: torch.nn.Module) -> Set[int]:
+        # By storage: the graph's AccumulateGrad nodes may hand back another Python object for
+        # the same parameter, so ids would not match.
+        return {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
+
+    @staticmethod
+    def key(variable: torch.Tensor) -> int:
+        return variable.untyped_storage().data_ptr()
 
 
 def _ddp_models_alive() -> List[DistributedDataParallel]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from hetlb.comm.fsdp_clock import LayerClock
 from hetlb.comm.fsdp_profile import FSDP2Trial
-from hetlb.comm.fsdp_state import all_param_groups, data_parallel_ranks, fsdp_modules, param_groups
+from hetlb.comm.fsdp_state import (FSDPModels, all_param_groups, data_parallel_ranks, fsdp_modules,
+                                   param_groups)
 from hetlb.comm.gradients import WrapperSettings, weighted_gradient
 from hetlb.comm.hook import StepTelemetry, tensors_in
 
@@ -176,8 +177,9 @@ class FSDP2Transport:
         return False  # (the watch sends the row by the side route at the end of the backward)
 
     @property
-    def registry(self) -> None:
-        return None
+    def registry(self) -> Type[FSDPModels]:
+        """The process's ``fully_shard`` models (:class:`hetlb.comm.fsdp_state.FSDPModels`)."""
+        return FSDPModels
 
     @staticmethod
     def no_sync_on(model: torch.nn.Module) -> Optional[str]:

@@ -1,9 +1,10 @@
 """What hetlb reads of a ``fully_shard`` model: its FSDP modules, their parameter groups (torch's
-``FSDPParamGroup``, whose settings the transport reads and, in a micro window, writes) and the
-ranks its parameters are sharded over."""
+``FSDPParamGroup``, whose settings the transport reads and, in a micro window, writes), the
+ranks its parameters are sharded over, and the process's ``fully_shard`` models
+(:class:`FSDPModels`)."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Set
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -40,3 +41,47 @@ def all_param_groups(model: FSDPModule) -> List[Any]:
     states = list(model._get_fsdp_state()._state_ctx.all_states) or \
         [m._get_fsdp_state() for m in fsdp_modules(model)]
     return [g for st in states for g in param_groups(st)]
+
+
+class FSDPModels:
+    """The process's ``fully_shard`` models (:class:`hetlb.comm.gradients.ModelRegistry`), for
+    the search for a model trained on a Balancer's samples unattached. ``fully_shard`` changes a
+    module's class in place and makes no event a hook could count models by, so each search finds
+    them by the garbage collector's traversal (tens of milliseconds in a process with torch
+    loaded, in the searching steps only: 0, 1, 2, 4, 8, ...) and :attr:`count` stays 0. Nothing is
+    kept between searches. In a backward graph a parameter is its unsharded parameter (the
+    tensor FSDP2 makes once, at the module's first all-gather, and keeps), named by its id: its
+    storage is freed after every reshard."""
+
+    count = 0
+    counts_made = False
+
+    @staticmethod
+    def alive() -> List[torch.nn.Module]:
+        import gc
+        classes, todo = [], list(FSDPModule.__subclasses__())
+        while todo:  # (the classes fully_shard made, one per module class, and their subclasses)
+            c = todo.pop()
+            classes.append(c)
+            todo.extend(c.__subclasses__())
+        if not classes:
+            return []
+        # (by type: isinstance would ask a dead weak proxy among the referrers, which raises)
+        found = [o for o in gc.get_referrers(*classes) if type(o) in classes]
+        inner = {id(m) for o in found for m in o.modules() if m is not o}
+        return [o for o in found if id(o) not in inner]
+
+    @staticmethod
+    def keys(model: torch.nn.Module) -> Set[int]:
+        out = set()
+        for m in fsdp_modules(model):
+            for g in param_groups(m._get_fsdp_state()):
+                for fp in g.fsdp_params:
+                    unsharded = getattr(fp, "_unsharded_param", None)  # (made at the first all-gather)
+                    if unsharded is not None:
+                        out.add(id(unsharded))
+        return out
+
+    @staticmethod
+    def key(variable: torch.Tensor) -> int:
+        return id(variable)

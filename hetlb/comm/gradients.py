@@ -30,7 +30,7 @@ plain sum, and leaves the table to the side route (``delivers_table`` False).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Protocol, Set
 
 import torch
 
@@ -125,14 +125,25 @@ class ProfileTrial(Protocol):
 
 
 class ModelRegistry(Protocol):
-    """The models of one wrapper in the process."""
+    """The models of one wrapper in the process, and how a backward graph names their
+    parameters."""
 
     #: How many the process has made so far (a search for unattached ones is due when it changes;
     #: an attribute, as the step driver compares it every step).
     count: int
+    #: Whether :attr:`count` follows the models as they are made (else it stays, and the searches
+    #: run only in their fixed steps).
+    counts_made: bool
 
     def alive(self) -> List[torch.nn.Module]:
-        """Every one alive now."""
+        """Every one alive now (roots: no model inside another)."""
+
+    def keys(self, model: torch.nn.Module) -> Set[int]:
+        """``model``'s parameters as :meth:`key` names them in a backward graph (those it has
+        now: a sharded model's unsharded parameters exist once it ran a forward)."""
+
+    def key(self, variable: torch.Tensor) -> int:
+        """The key of the parameter an AccumulateGrad node of a backward graph holds."""
 
 
 class GradientTransport(Protocol):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from hetlb.comm.eager import never_compiled
-from hetlb.comm.gradients import GradientTransport
+from hetlb.comm.gradients import GradientTransport, ModelRegistry
 from hetlb.comm.hook import StepTelemetry, first_tensor, tensors_in
 from hetlb.data.board import PlanBoard, StepPlan
 from hetlb.train.errors import BatchSizeError
@@ -188,12 +188,8 @@ class UnattachedCheck:
     ``torch.compile(module)`` warns of one)."""
 
     def __init__(self, balanced: torch.nn.Module, others: List[torch.nn.Module],
-                 inner: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
-        self.balanced, self.inner = balanced, inner
-        # Parameters by their storage: the graph's AccumulateGrad nodes may hand back another
-        # Python object for the same parameter, so ids would not match.
-        self.owner = {storage_address(p): m for m in others for p in m.parameters() if p.numel()}
-        self.mine = {storage_address(p) for p in balanced.parameters() if p.numel()}
+                 inner: Callable[[torch.nn.Module], torch.nn.Module], registry: ModelRegistry) -> None:
+        self.balanced, self.others, self.inner, self.registry = balanced, others, inner, registry
         # The inputs' storages, each with a tensor on it: held for the step, so no later tensor
         # can be allocated at the same address and pass for the same samples.
         self.storages: Dict[int, torch.Tensor] = {}  # the balanced model's inputs
@@ -207,11 +203,13 @@ class UnattachedCheck:
               inner: Callable[[torch.nn.Module], torch.nn.Module]) -> "UnattachedCheck":
         """The hook, registered on the balanced model and the transport's other models but
         those with a Balancer of their own (:meth:`remove` when the step ends)."""
-        known = transport.models
-        others = [o for o in transport.registry.alive()
+        known, registry = transport.models, transport.registry
+        others = [o for o in registry.alive()
                   if not any(o is m for m in known) and not has_balancer(o)]
-        hook = cls(balanced, others, inner)
-        hook.handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+        hook = cls(balanced, others, inner, registry)
+        # First among the models' pre-hooks: the caller's tensors, before a wrapper's own hook
+        # casts or moves them (FSDP2's MixedPrecisionPolicy makes a copy of each input).
+        hook.handles = [m.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
                         for m in [balanced] + others]
         return hook
 
@@ -223,29 +221,38 @@ class UnattachedCheck:
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not module.training or not torch.is_grad_enabled():
             return
-        tensors = {storage_address(t): t for t in tensors_in((args, kwargs)) if t.numel()}
-        upstream = parameters_upstream(list(tensors.values()))
+        tensors = {a: t for t in tensors_in((args, kwargs)) if t.numel()
+                   for a in [storage_address(t)] if a is not None}
+        upstream = parameters_upstream(list(tensors.values()), self.registry.key)
+        # (the parameters' keys now: a sharded model's exist once its first forward ran)
         if module is self.balanced:
             self.storages.update(tensors)
-            hit = [self.owner[p] for p in upstream if p in self.owner] + \
+            owner = {k: m for m in self.others for k in self.registry.keys(m)}
+            hit = [owner[p] for p in upstream if p in owner] + \
                 [self.seen[s][1] for s in tensors if s in self.seen]
             if hit and self.found is None:
                 self.found = type(self.inner(hit[0])).__name__
             return
         if not any(p.requires_grad for p in module.parameters()):
             return
-        if (any(s in self.storages for s in tensors) or upstream & self.mine) and self.found is None:
+        if self.found is None and (any(s in self.storages for s in tensors) or
+                                   upstream & self.registry.keys(self.balanced)):
             self.found = type(self.inner(module)).__name__
         for ptr, t in tensors.items():
             self.seen[ptr] = (t, module)
 
 
-def storage_address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def storage_address(t: torch.Tensor) -> Optional[int]:
+    """The address of ``t``'s storage; None for a tensor without one of its own (a DTensor,
+    a wrapper of other tensors)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
-def parameters_upstream(tensors: List[torch.Tensor]) -> set:
-    """Storage addresses of the leaf tensors (parameters) whose gradients flow into ``tensors``."""
+def parameters_upstream(tensors: List[torch.Tensor], key: Callable[[torch.Tensor], int]) -> set:
+    """The keys (``key``) of the leaf tensors (parameters) whose gradients flow into ``tensors``."""
     out, todo, done = set(), [t.grad_fn for t in tensors if t.grad_fn is not None], set()
     while todo:
         fn = todo.pop()
@@ -254,19 +261,21 @@ def parameters_upstream(tensors: List[torch.Tensor]) -> set:
         done.add(id(fn))
         var = getattr(fn, "variable", None)  # an AccumulateGrad node: its parameter
         if var is not None and var.numel():
-            out.add(storage_address(var))
+            out.add(key(var))
         todo.extend(f for f, _ in fn.next_functions)
     return out
 
 
-def unattached_message(wrapper: str, name: str, ranks: List[int], step: int) -> str:
+def unattached_message(wrapper: str, name: str, ranks: List[int], step: int,
+                       counts_made: bool = True) -> str:
+    made = " and in the step after such a model is made" if counts_made else ""
     return (f"hetlb: a second {wrapper} model ({name}; seen on ranks {ranks}) trains on this "
-            f"Balancer's samples without being attached to it: its gradient was averaged over the "
-            f"ranks' uneven batches unweighted, which is not the mean over the step's samples "
+            f"Balancer's samples without being attached to it: its wrapper reduced its gradient "
+            f"without the Balancer's weights over the ranks' uneven batches, which is not the "
+            f"mean over the step's samples "
             f"(found in step {step}, refused at its end; the Balancer looks in steps 0, 1, 2, 4, "
-            f"8, ... and in the step after such a model is made). Attach it to the Balancer on "
-            f"every rank before it trains, bal.attach(model): its gradient is then weighted as "
-            f"the balanced model's")
+            f"8, ...{made}). Attach it to the Balancer on every rank before it trains, "
+            f"bal.attach(model): its gradient is then weighted as the balanced model's")
 
 
 class ModelHooks:

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from hetlb.comm.gradients import GradientTransport
+from hetlb.comm.gradients import GradientTransport, ModelRegistry
 from hetlb.comm.hook import StepTelemetry
 from hetlb.comm.weights import weights_for
 from hetlb.core.decisions import ScheduleRule, decision_checksum
@@ -122,8 +122,9 @@ class UnattachedSearches:
     at the next batch, loop or flush, where the others end it: a comparison at the settling
     would be a collective the other ranks never join."""
 
-    def __init__(self, peers: Peers, wrapper: str) -> None:
+    def __init__(self, peers: Peers, wrapper: str, registry: Optional[ModelRegistry]) -> None:
         self.peers, self.wrapper = peers, wrapper
+        self.counts_made = registry is None or registry.counts_made
         self.pending: List[Tuple[Optional[str], int]] = []  # (what was found, the step)
 
     def ended(self, found: Optional[str], step: int) -> None:
@@ -136,7 +137,7 @@ class UnattachedSearches:
             seen = [r for r, e in enumerate(everyone) if e["found"] is not None]
             if seen:
                 raise RuntimeError(unattached_message(self.wrapper, everyone[seen[0]]["found"],
-                                                     seen, step))
+                                                     seen, step, self.counts_made))
 
 
 @dataclass(slots=True)  # (one a step)
@@ -200,7 +201,7 @@ class StepDriver:
         self._broken: Optional[StepPlan] = None  # a micro-step whose `with bal.step():` raised
         self._ended: Optional[np.ndarray] = None  # its sizes, until the loop asks for a batch
         self._micro = 0  # micro-steps without a loader (window position)
-        self.unattached = UnattachedSearches(self.peers, self.gradients.name)
+        self.unattached = UnattachedSearches(self.peers, self.gradients.name, self.gradients.registry)
         self.window.leave(failed=True)  # (an open window check's hooks come off)
         self.window = Window(self.gradients, self.accumulate)
         self._partials: Dict[int, tuple] = {}
