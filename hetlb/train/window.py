@@ -93,7 +93,7 @@ class Window:
             if not self._untaken(held):
                 return
             if not self.gradients.clears_after_forward:
-                self.raise_if_untaken(held, done, plan)
+                raise self._untaken_error(done, plan)
             self._taking = TakenCheck(self, held, done, plan, model)
 
     def leave(self, failed: bool = False) -> None:
@@ -162,12 +162,15 @@ class Window:
         micro-steps instead of ``bal.synced`` does this at an epoch's end, whose last windows may
         be shorter."""
         if self._untaken(held):
-            raise RuntimeError(
-                f"hetlb: the gradient of the accumulation window that ended at step {done.step} of "
-                f"epoch {done.epoch} (it was synchronised there: bal.synced was True) is still in "
-                f"the parameters as step {plan.step} starts a new window, so it would be added to "
-                f"this window's (its samples counted twice in the mean; gradients are not "
-                f"accumulated across windows). Step the optimizer and zero the gradients "
-                f"whenever bal.synced is True after bal.step(), not on a count of micro-steps: an "
-                f"epoch's last windows can be shorter than accumulate={self.accumulate} (its short "
-                f"last step is a window of its own)")
+            raise self._untaken_error(done, plan)
+
+    def _untaken_error(self, done: StepPlan, plan: StepPlan) -> RuntimeError:
+        return RuntimeError(
+            f"hetlb: the gradient of the accumulation window that ended at step {done.step} of "
+            f"epoch {done.epoch} (it was synchronised there: bal.synced was True) is still in "
+            f"the parameters as step {plan.step} starts a new window, so it would be added to "
+            f"this window's (its samples counted twice in the mean; gradients are not "
+            f"accumulated across windows). Step the optimizer and zero the gradients "
+            f"whenever bal.synced is True after bal.step(), not on a count of micro-steps: an "
+            f"epoch's last windows can be shorter than accumulate={self.accumulate} (its short "
+            f"last step is a window of its own)")
