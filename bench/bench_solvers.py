@@ -6,8 +6,18 @@ allocate  — hetlb.allocate against scipy's MILP (an ILP as in BOA), a pure-Pyt
 schedule  — hetlb.schedule (4096 samples over 256 ranks) against a lower bound (the larger of the
             continuous bound and the largest sample on its best rank) and a pure-Python
             earliest-finish loop (hetlb.reference.schedule).
+decision  — what one step's decision costs a rank at 256, 1,024 and 4,096 ranks for LBB, LB-BSP and
+            Chronica, the decision loop as training runs it: the step's record made from the
+            telemetry table, recorded, decided and checked (DecisionLoop.advance), and for
+            Chronica the assignment of the step's samples (hetlb.schedule, as the loader runs it).
+            Emulated ranks of speeds 1-4x, 2 % noise, and every 50 steps 5 % of the ranks at half
+            speed (LBB rapid-tunes then).
 
-    python bench/bench_solvers.py [--quick] [--part all|allocate|schedule] [--out FILE]
+targets   — the rows of the targets alone (allocate at n = 1024, B = 2^20 and 4096 samples over 256
+            ranks, wrapper included), quick enough to run against another checkout's hetlb side
+            by side (run this file with that checkout's Python and working directory).
+
+    python bench/bench_solvers.py [--quick] [--part all|allocate|schedule|decision|targets] [--out FILE]
 
 Prints markdown tables (and writes them to --out).
 """
@@ -154,17 +164,126 @@ def bench_schedule() -> List[str]:
     return rows
 
 
+def _decision_run(name: str, world: int, steps: int, seed: int = 0) -> dict:
+    """Per-step seconds of one rank's decision loop under ``name`` on an emulated cluster."""
+    from hetlb.core.telemetry import COL, NUM_FIELDS, StepRecord
+    from hetlb.policies import LBB, LBBSP, Chronica
+    from hetlb.policies.base import Context
+    from hetlb.policies.loop import DecisionLoop
+
+    rng = np.random.default_rng(seed)
+    per_rank = 32
+    total = per_rank * world
+    speed = rng.choice([1.0, 2.0, 3.0, 4.0], world) * rng.uniform(0.9, 1.1, world)
+    a0 = rng.uniform(2e-3, 5e-3, world)
+    sized = name == "chronica"
+    if sized:
+        policy = Chronica()
+        ctx = Context(world=world, global_batch=total, lower=0, upper=total)
+    else:
+        policy = LBB() if name == "lbb" else LBBSP()
+        ctx = Context(world=world, global_batch=total, lower=1, upper=4 * per_rank)
+    loop = DecisionLoop(policy, world, history=1024, ranks=[0])
+    decision = loop.start(ctx)
+    record_s, advance_s, assign_s = [], [], []
+    slow = np.ones(world)
+    for k in range(steps):
+        if k % 50 == 25:
+            slow = np.where(rng.random(world) < 0.05, 2.0, 1.0)
+        sizes = data = None
+        if sized:
+            amounts = rng.lognormal(3, 1, total)
+            rule = decision
+            t0 = time.perf_counter()
+            owner = hetlb.schedule(rule.work(amounts), rule.slope, rule.intercept,
+                                   first=rule.first(0, 0, k, total), cap=rule.cap)
+            assign_s.append(time.perf_counter() - t0)
+            sizes = np.bincount(owner, minlength=world).astype(np.int64)
+            data = np.bincount(owner, weights=amounts, minlength=world)
+        else:
+            sizes = np.asarray(decision, np.int64)
+            data = sizes.astype(np.float64)
+        work = data * 1e-4 if sized else sizes * 1e-3
+        compute = (a0 + work / speed * slow) * (1 + 0.02 * rng.standard_normal(world))
+        table = np.zeros((world, NUM_FIELDS))
+        table[:, COL["batch"]] = sizes
+        table[:, COL["compute"]] = compute
+        table[:, COL["data"]] = data
+        table[:, COL["memory"]] = 0.5
+        table[:, COL["cpu"]] = 0.3
+        table[:, COL["predicted"]] = np.nan
+        t0 = time.perf_counter()
+        cols = table[:, :6].T.copy()  # as the step driver makes a record from the table
+        rec = StepRecord(step=k, epoch=0, batch=sizes, compute=cols[COL["compute"]],
+                         data=cols[COL["data"]], memory=cols[COL["memory"]], cpu=cols[COL["cpu"]],
+                         predicted=cols[COL["predicted"]])
+        t1 = time.perf_counter()
+        new = loop.advance([rec])
+        t2 = time.perf_counter()
+        record_s.append(t1 - t0)
+        advance_s.append(t2 - t1)
+        if new is not None:
+            decision = new
+    whole = [r + a + (assign_s[i] if assign_s else 0.0) for i, (r, a) in enumerate(zip(record_s, advance_s))]
+    actions = getattr(policy, "actions", [])
+    return {"record": statistics.median(record_s), "advance": statistics.median(advance_s),
+            "assign": statistics.median(assign_s) if assign_s else float("nan"),
+            "whole": statistics.median(whole), "worst": max(whole[1:]),
+            "rapid": sum(a == "rapid" for a in actions)}
+
+
+def bench_decision(quick: bool) -> List[str]:
+    rows = ["| policy | ranks | steps | record (ms) | decide + check (ms) | assign (ms) | whole, median (ms) | "
+            "whole, worst (ms) | LBB rapid-tunes |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in ("lbb", "lbbsp", "chronica"):
+        for world in (256, 1024, 4096):
+            steps = 30 if quick else (200 if world < 4096 else 100)
+            if name == "chronica" and world == 4096:
+                steps = 10 if quick else 20
+            r = _decision_run(name, world, steps)
+            ms = lambda v: "—" if v != v else f"{v * 1e3:.3f}"
+            rows.append(f"| {name} | {world} | {steps} | {ms(r['record'])} | {ms(r['advance'])} | "
+                        f"{ms(r['assign'])} | {ms(r['whole'])} | {ms(r['worst'])} | "
+                        f"{r['rapid'] if name == 'lbb' else '—'} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def bench_targets() -> List[str]:
+    rows = ["| what | hetlb (ms) |", "|---|---:|"]
+    for n, B in ((256, 1 << 20), (1024, 1 << 20), (4096, 1 << 22)):
+        a0, a1, upper = cluster(n, B)
+        models = [hetlb.LinearModel(x, y) for x, y in zip(a0, a1)]
+        t, _ = median_time(lambda: hetlb.allocate(models, B, upper=upper), min_time=2.0)
+        rows.append(f"| allocate n={n} B={B} | {t * 1e3:.3f} |")
+        print(rows[-1], flush=True)
+    rng = np.random.default_rng(3)
+    for dist, sizes in [("lognormal(3,1)", rng.lognormal(3, 1, 4096)), ("uniform(1,100)", rng.uniform(1, 100, 4096))]:
+        for hetero in (False, True):
+            slope = rng.uniform(0.5, 2.0, 256) if hetero else np.ones(256)
+            intercept = rng.uniform(0, 5, 256) if hetero else np.zeros(256)
+            t, _ = median_time(lambda: hetlb.schedule(sizes, slope, intercept), min_time=2.0)
+            rows.append(f"| schedule 4096 x 256, {dist}, {'heterogeneous' if hetero else 'uniform'} | {t * 1e3:.3f} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip B = 2^20 and the slowest baselines")
-    ap.add_argument("--part", choices=["all", "allocate", "schedule"], default="all")
+    ap.add_argument("--part", choices=["all", "allocate", "schedule", "decision", "targets"], default="all")
     ap.add_argument("--out", default=None, help="also write the tables here")
     args = ap.parse_args()
     out = []
     if args.part in ("all", "allocate"):
         out += ["### allocate", ""] + bench_allocate(args.quick) + [""]
     if args.part in ("all", "schedule"):
-        out += ["### schedule", ""] + bench_schedule()
+        out += ["### schedule", ""] + bench_schedule() + [""]
+    if args.part == "targets":
+        out += ["### targets", ""] + bench_targets()
+    if args.part in ("all", "decision"):
+        out += ["### decision", ""] + bench_decision(args.quick)
     text = "\n".join(out)
     print("\n" + text)
     if args.out:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import hetlb
 from hetlb import reference as ref
+from hetlb.core.solve import allocate_linear
 
 
 
@@ -96,6 +97,57 @@ def test_brute_force_optimal(prob):
     got_ms, got_floor = objectives(models, b, part)
     assert got_ms == best
     assert got_floor == floor
+
+
+@given(problem(max_n=64, max_total=400))
+def test_many_workers_match_reference(prob):
+    # Dozens of workers: the searches' interpolation and the workers dropping out of the bracket.
+    models, total, lower, upper = prob
+    np.testing.assert_array_equal(hetlb.allocate(models, total, lower, upper),
+                                  ref.allocate(models, total, lower, upper))
+
+
+@st.composite
+def linear_problem(draw):
+    n = draw(st.integers(1, 40))
+    a0 = draw(st.lists(coef, min_size=n, max_size=n))
+    a1 = draw(st.lists(coef, min_size=n, max_size=n))
+    total = draw(st.integers(0, 300))
+    upper = None
+    if draw(st.booleans()):
+        upper = draw(st.lists(st.integers(0, 300), min_size=n, max_size=n))
+        upper[draw(st.integers(0, n - 1))] += max(0, total - sum(upper))
+    return a0, a1, total, upper
+
+
+@given(linear_problem())
+def test_linear_arrays_match_models_and_reference(prob):
+    a0, a1, total, upper = prob
+    models = [hetlb.LinearModel(x, y) for x, y in zip(a0, a1)]
+    got = allocate_linear(np.array(a0), np.array(a1), total, upper=upper)
+    np.testing.assert_array_equal(got, ref.allocate(models, total, upper=upper))
+    np.testing.assert_array_equal(got, hetlb.allocate(models, total, upper=upper))
+
+
+def test_linear_arrays_bad_input():
+    with pytest.raises(ValueError, match="worker 1: linear model has a negative coefficient"):
+        allocate_linear([1.0, 1.0], [1.0, -1.0], 4)
+    with pytest.raises(ValueError, match="worker 0: model has a non-finite"):
+        allocate_linear([np.nan, 1.0], [1.0, 1.0], 4)
+    with pytest.raises(ValueError, match="a1 has 1 entries, expected 2"):
+        allocate_linear([1.0, 1.0], [1.0], 4)
+    with pytest.raises(ValueError, match="no workers"):
+        allocate_linear([], [], 4)
+    with pytest.raises(ValueError, match="upper bounds sum to 2"):
+        allocate_linear([1.0, 1.0], [1.0, 1.0], 4, upper=[1, 1])
+
+
+def test_a_subclass_of_linear_model_is_a_model():
+    class Tagged(hetlb.LinearModel):
+        pass
+
+    models = [Tagged(0, 1), hetlb.LinearModel(0, 2), hetlb.PolyModel([1.0, 0.0])]
+    np.testing.assert_array_equal(hetlb.allocate(models, 30), ref.allocate(models, 30))
 
 
 def test_effective_time_is_running_max():

@@ -143,31 +143,61 @@ std::string describe(int64_t i, int64_t lo, int64_t hi) {
   return s.str();
 }
 
-// Least double x in [0, top] with sum_i f(i, x) >= target, where every f(i, .) is a non-decreasing
-// integer function and the sum reaches target at top. Bisection over bit patterns; a worker whose
-// f agrees at both ends of the bracket is constant inside it and drops out, so after the first
-// rounds only the few workers near the answer are still evaluated.
+// Least double x in [bottom, top] with sum_i f(i, x) >= target, where every f(i, .) is a
+// non-decreasing integer function and the sum reaches target at top. A search over the bit
+// patterns of the bracket in which a worker whose f agrees at both ends is constant inside it and
+// drops out, so only the workers near the answer are still evaluated. For the usual models the sum
+// is close to linear in x, so probes interpolate the sums at the ends (regula falsi with the
+// Illinois rule, which halves the weight of an end kept twice in a row): a few probes shrink the
+// bracket to the workers next to the answer. Three probes in a row that do not halve the
+// difference of the sums are followed by a bisection of the bit patterns, which bounds the search
+// at 4 x 64 probes whatever the models.
 template <class F>
 double least_reaching(int64_t n, double bottom, double top, int64_t target, F f) {
   std::vector<int64_t> fa(n), fz(n), fm(n), active;
-  int64_t fixed = 0, sum_a = 0;
+  int64_t fixed = 0, sa = 0, sz = 0;
   for (int64_t i = 0; i < n; ++i) {
     fa[i] = f(i, bottom);
-    sum_a += fa[i];
+    sa += fa[i];
   }
-  if (sum_a >= target) return bottom;
+  if (sa >= target) return bottom;
   for (int64_t i = 0; i < n; ++i) {
     fz[i] = f(i, top);
+    sz += fz[i];
     if (fa[i] == fz[i]) fixed += fa[i]; else active.push_back(i);
   }
-  uint64_t a = bits_of(bottom), z = bits_of(top);  // sum below target at a, reached at z
+  uint64_t a = bits_of(bottom), z = bits_of(top);  // sum sa < target at a, sz >= target at z
+  // The sums measured from target - 1/2 (never 0, so an end that meets target exactly still
+  // moves the probe): ga < 0 < gz.
+  const double level = static_cast<double>(target) - 0.5;
+  double ga = static_cast<double>(sa) - level, gz = static_cast<double>(sz) - level;
+  int kept = 0, slow = 0;  // kept: +1 the upper end moved last, -1 the lower end
   while (z - a > 1) {
-    const uint64_t mid = a + (z - a) / 2;
+    uint64_t mid = a + (z - a) / 2;
+    if (slow < 3) {
+      const double xa = from_bits(a), xz = from_bits(z);
+      const double x = xa + (xz - xa) * (-ga / (gz - ga));
+      mid = std::min(std::max(bits_of(std::max(x, xa)), a + 1), z - 1);
+    }
     const double x = from_bits(mid);
     int64_t s = fixed;
     for (int64_t i : active) s += (fm[i] = f(i, x));
     const bool reached = s >= target;
-    if (reached) z = mid; else a = mid;
+    const int64_t gap = sz - sa;
+    if (reached) {
+      z = mid;
+      sz = s;
+      gz = static_cast<double>(s) - level;
+      if (kept > 0) ga *= 0.5;
+      kept = 1;
+    } else {
+      a = mid;
+      sa = s;
+      ga = static_cast<double>(s) - level;
+      if (kept < 0) gz *= 0.5;
+      kept = -1;
+    }
+    slow = 2 * (sz - sa) <= gap ? 0 : slow < 3 ? slow + 1 : 0;
     size_t keep = 0;
     for (int64_t i : active) {
       (reached ? fz[i] : fa[i]) = fm[i];
@@ -249,9 +279,16 @@ std::vector<int64_t> allocate(const std::vector<ModelSpec>& models, int64_t tota
   int64_t at_tiny = 0;
   for (int64_t i = 0; i < n; ++i) at_tiny += floor_of(i, tiny);
   if (at_tiny <= total) {
-    // Above M* nobody that takes part can reach L, so the sum exceeds total there.
-    const double bad = least_reaching(n, tiny, std::nextafter(mstar, std::numeric_limits<double>::infinity()),
-                                      total + 1, floor_of);
+    // Above the least of the limits tau_i(c_i) some worker that takes part cannot reach L, so the
+    // sum exceeds total there; up to it every worker can, and the sum is that of the least sizes
+    // (close to linear in L for the usual models, which the search's interpolation needs).
+    double reach = std::numeric_limits<double>::infinity();
+    int64_t at_reach = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (c[i] > 0) reach = std::min(reach, w[i].tau(c[i]));
+    for (int64_t i = 0; i < n; ++i) at_reach += floor_of(i, reach);
+    const double bad = at_reach <= total ? std::nextafter(reach, std::numeric_limits<double>::infinity())
+                                         : least_reaching(n, tiny, reach, total + 1, floor_of);
     const double lstar = from_bits(bits_of(bad) - 1);
     for (int64_t i = 0; i < n; ++i) l[i] = floor_of(i, lstar);
   } else {

@@ -55,7 +55,7 @@ import numpy as np
 
 from hetlb.core.checks import integer, number
 from hetlb.core.models import LinearModel, micro_step_model
-from hetlb.core.solve import allocate, allocate_proportional
+from hetlb.core.solve import allocate, allocate_linear, allocate_proportional
 from hetlb.core.telemetry import History, StepRecord, straggler_effect
 from hetlb.policies.base import Context, SizedPolicy, records_after
 
@@ -232,6 +232,8 @@ class LBB(SizedPolicy):
         a0, slope = self._rough(rec)
         self.slope = slope
         micro = self.micro_batches()
+        if not micro.any():
+            return allocate_linear(a0, slope, self.global_batch, self.lower, self.upper)
         models = [LinearModel(a0[i], slope[i]) if not micro[i] else
                   micro_step_model(LinearModel(a0[i], slope[i]), int(micro[i]), self.global_batch)
                   for i in range(self.world)]
