@@ -301,6 +301,63 @@ def test_schedule_vector_and_scalar_scans_agree_bit_for_bit(n, ranks, seed, kind
     assert isinstance(_C.schedule_simd_available(), bool)
 
 
+def _related_ranks(rng, kind, ranks, n):
+    """Sizes and rates of one step: the cases where the groups' expiries must be right."""
+    if kind == "ties":  # few distinct rates and integer sizes: exact ties in f and in c
+        return (rng.integers(0, 4, n).astype(float), rng.choice([1.0, 2.0, 3.0], ranks),
+                rng.choice([0.0, 1.0], ranks))
+    if kind == "near":  # slopes one or two ulps apart: lines that cross within rounding
+        base = rng.uniform(0.5, 2.0)
+        return (rng.integers(1, 50, n).astype(float),
+                base * (1 + rng.integers(0, 3, ranks) * np.finfo(float).eps), rng.uniform(0, 1e-12, ranks))
+    if kind == "zero":  # ranks of slope 0 and samples of size 0 (and -0.0) mixed in
+        return (np.where(rng.random(n) < 0.2, rng.choice([0.0, -0.0], n), rng.uniform(0, 10, n)),
+                np.where(rng.random(ranks) < 0.2, 0.0, rng.uniform(0.5, 2, ranks)), rng.uniform(0, 5, ranks))
+    if kind == "huge":  # loads that overflow to infinity
+        return rng.uniform(1e306, 1e307, n), rng.uniform(0.5, 2.0, ranks), np.zeros(ranks)
+    return rng.lognormal(3, 1, n), rng.uniform(0.5, 2.0, ranks), rng.uniform(0, 5, ranks)
+
+
+@given(st.integers(1, 600), st.integers(64, 300), st.integers(0, 2 ** 31),
+       st.sampled_from(["lognormal", "ties", "near", "zero", "huge"]), st.booleans())
+def test_schedule_by_groups_picks_what_the_scan_picks(n, ranks, seed, kind, use_first):
+    """From 64 related ranks on, groups of ranks replace the scan of every rank: the same picks."""
+    from hetlb import _C
+    rng = np.random.default_rng(seed)
+    sizes, slope, intercept = _related_ranks(rng, kind, ranks, n)
+    first = int(rng.integers(n)) if use_first else -1
+    grouped = _C.schedule(sizes, slope, intercept, first=first)
+    assert np.array_equal(grouped, _C.schedule(sizes, slope, intercept, first=first, grouped=False))
+    assert np.array_equal(grouped, _C.schedule(sizes, slope, intercept, first=first, grouped=False, simd=False))
+    if n * ranks <= 20000:
+        want = ref.schedule(sizes, slope, intercept, first=None if first < 0 else first)
+        assert np.array_equal(grouped, want)
+
+
+@pytest.mark.parametrize("equal_slopes", [False, True])
+def test_schedule_orders_many_samples_as_the_reference(equal_slopes):
+    """From 256 samples on they are ordered by a radix sort of their bit patterns: ties (and -0.0
+    against 0.0) by index, as the reference's sort."""
+    rng = np.random.default_rng(11)
+    sizes = rng.integers(0, 5, 3000).astype(float)
+    sizes[rng.random(3000) < 0.1] = -0.0
+    sizes[:50] = rng.lognormal(3, 1, 50)
+    slope = np.ones(16) if equal_slopes else rng.uniform(0.5, 2, 16)
+    intercept = rng.uniform(0, 5, 16)
+    np.testing.assert_array_equal(hetlb.schedule(sizes, slope, intercept), ref.schedule(sizes, slope, intercept))
+
+
+def test_schedule_by_groups_at_scale():
+    """Thousands of ranks and samples, a pivot first: the plain scan's picks."""
+    from hetlb import _C
+    rng = np.random.default_rng(7)
+    sizes = rng.lognormal(3, 1, 20000)
+    slope = rng.choice([1.0, 2.0, 3.0, 4.0], 2048) * rng.uniform(0.9, 1.1, 2048)
+    intercept = rng.uniform(0, 5, 2048)
+    got = _C.schedule(sizes, slope, intercept, first=123)
+    assert np.array_equal(got, _C.schedule(sizes, slope, intercept, first=123, grouped=False))
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 60), st.integers(1, 9), st.integers(0, 2 ** 31), st.booleans(), st.booleans())
 def test_schedule_first_pivot_and_caps_match_the_reference(n, ranks, seed, use_first, use_cap):

@@ -124,7 +124,7 @@ void bind_solve(py::module& m) {
   m.def(
       "schedule",
       [](const f64_array& sizes, const f64_array& slope, const f64_array& intercept, bool simd,
-         int64_t first, std::optional<f64_array> cap) {
+         int64_t first, std::optional<f64_array> cap, bool grouped) {
         require_1d(sizes, "sizes");
         require_1d(slope, "slope");
         require_1d(intercept, "intercept");
@@ -138,14 +138,14 @@ void bind_solve(py::module& m) {
         {
           py::gil_scoped_release nogil;
           out = hetlb::schedule(sizes.data(), sizes.size(), slope.data(), intercept.data(),
-                                slope.size(), simd, first, capp);
+                                slope.size(), simd, first, capp, grouped);
         }
         return to_numpy(out);
       },
       py::arg("sizes"), py::arg("slope"), py::arg("intercept"), py::arg("simd") = true,
-      py::arg("first") = -1, py::arg("cap") = py::none(),
-      "Rank of each sample of one step (CHRONICA data scheduler); simd=False forces the scalar "
-      "scan (bit-identical to the AVX2 one).");
+      py::arg("first") = -1, py::arg("cap") = py::none(), py::arg("grouped") = true,
+      "Rank of each sample of one step (CHRONICA data scheduler); grouped=False scans every rank "
+      "for every sample and simd=False forces the scalar scan (all bit-identical).");
   m.def("schedule_simd_available", &hetlb::schedule_simd_available,
         "Whether schedule's AVX2 scan runs on this CPU.");
 

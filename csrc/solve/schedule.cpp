@@ -3,12 +3,14 @@
 // Time of rank r holding samples S: intercept_r + slope_r * sum(size of S). The scheduler is
 // first-fit-decreasing: samples largest first (ties: lower index), each to the rank with the
 // earliest predicted finish after taking it (ties: the rank free first, then the lower rank). For
-// uniform slopes that is LPT with a heap; for related ranks all ranks are scanned.
+// uniform slopes that is LPT with a heap; for a few related ranks all ranks are scanned, for many
+// groups of them (eft_groups.cpp).
 #include <algorithm>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <queue>
 #include <stdexcept>
@@ -40,13 +42,54 @@ void check_sizes(const double* sizes, int64_t n, const char* who) {
                                   " must be finite and >= 0, got " + std::to_string(sizes[i]));
 }
 
+// `items` by size, largest first, ties by lower index (sizes finite and >= 0). Many items in
+// increasing order (the scheduler's): a radix sort of the sizes' bit patterns (ordered like the
+// values for non-negative doubles; complemented for largest first), stable, so ties keep the
+// order of the indices; no comparison to mispredict.
 std::vector<int64_t> decreasing(const double* sizes, const std::vector<int64_t>& items) {
-  // Sorting (key, index) pairs keeps the comparisons in cache.
-  std::vector<std::pair<double, int64_t>> keyed(items.size());
-  for (size_t k = 0; k < items.size(); ++k) keyed[k] = {-sizes[items[k]], items[k]};
-  std::sort(keyed.begin(), keyed.end());
-  std::vector<int64_t> order(items.size());
-  for (size_t k = 0; k < keyed.size(); ++k) order[k] = keyed[k].second;
+  const size_t n = items.size();
+  std::vector<int64_t> order(n);
+  if (n < 256 || !std::is_sorted(items.begin(), items.end())) {
+    // Sorting (key, index) pairs keeps the comparisons in cache.
+    std::vector<std::pair<double, int64_t>> keyed(n);
+    for (size_t k = 0; k < n; ++k) keyed[k] = {-sizes[items[k]], items[k]};
+    std::sort(keyed.begin(), keyed.end());
+    for (size_t k = 0; k < n; ++k) order[k] = keyed[k].second;
+    return order;
+  }
+  constexpr int kBits = 11, kDigits = 6;  // 6 digits of 11 bits cover 64
+  constexpr uint64_t kMask = (uint64_t{1} << kBits) - 1;
+  std::vector<uint64_t> key(n), key2(n);
+  std::vector<int64_t> order2(n);
+  std::vector<uint32_t> count(kDigits << kBits, 0);
+  uint64_t all_and = ~uint64_t{0}, all_or = 0;
+  for (size_t k = 0; k < n; ++k) {
+    const double v = sizes[items[k]] + 0.0;  // (-0.0 becomes +0.0: equal values, equal patterns)
+    uint64_t u;
+    std::memcpy(&u, &v, sizeof u);
+    key[k] = ~u;
+    order[k] = items[k];
+    all_and &= key[k];
+    all_or |= key[k];
+    for (int d = 0; d < kDigits; ++d) ++count[(d << kBits) + ((key[k] >> (kBits * d)) & kMask)];
+  }
+  for (int d = 0; d < kDigits; ++d) {
+    if (!(((all_and ^ all_or) >> (kBits * d)) & kMask)) continue;  // the same digit everywhere
+    uint32_t* c = count.data() + (d << kBits);
+    uint32_t sum = 0;
+    for (uint64_t b = 0; b <= kMask; ++b) {
+      const uint32_t t = c[b];
+      c[b] = sum;
+      sum += t;
+    }
+    for (size_t k = 0; k < n; ++k) {
+      const uint32_t at = c[(key[k] >> (kBits * d)) & kMask]++;
+      key2[at] = key[k];
+      order2[at] = order[k];
+    }
+    key.swap(key2);
+    order.swap(order2);
+  }
   return order;
 }
 
@@ -155,7 +198,7 @@ void place_capped(const double* sizes, const std::vector<int64_t>& order, const 
 // rank with the earliest finish after taking it.
 void place_eft(const double* sizes, const std::vector<int64_t>& order, const double* slope,
                const double* intercept, int64_t ranks, std::vector<double>& load,
-               std::vector<int64_t>& dest, bool simd = true) {
+               std::vector<int64_t>& dest, bool simd, bool grouped) {
   // now[r] = c, the rank's time before the next sample; only the chosen rank's changes.
   std::vector<double> now(ranks);
   auto take = [&](int64_t i, int64_t r) {
@@ -177,8 +220,12 @@ void place_eft(const double* sizes, const std::vector<int64_t>& order, const dou
     }
     return;
   }
-  // Related ranks: the best rank depends on the sample's size, so scan them all (a few hundred
-  // nanoseconds a sample for 256 ranks).
+  // Related ranks: the best rank depends on the sample's size. Many ranks: by groups; few: scan
+  // them all.
+  if (grouped && ranks >= kGroupedRanks) {
+    place_eft_grouped(sizes, order, slope, intercept, ranks, load, dest, simd);
+    return;
+  }
   const bool avx2 = simd && cpu_has_avx2();
   for (int64_t i : order) {
     const double s = sizes[i];
@@ -193,7 +240,7 @@ bool schedule_simd_available() { return cpu_has_avx2(); }
 
 std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slope,
                               const double* intercept, int64_t ranks, bool simd, int64_t first,
-                              const double* cap) {
+                              const double* cap, bool grouped) {
   check_rates(slope, intercept, ranks, false, "schedule");
   check_sizes(sizes, n, "schedule");
   if (first >= n || first < -1)
@@ -216,7 +263,7 @@ std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slop
   if (cap != nullptr)
     place_capped(sizes, order, slope, intercept, ranks, cap, load, dest);
   else
-    place_eft(sizes, order, slope, intercept, ranks, load, dest, simd);
+    place_eft(sizes, order, slope, intercept, ranks, load, dest, simd, grouped);
   return dest;
 }
 

@@ -35,13 +35,21 @@ std::vector<int64_t> allocate_proportional(const std::vector<double>& speeds, in
                                            const std::vector<int64_t>& upper);
 
 // CHRONICA step scheduler: rank of every sample (largest first, earliest predicted finish).
-// simd=false forces the scalar scan (the AVX2 one is chosen at run time otherwise); both give
-// bit-identical results, which ranks on different CPUs rely on.
-// first >= 0 places that sample before the others (CHRONICA's random first pivot); cap (or
-// nullptr) bounds each rank's summed size.
+// Related ranks (slopes not all equal) are placed by groups of ranks from kGroupedRanks ranks on
+// (grouped=false: by scanning every rank); simd=false forces the scalar scan (the AVX2 one is
+// chosen at run time otherwise). All give bit-identical results, which ranks on different CPUs
+// rely on. first >= 0 places that sample before the others (CHRONICA's random first pivot); cap
+// (or nullptr) bounds each rank's summed size.
+constexpr int64_t kGroupedRanks = 64;
 std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slope,
                               const double* intercept, int64_t ranks, bool simd = true,
-                              int64_t first = -1, const double* cap = nullptr);
+                              int64_t first = -1, const double* cap = nullptr, bool grouped = true);
+
+// schedule's earliest-finish placement of `order` (sizes falling, but for a first pivot) on related
+// ranks, scanning groups of ranks instead of every rank (see eft_groups.cpp); the same choices.
+void place_eft_grouped(const double* sizes, const std::vector<int64_t>& order, const double* slope,
+                       const double* intercept, int64_t ranks, std::vector<double>& load,
+                       std::vector<int64_t>& dest, bool simd);
 
 // Whether schedule's vector (AVX2) scan runs on this CPU.
 bool schedule_simd_available();
