@@ -140,6 +140,16 @@ def test_linear_arrays_bad_input():
         allocate_linear([], [], 4)
     with pytest.raises(ValueError, match="upper bounds sum to 2"):
         allocate_linear([1.0, 1.0], [1.0, 1.0], 4, upper=[1, 1])
+    # sums over the workers that int64 could not hold: an error, not a wrapped-around sum
+    with pytest.raises(ValueError, match="too large for 2 workers"):
+        allocate_linear([1.0, 1.0], [1.0, 1.0], 2 ** 62, upper=[2 ** 62, 2 ** 62])
+    with pytest.raises(ValueError, match="lower bound 9223372036854775807 of worker 1 exceeds total 5"):
+        allocate_linear([1.0, 1.0], [1.0, 1.0], 5, lower=[0, 2 ** 63 - 1], upper=[9, 2 ** 63 - 1])
+    with pytest.raises(ValueError, match="total must be below 2\\*\\*63"):
+        allocate_linear([1.0], [1.0], 2.0 ** 63)
+    with pytest.raises(ValueError, match="lower bound 9223372036854775807 of worker 0 exceeds total 5"):
+        hetlb.allocate_proportional([1, 1], 5, lower=[2 ** 63 - 1, 0], upper=[2 ** 63 - 1, 9])
+    np.testing.assert_array_equal(allocate_linear([1.0, 1.0], [1.0, 1.0], 2 ** 40), [2 ** 39, 2 ** 39])
 
 
 def test_a_subclass_of_linear_model_is_a_model():

@@ -981,3 +981,79 @@ def test_a_non_integral_number_for_an_integer_is_a_value_error_only():
     with pytest.raises(ValueError) as e:
         hetlb.Balancer(torch.nn.Linear(1, 1), 4.5)
     assert not isinstance(e.value, TypeError)
+
+
+# ---------------------------------------------------------------- the host solvers' native inputs
+
+NUMBER = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2 ** 63, 2 ** 63 - 1),
+                   st.sampled_from([0.0, -0.0, 1.0, 5e-324, 1e-300, 1e300, 2.0 ** 62, -1.0]))
+VECTOR = st.one_of(st.lists(NUMBER, max_size=6), GARBAGE)
+COUNT = st.one_of(st.integers(-3, 40), st.sampled_from([2 ** 31, 2 ** 62, 2 ** 63 - 1, -2 ** 63]), GARBAGE)
+
+
+def solved_or_value_error(call):
+    """``call()`` returns, or raises ValueError/TypeError (a message); nothing else, no crash."""
+    try:
+        return call()
+    except (ValueError, TypeError) as e:
+        assert str(e), repr(e)
+        return None
+
+
+@given(a0=VECTOR, a1=VECTOR, total=COUNT, lower=st.one_of(st.none(), VECTOR), upper=st.one_of(st.none(), VECTOR))
+def test_fuzz_allocate(a0, a1, total, lower, upper):
+    from hetlb.core.solve import allocate_linear
+    out = solved_or_value_error(lambda: allocate_linear(a0, a1, total, lower, upper))
+    if out is not None:
+        n = len(a0)
+        lo = np.zeros(n) if lower is None else np.asarray(lower, np.float64)
+        hi = np.full(n, float(total)) if upper is None else np.asarray(upper, np.float64)
+        assert out.dtype == np.int64 and out.shape == (n,) and int(out.sum()) == int(total)
+        assert np.all(out >= lo) and np.all(out <= np.maximum(hi, lo))
+    models = solved_or_value_error(lambda: [hetlb.LinearModel(x, y) for x, y in zip(a0, a1)] +
+                                   [hetlb.PolyModel(a0), hetlb.PiecewiseModel(np.abs(a1) + 1, a0)])
+    if models is not None:
+        solved_or_value_error(lambda: hetlb.allocate(models, total, lower, upper))
+
+
+@given(kinds=VECTOR, params=VECTOR, offsets=VECTOR, cands=VECTOR, cand_offsets=VECTOR, total=COUNT,
+       lower=VECTOR, upper=VECTOR)
+def test_fuzz_native_allocate(kinds, params, offsets, cands, cand_offsets, total, lower, upper):
+    """The packed form straight into the extension: errors, never a crash or a read out of range."""
+    from hetlb import _C
+    try:  # (what NumPy cannot convert never reaches the extension)
+        arrays = [np.asarray(v, dtype) for v, dtype in
+                  [(kinds, np.int64), (params, np.float64), (offsets, np.int64), (cands, np.int64),
+                   (cand_offsets, np.int64), (lower, np.int64), (upper, np.int64)]]
+        count = int(total)
+    except (ValueError, TypeError, OverflowError):
+        return
+    solved_or_value_error(lambda: _C.allocate(*arrays[:5], count, *arrays[5:]))
+
+
+@given(sizes=VECTOR, slope=VECTOR, intercept=VECTOR, first=st.one_of(st.none(), COUNT),
+       cap=st.one_of(st.none(), VECTOR), owner=VECTOR, tolerance=st.one_of(st.none(), NUMBER))
+def test_fuzz_schedule_and_rebalance(sizes, slope, intercept, first, cap, owner, tolerance):
+    got = solved_or_value_error(lambda: hetlb.schedule(sizes, slope, intercept, first=first, cap=cap))
+    if got is not None:
+        assert got.shape == (len(sizes),) and np.all((got >= 0) & (got < len(slope)))
+    got = solved_or_value_error(lambda: hetlb.rebalance(owner, sizes, slope, intercept, tolerance=tolerance))
+    if got is not None:
+        assert got.shape == (len(sizes),) and np.all((got >= 0) & (got < len(slope)))
+    solved_or_value_error(lambda: hetlb.allocate_proportional(slope, first if first is not None else 3,
+                                                              upper=cap))
+
+
+@given(n=st.integers(1, 300), ranks=st.integers(1, 200), seed=st.integers(0, 2 ** 31),
+       scale=st.sampled_from([1e-300, 1e-5, 1.0, 1e5, 1e300]))
+def test_fuzz_schedule_at_extreme_magnitudes(n, ranks, seed, scale):
+    """Times near under- and overflow: the groups (64 ranks or more) and the vector scan pick as
+    the scalar scan (whose own tests compare it with the reference)."""
+    from hetlb import _C
+    rng = np.random.default_rng(seed)
+    sizes, slope = rng.lognormal(0, 2, n) * scale, rng.uniform(0, 2, ranks) * scale
+    intercept = rng.uniform(0, 1, ranks) * scale
+    scalar = _C.schedule(sizes, slope, intercept, grouped=False, simd=False)
+    assert np.all((scalar >= 0) & (scalar < ranks))
+    assert np.array_equal(_C.schedule(sizes, slope, intercept, grouped=False), scalar)
+    assert np.array_equal(_C.schedule(sizes, slope, intercept), scalar)

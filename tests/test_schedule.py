@@ -347,6 +347,18 @@ def test_schedule_orders_many_samples_as_the_reference(equal_slopes):
     np.testing.assert_array_equal(hetlb.schedule(sizes, slope, intercept), ref.schedule(sizes, slope, intercept))
 
 
+@pytest.mark.parametrize("ranks", [8, 9, 64, 100])
+def test_schedule_with_overflowing_times_picks_as_the_reference(ranks):
+    """Times that overflow to inf on every rank: ties of (inf, inf) go to the lowest rank, on the
+    vector scan (8 or more ranks; it once returned a rank past the last) and by groups."""
+    rng = np.random.default_rng(ranks)
+    sizes = rng.lognormal(0, 2, 40) * 1e300
+    slope, intercept = rng.uniform(0, 2, ranks) * 1e300, rng.uniform(0, 1, ranks) * 1e300
+    with np.errstate(over="ignore"):
+        want = ref.schedule(sizes, slope, intercept)
+    np.testing.assert_array_equal(hetlb.schedule(sizes, slope, intercept), want)
+
+
 def test_schedule_by_groups_at_scale():
     """Thousands of ranks and samples, a pivot first: the plain scan's picks."""
     from hetlb import _C

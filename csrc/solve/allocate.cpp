@@ -230,6 +230,7 @@ std::vector<int64_t> allocate(const std::vector<ModelSpec>& models, int64_t tota
     throw std::invalid_argument("allocate: lower/upper must have one entry per worker (" +
                                 std::to_string(n) + "), got " + std::to_string(lower.size()) +
                                 " and " + std::to_string(upper.size()));
+  check_counts("allocate", n, total, lower);
   std::vector<Worker> w(n);
   int64_t sum_lo = 0, sum_hi = 0;
   for (int64_t i = 0; i < n; ++i) {

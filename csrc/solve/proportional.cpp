@@ -26,6 +26,7 @@ std::vector<int64_t> allocate_proportional(const std::vector<double>& speeds, in
   if (static_cast<int64_t>(lower.size()) != n || static_cast<int64_t>(upper.size()) != n)
     throw std::invalid_argument("allocate_proportional: lower/upper must have one entry per worker (" +
                                 std::to_string(n) + ")");
+  check_counts("allocate_proportional", n, total, lower);
   std::vector<int64_t> lo(lower), hi(n);
   int64_t sum_lo = 0, sum_hi = 0;
   for (int64_t i = 0; i < n; ++i) {

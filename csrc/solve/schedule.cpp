@@ -162,7 +162,11 @@ __attribute__((target("avx2"))) int64_t argmin_finish_avx2(const double* now, co
       if (x.r < ranks && x < pick) pick = x;
     }
   }
-  return pick.r;
+  // A lane records a rank only below its start (inf, inf): where the least time and time so far
+  // overflowed to inf, the lanes recorded none of the ranks tied there, and the scalar scan's
+  // order (the lowest rank) decides.
+  const bool overflowed = pick.r >= ranks || (pick.f == INFINITY && pick.c == INFINITY);
+  return overflowed ? argmin_finish(now, slope, s, 0, ranks).r : pick.r;
 }
 #else
 bool cpu_has_avx2() { return false; }
@@ -202,6 +206,9 @@ void place_eft(const double* sizes, const std::vector<int64_t>& order, const dou
   // now[r] = c, the rank's time before the next sample; only the chosen rank's changes.
   std::vector<double> now(ranks);
   auto take = [&](int64_t i, int64_t r) {
+    if (r < 0 || r >= ranks)  // (every time NaN: loads overflowed on ranks of slope 0)
+      throw std::invalid_argument("schedule: the ranks' predicted times overflow; the sizes, "
+                                  "slopes and intercepts are too large to add up");
     dest[i] = r;
     load[r] += sizes[i];
     now[r] = intercept[r] + slope[r] * load[r];

@@ -4,6 +4,8 @@
 // compare against.
 #pragma once
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace hetlb {
@@ -21,6 +23,20 @@ struct ModelSpec {
   const int64_t* cands;
   int64_t ncands;
 };
+
+// The allocations' arguments beyond their own checks: a total whose sums over the workers (at most
+// n terms of up to total + 1) stay exact in int64, and lower bounds within it (a lower bound above
+// the total cannot be met; summing such bounds could overflow).
+inline void check_counts(const std::string& who, int64_t n, int64_t total,
+                         const std::vector<int64_t>& lower) {
+  if (total >= (int64_t{1} << 62) / (n + 1))
+    throw std::invalid_argument(who + ": total=" + std::to_string(total) + " is too large for " +
+                                std::to_string(n) + " workers (n * (total + 1) must stay below 2^62)");
+  for (int64_t i = 0; i < n; ++i)
+    if (lower[i] > total)
+      throw std::invalid_argument(who + ": lower bound " + std::to_string(lower[i]) + " of worker " +
+                                  std::to_string(i) + " exceeds total " + std::to_string(total));
+}
 
 // Minimal integer makespan allocation (LBB Eq. 3 with memory limits); see allocate.cpp.
 std::vector<int64_t> allocate(const std::vector<ModelSpec>& models, int64_t total,

@@ -19,6 +19,9 @@ from hetlb.core.models import LinearModel, TimeModel
 __all__ = ["allocate", "allocate_linear", "allocate_proportional", "schedule", "rebalance"]
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def _count(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer, float, np.floating)):
         raise ValueError(f"{what} must be an integer, got {value!r}")
@@ -27,6 +30,8 @@ def _count(value: Any, what: str) -> int:
     v = int(value)
     if v < 0:
         raise ValueError(f"{what} must be >= 0, got {v}")
+    if v > _INT64_MAX:
+        raise ValueError(f"{what} must be below 2**63 (a 64-bit count), got {v}")
     return v
 
 
