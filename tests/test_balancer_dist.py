@@ -309,7 +309,7 @@ def misuse_worker(rank, world, case):
             bal = hetlb.Balancer(ddp, 8, policy=Fixed([4, 4]), accumulate=2)
             for (xb,) in bal.loader(torch.utils.data.TensorDataset(x)):
                 ddp(xb).sum().backward()
-        elif case in ("own_count", "synced", "partial"):
+        elif case in ("own_count", "own_count_clipped", "synced", "partial"):
             # 90 samples, global batch 16, accumulate=2: windows [0,1] [2,3] [4] [5] (the short
             # last step is a window of its own); a DDP script's own condition steps at 1, 3, 5
             # and would add window [4]'s synchronised gradient to window [5]'s (a user audit,
@@ -326,7 +326,10 @@ def misuse_worker(rank, world, case):
                 for i, (xb,) in enumerate(loader):
                     with bal.step():
                         (ddp(xb).sum() / 2).backward()
-                    take = bal.synced if case != "own_count" else (i + 1) % 2 == 0 or i + 1 == len(loader)
+                    if case == "own_count_clipped":  # scales every gradient in place, by 1 here
+                        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e9)
+                    take = bal.synced if not case.startswith("own_count") else \
+                        (i + 1) % 2 == 0 or i + 1 == len(loader)
                     if take:
                         opt.step()
                         opt.zero_grad(set_to_none=epoch == 0)
@@ -365,6 +368,8 @@ def misuse_worker(rank, world, case):
                  r"drawn before this step's decision \(a prefetch"),
     ("own_count", r"window that ended at step 4 of epoch 0 .*still in the parameters as step 5 "
                   r"starts a new window.*whenever bal\.synced is True"),
+    ("own_count_clipped", r"window that ended at step 4 of epoch 0 .*still in the parameters as "
+                          r"step 5 starts a new window"),
     ("synced", r"^steps 8$"),  # 4 windows an epoch; zero_grad(set_to_none=False) in epoch 1 passes
     ("partial", r"^steps 8$"),
 ])

@@ -141,17 +141,18 @@ class Window:
         """Whether every gradient the last window left is untouched (none set to None or zeroed)
         and one is nonzero. Parameters that an optimizer does not hold may keep theirs, so one
         untouched gradient proves nothing. A zeroing through ``.data`` leaves the version as it
-        was: gradients all zero are taken as zeroed. A gradient replaced by another tensor that is
-        not all zero counts as untouched: DDP with ``gradient_as_bucket_view=True`` copies the
-        gradients into new bucket views at the first forward after its first synchronised
-        backward."""
+        was: gradients all zero are taken as zeroed. A gradient changed in place but not zeroed
+        counts as untouched: ``clip_grad_norm_`` and ``GradScaler.unscale_`` scale the gradients
+        in place (by 1 too) without taking them. So does a gradient replaced by another tensor that
+        is not all zero: DDP with ``gradient_as_bucket_view=True`` copies the gradients into new
+        bucket views at the first forward after its first synchronised backward."""
         grads = self.gradients.local_grads()
 
         def untouched(i: int, gid: int, version: int) -> bool:
             g = grads[i]
             if g is None:
                 return False
-            return g._version == version if id(g) == gid else bool(g.any())
+            return (id(g) == gid and g._version == version) or bool(g.any())
 
         return all(untouched(*h) for h in held) and any(bool(grads[i].any()) for i, _, _ in held)
 
