@@ -145,11 +145,14 @@ def test_world_larger_than_the_global_batch():
     (2, 4, 3, 2, "lower"),
     (2, 4, 0, 1, "upper"),
     ("2", 4, 0, 4, "world"),
+    (2, 4, 0, 2.0 ** 63, "upper"),  # a float that would wrap around to -2**63 in int64
+    (2, 4, 0, 2 ** 63, "upper"),  # NumPy's uint64
 ])
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_context_refuses_bad_values(world, global_batch, lower, upper, field):
     with pytest.raises(ValueError) as e:
         Context(world, global_batch, lower, upper)
-    assert names(field, str(e.value)), str(e.value)
+    assert names(field, str(e.value)) and "-9223372036854775808" not in str(e.value), str(e.value)
 
 
 def test_world_larger_than_global_batch_with_lower_zero_gives_valid_splits():

@@ -22,18 +22,11 @@
 #include <immintrin.h>
 #endif
 
+#include "solve/finish.h"
 #include "solve/solve.h"
 
 namespace hetlb {
 namespace {
-
-struct Pick {
-  double f, c;
-  int64_t r;
-  bool operator<(const Pick& o) const {
-    return f < o.f || (f == o.f && (c < o.c || (c == o.c && r < o.r)));
-  }
-};
 
 // Float errors of c + a * s are below 2 ulp of the magnitudes; the margin is far above them.
 constexpr double kMargin = 1e-12;
@@ -41,10 +34,10 @@ constexpr double kMargin = 1e-12;
 // Of the entries whose time f[k] equals low, the least (f, c, rank) as its index (0 if none: all
 // times NaN, which the plain scan never picks either).
 int64_t resolve(const double* f, const double* c, const int64_t* rank, int64_t from, int64_t n,
-                double low, Pick& best, int64_t at) {
+                double low, Finish& best, int64_t at) {
   for (int64_t k = from; k < n; ++k) {
     if (f[k] != low) continue;
-    const Pick x{f[k], c[k], rank[k]};
+    const Finish x{f[k], c[k], rank[k]};
     if (x < best) {
       best = x;
       at = k;
@@ -62,7 +55,7 @@ int64_t least(const double* c, const double* a, const int64_t* rank, int64_t n, 
   for (; k + 4 <= n; k += 4)
     for (int j = 0; j < 4; ++j) m[j] = f[k + j] < m[j] ? f[k + j] : m[j];
   for (; k < n; ++k) m[0] = f[k] < m[0] ? f[k] : m[0];
-  Pick best{INFINITY, INFINITY, INT64_MAX};
+  Finish best{INFINITY, INFINITY, INT64_MAX};
   return resolve(f, c, rank, 0, n, std::min(std::min(m[0], m[1]), std::min(m[2], m[3])), best, 0);
 }
 
@@ -116,7 +109,7 @@ __attribute__((target("avx2"))) int64_t least_avx2(const double* c, const double
     hits |= static_cast<uint64_t>(_mm256_movemask_pd(_mm256_cmp_pd(_mm256_loadu_pd(f + k), vl, _CMP_EQ_OQ))) << (k & 63);
   for (k = tail; k < n; ++k) hits |= static_cast<uint64_t>(f[k] == low) << (k & 63);
   if (n <= 64 && __builtin_popcountll(hits) == 1) return __builtin_ctzll(hits);
-  Pick best{INFINITY, INFINITY, INT64_MAX};
+  Finish best{INFINITY, INFINITY, INT64_MAX};
   return resolve(f, c, rank, 0, n, low, best, 0);
 }
 
@@ -248,11 +241,9 @@ class Groups {
 }  // namespace
 
 void place_eft_grouped(const double* sizes, const std::vector<int64_t>& order, const double* slope,
-                       const double* intercept, int64_t ranks, std::vector<double>& load,
-                       std::vector<int64_t>& dest, bool simd) {
-  std::vector<double> now(ranks);
-  for (int64_t r = 0; r < ranks; ++r) now[r] = intercept[r] + slope[r] * load[r];
-  Groups groups(slope, now.data(), ranks, simd);
+                       const double* intercept, const double* now, int64_t ranks,
+                       std::vector<double>& load, std::vector<int64_t>& dest, bool simd) {
+  Groups groups(slope, now, ranks, simd);
   for (int64_t i : order) {
     const double s = sizes[i];
     const int64_t r = groups.choose(s);

@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "solve/finish.h"
 #include "solve/solve.h"
 
 namespace hetlb {
@@ -92,19 +93,6 @@ std::vector<int64_t> decreasing(const double* sizes, const std::vector<int64_t>&
   }
   return order;
 }
-
-// A rank's time now is c = intercept + slope * load, and with the sample f = c + slope * s. The
-// earliest finish is the least (f, c, rank): f first, then c, then rank. Written this way f is
-// monotone in c for equal slopes, so with uniform slopes the least (c, rank) is the answer and a
-// heap finds it; every path computes c and f with exactly these operations, so all agree bit for
-// bit with hetlb.reference.schedule.
-struct Finish {
-  double f, c;
-  int64_t r;
-  bool operator<(const Finish& o) const {
-    return f < o.f || (f == o.f && (c < o.c || (c == o.c && r < o.r)));
-  }
-};
 
 Finish argmin_finish(const double* now, const double* slope, double s, int64_t from, int64_t to) {
   Finish best{INFINITY, INFINITY, to};
@@ -230,7 +218,7 @@ void place_eft(const double* sizes, const std::vector<int64_t>& order, const dou
   // Related ranks: the best rank depends on the sample's size. Many ranks: by groups; few: scan
   // them all.
   if (grouped && ranks >= kGroupedRanks) {
-    place_eft_grouped(sizes, order, slope, intercept, ranks, load, dest, simd);
+    place_eft_grouped(sizes, order, slope, intercept, now.data(), ranks, load, dest, simd);
     return;
   }
   const bool avx2 = simd && cpu_has_avx2();

@@ -63,9 +63,10 @@ std::vector<int64_t> schedule(const double* sizes, int64_t n, const double* slop
 
 // schedule's earliest-finish placement of `order` (sizes falling, but for a first pivot) on related
 // ranks, scanning groups of ranks instead of every rank (see eft_groups.cpp); the same choices.
+// now: every rank's time so far, intercept + slope * load (read only to start the groups).
 void place_eft_grouped(const double* sizes, const std::vector<int64_t>& order, const double* slope,
-                       const double* intercept, int64_t ranks, std::vector<double>& load,
-                       std::vector<int64_t>& dest, bool simd);
+                       const double* intercept, const double* now, int64_t ranks,
+                       std::vector<double>& load, std::vector<int64_t>& dest, bool simd);
 
 // Whether schedule's vector (AVX2) scan runs on this CPU.
 bool schedule_simd_available();

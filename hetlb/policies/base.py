@@ -133,11 +133,13 @@ def _short(a: np.ndarray) -> str:
 def _bounds(value: Any, name: str, world: int) -> np.ndarray:
     """Per-rank int64 bounds from one integer or one per rank; each >= 0."""
     a = np.asarray(value)
-    if a.dtype.kind == "f" and np.all(np.isfinite(a)) and np.all(a == np.round(a)):
-        a = a.astype(np.int64)
+    if a.dtype.kind == "f" and np.all(np.abs(a) < 2.0 ** 63) and np.all(a == np.round(a)):
+        a = a.astype(np.int64)  # (a float of 2**63 or more would wrap around to a negative)
     if a.dtype.kind not in "iu" or a.ndim > 1 or (a.ndim == 1 and a.shape[0] != world):
         raise ValueError(f"Context: {name} must be an integer >= 0 or {world} of them (one per "
                          f"rank), got {value!r}")
+    if a.dtype.kind == "u" and (a > np.iinfo(np.int64).max).any():
+        raise ValueError(f"Context: {name} must be below 2**63, got {value!r}")
     a = np.broadcast_to(a.astype(np.int64), (world,)).copy()
     if (a < 0).any():
         raise ValueError(f"Context: {name} must be >= 0 on every rank, got {_short(a)}")
