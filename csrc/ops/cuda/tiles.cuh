@@ -1,0 +1,202 @@
+// The index arithmetic of the CUDA kernels (kernels.cu), written for host and device alike so that
+// tests/native/cuda_tiles_host.cpp runs it on the host, block by block and thread by thread, where
+// no GPU is present: the packing of items into launches, the tiles, the vector and scalar loops.
+//
+// A launch takes a batch of items (kPtrs pointers each: the first is written, and read where the op
+// reads it; the rest read) cut into tiles of kTile elements; blocks stride over the tiles. In a tile
+// each thread keeps kUnroll independent loads in flight before it stores: one 4-byte load per thread
+// at a time leaves about half of an H100's bandwidth unused (too few bytes in flight per SM to cover
+// the memory latency). Where every pointer of an item is 16-byte aligned the loads are 16-byte
+// vectors (4 floats, 8 halves), the tile's last partial vector element by element; otherwise (a
+// segment packed after an odd-sized one in flatten_scaled) the same loop runs on single elements.
+// Each element is read and written by one thread only, so an output that is also an input (scale_
+// in place, delay_compensate_'s gradient) needs no ordering between threads.
+#pragma once
+
+#include <ATen/OpMathType.h>
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__CUDACC__)
+#define HETLB_HD __host__ __device__ __forceinline__
+#define HETLB_UNROLL _Pragma("unroll")
+#else
+#define HETLB_HD inline
+#define HETLB_UNROLL
+#endif
+
+namespace hetlb::kernels {
+
+constexpr int64_t kTile = 8192;  // elements per block per step: 32 per thread at 256 threads
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;       // loads in flight per thread and input
+constexpr int kVectorBytes = 16;
+
+// Up to kMax items of kPtrs pointers each, cut into tiles; travels by value in the kernel argument.
+template <int kPtrs, int kMax>
+struct ItemBatch {
+  static constexpr int kCapacity = kMax;
+  static constexpr int kPointers = kPtrs;
+  void* ptr[kPtrs][kMax];
+  int64_t numel[kMax];
+  int64_t tile_start[kMax + 1];  // prefix sum of tiles per item
+  int count;
+};
+
+// The item that tile `tile` (< the batch's tiles) belongs to. At most kCapacity steps, uniform
+// across a block: cheaper than a per-element search.
+template <typename Batch>
+HETLB_HD int item_of(const Batch& batch, int64_t tile) {
+  int k = 0;
+  while (batch.tile_start[k + 1] <= tile) ++k;
+  return k;
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// Elements [begin, end) of item k of `batch` (begin a multiple of kTile), as thread `lane` of
+// `lanes`: out[i] = f(in) with in[j] = ptr[j + 1 - kReadsOut][k][i], where kReadsOut says whether
+// ptr[0] (the output) is also the op's first input. f takes the kIn = kPtrs - 1 + kReadsOut input
+// values of one element and returns the output's.
+template <typename T, bool kReadsOut, typename Batch, typename F>
+HETLB_HD void tile_elements(const Batch& batch, int k, int64_t begin, int64_t end, int lane,
+                            int lanes, const F& f) {
+  constexpr int kPtrs = Batch::kPointers;
+  constexpr int kIn = kPtrs - 1 + (kReadsOut ? 1 : 0);
+  constexpr int V = kVectorBytes / static_cast<int>(sizeof(T)) > 0 ? kVectorBytes / static_cast<int>(sizeof(T)) : 1;
+  T* out = static_cast<T*>(batch.ptr[0][k]);
+  const T* in[kIn];
+  bool aligned = reinterpret_cast<uintptr_t>(out) % kVectorBytes == 0;
+  for (int j = 0; j < kIn; ++j) {
+    in[j] = static_cast<const T*>(batch.ptr[j + 1 - (kReadsOut ? 1 : 0)][k]);
+    aligned = aligned && reinterpret_cast<uintptr_t>(in[j]) % kVectorBytes == 0;
+  }
+  int64_t i0 = begin;
+  if (aligned && begin % V == 0) {
+    using W = Vec<T, V>;
+    const int64_t base = begin / V, vectors = (end - begin) / V;
+    W* o = reinterpret_cast<W*>(out);
+    for (int64_t j0 = lane; j0 < vectors; j0 += static_cast<int64_t>(lanes) * kUnroll) {
+      W x[kUnroll][kIn];
+      HETLB_UNROLL
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = j0 + static_cast<int64_t>(u) * lanes;
+        if (j < vectors) {
+          HETLB_UNROLL
+          for (int a = 0; a < kIn; ++a) x[u][a] = reinterpret_cast<const W*>(in[a])[base + j];
+        }
+      }
+      HETLB_UNROLL
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = j0 + static_cast<int64_t>(u) * lanes;
+        if (j < vectors) {
+          W y;
+          HETLB_UNROLL
+          for (int e = 0; e < V; ++e) {
+            T vals[kIn];
+            HETLB_UNROLL
+            for (int a = 0; a < kIn; ++a) vals[a] = x[u][a].v[e];
+            y.v[e] = f(vals);
+          }
+          o[base + j] = y;
+        }
+      }
+    }
+    i0 = begin + vectors * V;  // the tile's last partial vector, below
+    for (int64_t i = i0 + lane; i < end; i += lanes) {
+      T vals[kIn];
+      for (int a = 0; a < kIn; ++a) vals[a] = in[a][i];
+      out[i] = f(vals);
+    }
+    return;
+  }
+  for (int64_t j0 = i0 + lane; j0 < end; j0 += static_cast<int64_t>(lanes) * kUnroll) {
+    T x[kUnroll][kIn];
+    HETLB_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = j0 + static_cast<int64_t>(u) * lanes;
+      if (i < end) {
+        HETLB_UNROLL
+        for (int a = 0; a < kIn; ++a) x[u][a] = in[a][i];
+      }
+    }
+    HETLB_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = j0 + static_cast<int64_t>(u) * lanes;
+      if (i < end) out[i] = f(x[u]);
+    }
+  }
+}
+
+// One block's work at `tile` of `batch`: the tile's item and element range, then op(batch, k,
+// begin, end, lane, lanes).
+template <typename Batch, typename Op>
+HETLB_HD void run_tile(const Batch& batch, const Op& op, int64_t tile, int lane, int lanes) {
+  const int k = item_of(batch, tile);
+  const int64_t begin = (tile - batch.tile_start[k]) * kTile;
+  const int64_t end = begin + kTile < batch.numel[k] ? begin + kTile : batch.numel[k];
+  op(batch, k, begin, end, lane, lanes);
+}
+
+// Packs the items into batches of Batch::kCapacity and calls launch(batch) for each full batch
+// and the last: a model's 400 gradients take a dozen launches, not 400. `pointers(item)` lists an
+// item's pointers in the batch's order.
+template <typename Batch, typename Item, typename Pointers, typename Launch>
+void for_each_batch(const std::vector<Item>& items, Pointers pointers, const Launch& launch) {
+  if (items.empty()) return;
+  Batch batch{};
+  batch.count = 0;
+  batch.tile_start[0] = 0;
+  for (const auto& item : items) {
+    const int k = batch.count;
+    const auto ptrs = pointers(item);
+    for (size_t j = 0; j < ptrs.size(); ++j) batch.ptr[j][k] = const_cast<void*>(ptrs[j]);
+    batch.numel[k] = item.numel;
+    batch.tile_start[k + 1] = batch.tile_start[k] + (item.numel + kTile - 1) / kTile;
+    if (++batch.count == Batch::kCapacity) {
+      launch(batch);
+      batch.count = 0;
+    }
+  }
+  if (batch.count > 0) launch(batch);
+}
+
+using SegmentBatch = ItemBatch<2, 48>;  // (dst, src): 48 a launch, about 1.5 KB of argument
+using TripleBatch = ItemBatch<3, 36>;   // (grad, param, prev): 36 a launch
+
+// dst = src * w, in the op math type (float for half and bfloat16).
+template <typename scalar_t>
+struct ScaleOp {
+  using opmath_t = at::opmath_type<scalar_t>;
+  opmath_t w;
+  HETLB_HD scalar_t operator()(const scalar_t* x) const {
+    return static_cast<scalar_t>(static_cast<opmath_t>(x[0]) * w);
+  }
+  HETLB_HD void operator()(const SegmentBatch& b, int k, int64_t begin, int64_t end, int lane,
+                           int lanes) const {
+    tile_elements<scalar_t, false>(b, k, begin, end, lane, lanes, *this);
+  }
+};
+
+// grad += lam * grad * grad * (param - prev): 3 reads + 1 write per element, no temporaries.
+// The evaluation order matches eager `grad + lam * grad * grad * (param - prev)`.
+template <typename scalar_t>
+struct DelayCompensateOp {
+  using opmath_t = at::opmath_type<scalar_t>;
+  opmath_t lam;
+  HETLB_HD scalar_t operator()(const scalar_t* x) const {
+    const opmath_t gv = static_cast<opmath_t>(x[0]);
+    const opmath_t d = static_cast<opmath_t>(x[1]) - static_cast<opmath_t>(x[2]);
+    return static_cast<scalar_t>(gv + lam * gv * gv * d);
+  }
+  HETLB_HD void operator()(const TripleBatch& b, int k, int64_t begin, int64_t end, int lane,
+                           int lanes) const {
+    tile_elements<scalar_t, true>(b, k, begin, end, lane, lanes, *this);
+  }
+};
+
+}  // namespace hetlb::kernels
