@@ -1065,8 +1065,10 @@ def attach_worker(rank, world, case):
     enc, head = _two_part_net()
     denc, dhead = DDP(enc), DDP(head)
     side = DDP(torch.nn.Linear(5, 2).double())  # "branches", "interleaved": a third model
+    if case == "unattached_eval":  # fine-tuned in eval() mode (dropout off): trained all the same
+        dhead.eval()
     try:
-        if case in ("unattached", "branches"):
+        if case in ("unattached", "unattached_eval", "branches"):
             bal = hetlb.Balancer(denc, 8, policy=Fixed([3, 5]))
         elif case == "reverse":  # the head balanced, the encoder before it unattached
             bal = hetlb.Balancer(dhead, 8, policy=Fixed([3, 5]))
@@ -1090,6 +1092,11 @@ def attach_worker(rank, world, case):
             with bal.step():
                 if case == "branches":  # a second model on the same batch, beside the first
                     loss = denc(xb).pow(2).mean() + side(xb).mean()
+                elif case == "teacher":  # a third DDP model in eval() mode predicts, untrained
+                    side.eval()
+                    with torch.no_grad():
+                        target = side(xb)
+                    loss = (dhead(denc(xb)) - yb).pow(2).sum(1).mean() + 0 * target.sum()
                 elif case == "interleaved":  # a plain DDP model trained on batches of its own
                     loss = (dhead(denc(xb)) - yb).pow(2).sum(1).mean()
                     side(torch.randn(4, 5, dtype=torch.float64)).sum().backward()
@@ -1121,7 +1128,7 @@ def attach_worker(rank, world, case):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-@pytest.mark.parametrize("case", ["hooked", "deferred", "accumulate", "backward"])
+@pytest.mark.parametrize("case", ["hooked", "deferred", "accumulate", "backward", "teacher"])
 def test_an_attached_model_is_weighted_as_the_balanced_one(case):
     for r in unwrap(run(attach_worker, 2, case)):
         assert "error" not in r, r
@@ -1134,6 +1141,8 @@ def test_an_attached_model_is_weighted_as_the_balanced_one(case):
                    r"trains on this Balancer's samples without being attached.*bal\.attach\(model\)"),
     ("reverse", r"second DistributedDataParallel model \(Sequential; seen on ranks \[[0-9, ]+\]\) "
                 r"trains on this Balancer's"),
+    ("unattached_eval", r"second DistributedDataParallel model \(Linear; seen on ranks \[[0-9, ]+\]\) "
+                        r"trains on this Balancer's samples.*torch\.no_grad\(\)"),
     ("branches", r"second DistributedDataParallel model \(Linear; seen on ranks \[0, 1\]\) trains"),
     ("second_balancer", r"outside a balanced step.*attached to that Balancer \(bal\.attach\(model\)\)"),
 ])

@@ -123,8 +123,9 @@ def attach_worker(rank: int, world: int, case: str):
     Balancer) trains the union gradient of both with an idle rank; the rest train without
     attaching a second model on the step's samples: the head after the net ("unattached"), the
     net before a balanced head ("reverse"), a second model beside the net on the same batch
-    ("branches", and "branches_bf16" in bfloat16 compute); "own" trains the head on batches of
-    its own in the step (left alone)."""
+    ("branches", and "branches_bf16" in bfloat16 compute), the head in eval() mode after the net
+    ("unattached_eval"), the head's inner FSDP module alone after the net ("inner"); "own" trains
+    the head on batches of its own in the step (left alone)."""
     import hetlb
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
@@ -136,6 +137,8 @@ def attach_worker(rank: int, world: int, case: str):
     for m in (head[0], head):
         fully_shard(m, mesh=mesh) if mp is None else fully_shard(m, mesh=mesh, mp_policy=mp)
     balanced = head if case == "reverse" else net
+    if case == "unattached_eval":
+        head.eval()
     script = UNEVEN if case == "attached" else [[3, 5]] * 4
     bal = hetlb.Balancer(balanced, 8, policy=Scripted(script), lower=0)
     if case == "attached":
@@ -152,6 +155,8 @@ def attach_worker(rank: int, world: int, case: str):
             with bal.step():
                 if case.startswith("branches"):
                     loss = net(xb).pow(2).mean() + head(xb[:, :2]).mean()
+                elif case == "inner":  # reduces head[0]'s gradient without head's forward
+                    loss = head[0](net(xb)).pow(2).mean()
                 elif case == "own":
                     head(torch.randn(4, 2)).pow(2).mean().backward()
                     loss = net(xb).pow(2).mean()
@@ -178,7 +183,8 @@ def test_an_attached_fsdp2_model_is_weighted_as_the_balanced_one():
 
 @pytest.mark.parametrize("case, name", [("unattached", "FSDPSequential"), ("reverse", "FSDPSequential"),
                                         ("branches", "FSDPSequential"),
-                                        ("branches_bf16", "FSDPSequential")])
+                                        ("branches_bf16", "FSDPSequential"),
+                                        ("unattached_eval", "FSDPSequential"), ("inner", "FSDPLinear")])
 def test_an_fsdp2_model_training_unattached_is_refused_on_every_rank(case, name):
     for r in unwrap(run(attach_worker, 2, case)):
         msg = r.get("error", "")

@@ -279,6 +279,10 @@ class DDPModels:
     counts_made = True
 
     @staticmethod
+    def entries(model: torch.nn.Module) -> List[torch.nn.Module]:
+        return [model]  # (a module inside runs without DDP: its gradient is not reduced at all)
+
+    @staticmethod
     def keys(model: torch.nn.Module) -> Set[int]:
         # By storage: the graph's AccumulateGrad nodes may hand back another Python object for
         # the same parameter, so ids would not match.

@@ -72,6 +72,10 @@ class FSDPModels:
         return [o for o in found if id(o) not in inner]
 
     @staticmethod
+    def entries(model: torch.nn.Module) -> List[torch.nn.Module]:
+        return fsdp_modules(model)
+
+    @staticmethod
     def keys(model: torch.nn.Module) -> Set[int]:
         out = set()
         for m in fsdp_modules(model):

@@ -138,6 +138,11 @@ class ModelRegistry(Protocol):
     def alive(self) -> List[torch.nn.Module]:
         """Every one alive now (roots: no model inside another)."""
 
+    def entries(self, model: torch.nn.Module) -> List[torch.nn.Module]:
+        """The modules of ``model`` (one of :meth:`alive`) that reduce their gradients when run on
+        their own: ``model`` first, then any inner one (a sharded model's inner FSDP modules:
+        ``teacher.encoder(x)`` reduces the encoder's gradients without ``teacher``'s forward)."""
+
     def keys(self, model: torch.nn.Module) -> Set[int]:
         """``model``'s parameters as :meth:`key` names them in a backward graph (those it has
         now: a sharded model's unsharded parameters exist once it ran a forward)."""

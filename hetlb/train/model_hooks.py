@@ -181,7 +181,12 @@ class UnattachedCheck:
     tensor of the same storage (two branches on one batch: whichever runs first), or a gradient
     path from one model's parameters into the other's inputs (an encoder and a head, a GAN's
     generator and discriminator, either way round). Another model trained on batches of its
-    own (a separate loop interleaved with this one) is left alone. What it finds is kept
+    own (a separate loop interleaved with this one) is left alone. "Trains" means a forward
+    with gradients enabled and parameters that require them, in ``train()`` or ``eval()`` mode
+    alike (a model fine-tuned in eval mode is trained all the same; a teacher runs under
+    ``torch.no_grad()``). An other model is watched at each of its registry's entries (a sharded
+    model's inner FSDP modules, which reduce their gradients when run on their own), the inner
+    ones only outside the model's own forward. What it finds is kept
     (:attr:`found`) and agreed between the ranks when the step ends, so every rank raises there
     if any rank found one. Per model and for one step: a hook every step, or a global one, would
     cost forwards (a global forward hook sends every module through torch's slow path, and
@@ -197,6 +202,8 @@ class UnattachedCheck:
         #: The class of the first unattached model found training on the step's samples.
         self.found: Optional[str] = None
         self.handles: List[Any] = []
+        self.inner_entries: set = set()  # ids of other models' entries inside them
+        self.running: set = set()  # ids of other models whose forward runs (inner entries: skipped)
 
     @classmethod
     def watch(cls, balanced: torch.nn.Module, transport: GradientTransport,
@@ -207,11 +214,25 @@ class UnattachedCheck:
         others = [o for o in registry.alive()
                   if not any(o is m for m in known) and not has_balancer(o)]
         hook = cls(balanced, others, inner, registry)
+        inside = [e for o in others for e in registry.entries(o) if e is not o]
+        hook.inner_entries = {id(e) for e in inside}
         # First among the models' pre-hooks: the caller's tensors, before a wrapper's own hook
         # casts or moves them (FSDP2's MixedPrecisionPolicy makes a copy of each input).
         hook.handles = [m.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-                        for m in [balanced] + others]
+                        for m in [balanced] + others + inside]
+        if inside:
+            hook.handles += [h for o in others for h in (
+                o.register_forward_pre_hook(hook.enter),
+                o.register_forward_hook(hook.leave, always_call=True))]
         return hook
+
+    @never_compiled
+    def enter(self, module: torch.nn.Module, args: tuple) -> None:
+        self.running.add(id(module))
+
+    @never_compiled
+    def leave(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self.running.discard(id(module))  # (also after a forward that raised)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -219,7 +240,7 @@ class UnattachedCheck:
 
     @never_compiled
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not module.training or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or (self.running and id(module) in self.inner_entries):
             return
         tensors = {a: t for t in tensors_in((args, kwargs)) if t.numel()
                    for a in [storage_address(t)] if a is not None}
@@ -275,7 +296,9 @@ def unattached_message(wrapper: str, name: str, ranks: List[int], step: int,
             f"mean over the step's samples "
             f"(found in step {step}, refused at its end; the Balancer looks in steps 0, 1, 2, 4, "
             f"8, ...{made}). Attach it to the Balancer on every rank before it trains, "
-            f"bal.attach(model): its gradient is then weighted as the balanced model's")
+            f"bal.attach(model): its gradient is then weighted as the balanced model's. A model "
+            f"that is not trained (a teacher, in eval() mode or not) runs under torch.no_grad() "
+            f"or with its parameters frozen (requires_grad_(False))")
 
 
 class ModelHooks:
