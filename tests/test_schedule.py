@@ -247,7 +247,12 @@ def test_rebalance_places_unowned_samples():
     (lambda: hetlb.rebalance([0], [1, 1], [1, 1], [0, 0]), "differ in length"),
     (lambda: hetlb.rebalance([0], [1], [0, 1], [0, 0]), "> 0"),
     (lambda: hetlb.rebalance([0.5], [1], [1], [0]), "integers"),
+    # (a float or uint64 of 2**63 or more wrapped around to -2**63 in int64)
+    (lambda: hetlb.rebalance([0, 2.0 ** 64], [1, 1], [1], [0]), r"owner must hold integers below 2\*\*63"),
+    (lambda: hetlb.rebalance(np.array([0, 2 ** 63], np.uint64), [1, 1], [1], [0]), r"below 2\*\*63"),
+    (lambda: hetlb.allocate_proportional([1, 1], 3, upper=[2.0 ** 63, 3]), r"upper must hold integers below"),
 ])
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_rebalance_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -151,10 +151,14 @@ def test_epoch_rates_from_history():
 @pytest.mark.parametrize("kw,match", [
     ({"partition": [0, 1, 2]}, "one rank per sample"),
     ({"partition": [0] * 9 + [5]}, "sample 9 is held by rank 5"),
+    ({"partition": [0] * 9 + [2.0 ** 64]}, r"sample 9 is held by rank 1\.8446744073709552e\+19"),
+    ({"partition": [0] * 9 + [float("inf")]}, "sample 9 is held by rank inf"),
+    ({"partition": np.array([0] * 9 + [2 ** 63], np.uint64)}, "sample 9 is held by rank 9223372036854775808"),
     ({"partition": [0.5] * 10}, "integer ranks"),
     ({"partition": "random"}, "'even' or one rank per sample"),
     ({"partition": "even", "drop_last": True}, "drop_last"),
 ])
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_bad_partitions(kw, match):
     ds = torch.utils.data.TensorDataset(torch.arange(10.0))
     with pytest.raises(ValueError, match=match):

@@ -45,6 +45,10 @@ def _vector(x: Any, what: str, dtype: Any, n: Optional[int] = None) -> np.ndarra
         if arr.size and arr.dtype.kind == "f":
             if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
                 raise ValueError(f"{what} must hold integers, got {arr.tolist()}")
+            if np.any(np.abs(arr) >= 2.0 ** 63):  # (would wrap around to -2**63 in int64)
+                raise ValueError(f"{what} must hold integers below 2**63, got {arr.tolist()}")
+        elif arr.size and arr.dtype.kind == "u" and np.any(arr > _INT64_MAX):
+            raise ValueError(f"{what} must hold integers below 2**63, got {arr.tolist()}")
         elif arr.size and arr.dtype.kind not in "iu":
             raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
     elif arr.size and arr.dtype.kind not in "iuf":

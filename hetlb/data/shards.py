@@ -328,9 +328,10 @@ def check_home(home: Any, n: int, world: int) -> np.ndarray:
         raise ValueError(f"partition must hold one rank per sample ({n}), got shape {arr.shape}")
     if arr.size and (arr.dtype.kind not in "iu" and not (arr.dtype.kind == "f" and np.all(arr == np.round(arr)))):
         raise ValueError(f"partition must hold integer ranks, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64)
+    # (in range before the cast: a float or uint64 of 2**63 or more would wrap around in int64)
     bad = np.flatnonzero((arr < 0) | (arr >= world))
     if bad.size:
-        raise ValueError(f"partition: sample {int(bad[0])} is held by rank {int(arr[bad[0]])}, outside "
+        raise ValueError(f"partition: sample {int(bad[0])} is held by rank {arr[bad[0]].item()}, outside "
                          f"[0, {world}) ({bad.size} such samples)")
+    arr = arr.astype(np.int64)
     return arr
