@@ -236,6 +236,27 @@ def test_a_loop_that_fetches_between_forward_and_backward_is_refused():
             loss.backward()
 
 
+def test_a_model_trained_in_eval_mode_is_told_why_no_step_opened():
+    """A forward in eval() mode opens no step (it is taken for an evaluation): fine-tuning in
+    eval mode with the loader's steps gets an error naming the mode; with `with bal.step():` it
+    trains, and its gradient is the batch's."""
+    model = torch.nn.Linear(1, 1).double().eval()
+    bal = hetlb.Balancer(model, 2, policy=hetlb.Uniform())
+    loader = bal.loader(torch.arange(8.0, dtype=torch.float64)[:, None])
+    with pytest.raises(RuntimeError, match=r"ran without a training forward: the model is in "
+                                           r"eval\(\) mode.*`with bal.step\(\):`"):
+        for x in loader:
+            model(x).sum().backward()
+    model = torch.nn.Linear(1, 1).double().eval()
+    bal = hetlb.Balancer(model, 2, policy=hetlb.Uniform())
+    for x in bal.loader(torch.arange(8.0, dtype=torch.float64)[:, None]):
+        with bal.step():
+            model(x).sum().backward()
+        assert model.weight.grad.item() == x.sum().item()
+        model.zero_grad()
+    assert len(bal.history) == 4
+
+
 def test_the_sampler_copies_without_the_balancer():
     import copy
     import pickle

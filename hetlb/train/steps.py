@@ -67,8 +67,16 @@ def broken_window(broken: StepPlan) -> str:
             f"new loop over the loader: it trains the window from its first micro-step")
 
 
-def backward_before_forward(plan: StepPlan) -> str:
-    """The error for a step whose backward ran before its forward (the previous batch's)."""
+def backward_before_forward(plan: StepPlan, eval_mode: bool = False) -> str:
+    """The error for a step whose backward ran before its forward (the previous batch's), or,
+    with ``eval_mode`` (the balanced model is in eval() mode), after a forward that opened no
+    step."""
+    if eval_mode:
+        return (f"hetlb: the backward of step {plan.step} of epoch {plan.epoch} ran without a "
+                f"training forward: the model is in eval() mode, and a forward opens a step only "
+                f"in train() mode (a forward in eval mode is taken for an evaluation). Train in "
+                f"train() mode (to switch dropout off, set its p to 0), or mark each step with "
+                f"`with bal.step():` around its forward and backward")
     return (f"hetlb: the backward of step {plan.step} of epoch {plan.epoch} ran before its "
             f"forward: it was the previous batch's backward. The loop asked for the next batch "
             f"between a forward and its backward (as nanoGPT's get_batch after the forward), which "
@@ -625,7 +633,7 @@ class StepDriver:
         tele = self.telemetry
         if o is not None and not self._in_with and (tele.hooked or tele.core.restarted):
             if not tele.core.restarted:  # (every rank alike: the loop is the same on all)
-                raise RuntimeError(backward_before_forward(o.plan))
+                raise RuntimeError(backward_before_forward(o.plan, not self.model.training))
             self._finish()  # trained (its hook ran), or stepped without gradients: exchanged
             self._arm()
 
