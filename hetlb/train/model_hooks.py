@@ -6,7 +6,7 @@ the gradient, and the checks of the wrapper, belong to the gradient transport
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -202,8 +202,8 @@ class UnattachedCheck:
         #: The class of the first unattached model found training on the step's samples.
         self.found: Optional[str] = None
         self.handles: List[Any] = []
-        self.inner_entries: set = set()  # ids of other models' entries inside them
-        self.running: set = set()  # ids of other models whose forward runs (inner entries: skipped)
+        self.inner_entries: Set[int] = set()  # ids of other models' entries inside them
+        self.running: Set[int] = set()  # ids of other models whose forward runs (inner entries: skipped)
 
     @classmethod
     def watch(cls, balanced: torch.nn.Module, transport: GradientTransport,

@@ -58,10 +58,47 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+// Elements [first, first + V * count) of `out` from `in` in vectors of V elements (V = 1: single
+// elements), as thread `lane` of `lanes`, kUnroll loads in flight per input before the stores.
+template <int V, int kIn, typename T, typename F>
+HETLB_HD void run_vectors(T* out, const T* const* in, int64_t first, int64_t count, int lane,
+                          int lanes, const F& f) {
+  using W = Vec<T, V>;
+  const int64_t base = first / V;
+  W* o = reinterpret_cast<W*>(out);
+  for (int64_t j0 = lane; j0 < count; j0 += static_cast<int64_t>(lanes) * kUnroll) {
+    W x[kUnroll][kIn];
+    HETLB_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = j0 + static_cast<int64_t>(u) * lanes;
+      if (j < count) {
+        HETLB_UNROLL
+        for (int a = 0; a < kIn; ++a) x[u][a] = reinterpret_cast<const W*>(in[a])[base + j];
+      }
+    }
+    HETLB_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = j0 + static_cast<int64_t>(u) * lanes;
+      if (j < count) {
+        W y;
+        HETLB_UNROLL
+        for (int e = 0; e < V; ++e) {
+          T vals[kIn];
+          HETLB_UNROLL
+          for (int a = 0; a < kIn; ++a) vals[a] = x[u][a].v[e];
+          y.v[e] = f(vals);
+        }
+        o[base + j] = y;
+      }
+    }
+  }
+}
+
 // Elements [begin, end) of item k of `batch` (begin a multiple of kTile), as thread `lane` of
 // `lanes`: out[i] = f(in) with in[j] = ptr[j + 1 - kReadsOut][k][i], where kReadsOut says whether
 // ptr[0] (the output) is also the op's first input. f takes the kIn = kPtrs - 1 + kReadsOut input
-// values of one element and returns the output's.
+// values of one element and returns the output's. Aligned items go in 16-byte vectors, the tile's
+// last partial vector element by element; others element by element throughout.
 template <typename T, bool kReadsOut, typename Batch, typename F>
 HETLB_HD void tile_elements(const Batch& batch, int k, int64_t begin, int64_t end, int lane,
                             int lanes, const F& f) {
@@ -77,59 +114,11 @@ HETLB_HD void tile_elements(const Batch& batch, int k, int64_t begin, int64_t en
   }
   int64_t i0 = begin;
   if (aligned && begin % V == 0) {
-    using W = Vec<T, V>;
-    const int64_t base = begin / V, vectors = (end - begin) / V;
-    W* o = reinterpret_cast<W*>(out);
-    for (int64_t j0 = lane; j0 < vectors; j0 += static_cast<int64_t>(lanes) * kUnroll) {
-      W x[kUnroll][kIn];
-      HETLB_UNROLL
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t j = j0 + static_cast<int64_t>(u) * lanes;
-        if (j < vectors) {
-          HETLB_UNROLL
-          for (int a = 0; a < kIn; ++a) x[u][a] = reinterpret_cast<const W*>(in[a])[base + j];
-        }
-      }
-      HETLB_UNROLL
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t j = j0 + static_cast<int64_t>(u) * lanes;
-        if (j < vectors) {
-          W y;
-          HETLB_UNROLL
-          for (int e = 0; e < V; ++e) {
-            T vals[kIn];
-            HETLB_UNROLL
-            for (int a = 0; a < kIn; ++a) vals[a] = x[u][a].v[e];
-            y.v[e] = f(vals);
-          }
-          o[base + j] = y;
-        }
-      }
-    }
-    i0 = begin + vectors * V;  // the tile's last partial vector, below
-    for (int64_t i = i0 + lane; i < end; i += lanes) {
-      T vals[kIn];
-      for (int a = 0; a < kIn; ++a) vals[a] = in[a][i];
-      out[i] = f(vals);
-    }
-    return;
+    const int64_t vectors = (end - begin) / V;
+    run_vectors<V, kIn>(out, in, begin, vectors, lane, lanes, f);
+    i0 = begin + vectors * V;
   }
-  for (int64_t j0 = i0 + lane; j0 < end; j0 += static_cast<int64_t>(lanes) * kUnroll) {
-    T x[kUnroll][kIn];
-    HETLB_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = j0 + static_cast<int64_t>(u) * lanes;
-      if (i < end) {
-        HETLB_UNROLL
-        for (int a = 0; a < kIn; ++a) x[u][a] = in[a][i];
-      }
-    }
-    HETLB_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = j0 + static_cast<int64_t>(u) * lanes;
-      if (i < end) out[i] = f(x[u]);
-    }
-  }
+  run_vectors<1, kIn>(out, in, i0, end - i0, lane, lanes, f);
 }
 
 // One block's work at `tile` of `batch`: the tile's item and element range, then op(batch, k,
