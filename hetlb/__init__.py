@@ -31,6 +31,7 @@ from hetlb.data.loader import BalancedLoader as DataLoader
 from hetlb.core.decisions import ScheduleRule
 from hetlb.policies import DBS, EMA, LBB, LBBSP, NARX, WLBS, Chronica, Memoryless, Uniform
 from hetlb.train.profile import Profile, profile
+from hetlb.train.recompute import Recompute
 from hetlb.core.telemetry import UnusableTelemetry
 from hetlb.sync import DelayedSync
 from hetlb.ranks.elastic import init_process_group
@@ -51,7 +52,7 @@ __all__ = [
     "allocate", "allocate_proportional", "schedule", "rebalance", "ops",
     "init_process_group", "Checkpointer", "Watchdog",
     "Balancer", "DataLoader", "BalancedLoader", "DecisionMismatchError", "BatchSizeError",
-    "UnusableTelemetry", "ScheduleRule", "Profile", "profile",
+    "UnusableTelemetry", "ScheduleRule", "Profile", "profile", "Recompute",
     "policies", "Uniform", "LBB", "LBBSP", "WLBS", "DBS", "Chronica", "Memoryless", "EMA", "NARX",
     "emulate", "telemetry", "sim", "collate", "DelayedSync",
 ]

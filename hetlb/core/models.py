@@ -14,7 +14,7 @@ import numpy as np
 
 
 __all__ = ["TimeModel", "LinearModel", "PolyModel", "PiecewiseModel", "model_from_dict",
-           "micro_step_model"]
+           "micro_step_model", "lesser_model"]
 
 _KIND_LINEAR, _KIND_POLY, _KIND_PIECEWISE = 0, 1, 2
 _BIG = 1 << 62  # candidate points beyond any batch size anyone will ask for
@@ -292,6 +292,24 @@ def micro_step_model(base: TimeModel, limit: int, total: int) -> PiecewiseModel:
     q, r = b // k, b % k  # r chunks of q + 1 samples, k - r of q
     t = r * base.effective_time(q + 1) + (k - r) * base.effective_time(q)
     return PiecewiseModel(b, t)
+
+
+def lesser_model(a: TimeModel, b: TimeModel, points: Sequence[float]) -> PiecewiseModel:
+    """``min(a(x), b(x))`` as a :class:`PiecewiseModel`, exact at every integer ``x`` where ``a``
+    and ``b`` are both linear between consecutive ``points`` (e.g. the union of two
+    :func:`micro_step_model` models' batch sizes): between two points the lesser of two lines
+    changes line once, so its integers on either side of the crossing are added.
+
+    The time of a rank that may run its batch in either of two ways (plainly or recomputing,
+    :class:`hetlb.train.recompute.Recompute`) and takes the faster one."""
+    x = np.unique(np.asarray(points, dtype=np.float64))
+    if x.size == 0 or not np.all(np.isfinite(x)):
+        raise ValueError(f"lesser_model: points must be finite numbers, got {points!r}")
+    d = a.time(x) - b.time(x)  # (linear on each segment: one root where the sign changes)
+    flip = np.nonzero(d[:-1] * d[1:] < 0)[0]
+    root = x[flip] + (x[flip + 1] - x[flip]) * (d[flip] / (d[flip] - d[flip + 1]))
+    x = np.unique(np.concatenate([x, np.floor(root), np.ceil(root)]))
+    return PiecewiseModel(x, np.minimum(a.time(x), b.time(x)))
 
 
 def model_from_dict(d: Dict[str, Any]) -> TimeModel:

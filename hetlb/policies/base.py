@@ -25,7 +25,7 @@ import torch
 
 from hetlb.core.checks import integer, optional_integer
 from hetlb.core.decisions import ScheduleRule
-from hetlb.core.models import TimeModel, micro_step_model
+from hetlb.core.models import TimeModel, lesser_model, micro_step_model
 from hetlb.core.solve import allocate_proportional
 from hetlb.core.telemetry import History, StepRecord, require_progress
 
@@ -60,6 +60,11 @@ class Context:
         micro_batch: per rank, ``None`` or its largest micro-batch (``Balancer(micro_batch=)``):
             a larger batch runs as several micro-steps, and :meth:`models` gives that rank the
             time of them (:func:`hetlb.core.models.micro_step_model`).
+        recompute: per rank, ``None`` or what recomputing costs it (``Balancer(recompute=)``):
+            a dict with ``"model"`` and ``"linear"`` (fitted on a profile taken recomputing)
+            and ``"micro_batch"`` (its largest micro-batch recomputing). Such a rank also has a
+            ``micro_batch`` and a profile; it runs each share the faster way
+            (:meth:`recomputes`), and :meth:`models` gives it the lesser of the two times.
     """
 
     world: int
@@ -69,6 +74,9 @@ class Context:
     hardware: List[Dict[str, float]] = field(default_factory=list)
     profiles: List[Optional[Dict[str, Any]]] = field(default_factory=list)
     micro_batch: List[Optional[int]] = field(default_factory=list)
+    recompute: List[Optional[Dict[str, Any]]] = field(default_factory=list)
+    #: Per (rank, profile kind), a recomputing rank's plain and recomputing micro-step models.
+    _ways: Dict[Tuple[int, str], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.world = integer(self.world, "Context: world", 1)
@@ -98,13 +106,26 @@ class Context:
             self.hardware = [{} for _ in range(self.world)]
         if not self.micro_batch:
             self.micro_batch = [None] * self.world
-        for name in ("profiles", "hardware", "micro_batch"):
+        if not self.recompute:
+            self.recompute = [None] * self.world
+        for name in ("profiles", "hardware", "micro_batch", "recompute"):
             v = getattr(self, name)
             if not isinstance(v, (list, tuple)) or len(v) != self.world:
                 raise ValueError(f"Context: {name} must be a list of one entry per rank "
                                  f"({self.world}), got {v!r}")
         self.micro_batch = [optional_integer(m, "Context: micro_batch", 1)
                             for m in self.micro_batch]
+        for r, rc in enumerate(self.recompute):
+            if rc is None:
+                continue
+            if not isinstance(rc, dict) or any(k not in rc for k in ("model", "linear", "micro_batch")):
+                raise ValueError(f"Context: recompute[{r}] must be None or a dict with 'model', "
+                                 f"'linear' and 'micro_batch', got {rc!r}")
+            if self.micro_batch[r] is None or self.profiles[r] is None:
+                raise ValueError(f"Context: rank {r} recomputes but has no "
+                                 f"{'micro_batch' if self.micro_batch[r] is None else 'profile'}: "
+                                 f"it chooses between its two ways from both")
+            integer(rc["micro_batch"], f"Context: recompute[{r}]['micro_batch']", 1)
 
     @classmethod
     def simple(cls, world: int, global_batch: int, lower: int = 1,
@@ -117,11 +138,44 @@ class Context:
 
     def models(self, kind: str = "model") -> Optional[List[TimeModel]]:
         """The profiled models of every rank, or None unless every rank has one; a rank with a
-        ``micro_batch`` gets the time of its micro-steps."""
+        ``micro_batch`` gets the time of its micro-steps, a recomputing rank the lesser of its
+        plain and its recomputing micro-steps' times."""
         if any(p is None or kind not in p for p in self.profiles):
             return None
-        return [p[kind] if m is None else micro_step_model(p[kind], m, self.global_batch)
-                for p, m in zip(self.profiles, self.micro_batch)]
+        out: List[TimeModel] = []
+        for r, (p, m, rc) in enumerate(zip(self.profiles, self.micro_batch, self.recompute)):
+            if m is None:
+                out.append(p[kind])
+            elif rc is None:
+                out.append(micro_step_model(p[kind], m, self.global_batch))
+            else:
+                out.append(lesser_model(*self._two_ways(r, kind)))
+        return out
+
+    def _two_ways(self, rank: int, kind: str = "model") -> Tuple[TimeModel, TimeModel, np.ndarray]:
+        """A recomputing rank's plain and recomputing micro-step models and their points."""
+        key = (rank, kind)
+        if key not in self._ways:
+            rc = self.recompute[rank]
+            plain = micro_step_model(self.profiles[rank][kind], self.micro_batch[rank],
+                                     self.global_batch)
+            again = micro_step_model(rc[kind], int(rc["micro_batch"]), self.global_batch)
+            self._ways[key] = (plain, again, np.concatenate([plain.batch_sizes, again.batch_sizes]))
+        return self._ways[key]
+
+    def recomputes(self, rank: int, b: int) -> bool:
+        """Whether ``rank`` runs a share of ``b`` samples recomputing: where its recomputing
+        micro-steps' time (profile kind "model") is less than its plain ones'. Ties run plain."""
+        if self.recompute[rank] is None:
+            return False
+        plain, again, _ = self._two_ways(rank)
+        return bool(again.time(b) < plain.time(b))
+
+    def micro_limit(self, rank: int, b: int) -> Optional[int]:
+        """The largest micro-batch ``rank`` runs a share of ``b`` samples in (None: one pass)."""
+        if self.recomputes(rank, b):
+            return int(self.recompute[rank]["micro_batch"])
+        return self.micro_batch[rank]
 
 
 def _short(a: np.ndarray) -> str:
@@ -389,9 +443,20 @@ class SizedPolicy(Policy):
     #: Each rank's largest micro-batch, 0 for none (set by :meth:`_setup`; none before).
     _micro: Optional[np.ndarray] = None
 
+    #: The start-up context where a rank may recompute (its limit then depends on its share).
+    _ways: Optional[Context] = None
+
     def micro_batches(self) -> np.ndarray:
         """Each rank's largest micro-batch (``Context.micro_batch``; 0: none), int64 ``[world]``."""
         return self._micro if self._micro is not None else np.zeros(self.world, np.int64)
+
+    def micro_limits(self, b: np.ndarray) -> np.ndarray:
+        """Each rank's largest micro-batch for shares ``b`` (0: none): a rank that may recompute
+        runs a share in micro-batches of the way it takes for it (:meth:`Context.micro_limit`)."""
+        if self._ways is None:
+            return self.micro_batches()
+        return np.array([self._ways.micro_limit(r, int(b[r])) or 0 for r in range(self.world)],
+                        np.int64)
 
     def _setup(self, ctx: Context) -> None:
         if not isinstance(ctx, Context):
@@ -404,6 +469,7 @@ class SizedPolicy(Policy):
         self.last = np.zeros(self.world, np.int64)
         #: Each rank's largest micro-batch (0: none); configuration, not state (the start-up's).
         self._micro = np.array([m or 0 for m in ctx.micro_batch], np.int64)
+        self._ways = ctx if any(rc is not None for rc in ctx.recompute) else None
 
     def _context(self) -> Context:
         """The context for :func:`check_sizes`; rebuilt from state after a restore."""

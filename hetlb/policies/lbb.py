@@ -208,7 +208,7 @@ class LBB(SizedPolicy):
 
     def _steps(self, b: np.ndarray) -> np.ndarray:
         """Micro-steps each rank runs for batches ``b`` (1 without a micro-batch)."""
-        micro = self.micro_batches()
+        micro = self.micro_limits(b)
         return np.where(micro > 0, -(-b // np.maximum(micro, 1)), 1).astype(np.float64)
 
     def _rough(self, rec: StepRecord) -> tuple:
@@ -231,7 +231,7 @@ class LBB(SizedPolicy):
     def _rapid_tune(self, rec: StepRecord) -> np.ndarray:
         a0, slope = self._rough(rec)
         self.slope = slope
-        micro = self.micro_batches()
+        micro = self.micro_limits(rec.batch)  # (the way each rank ran the measured step)
         if not micro.any():
             return allocate_linear(a0, slope, self.global_batch, self.lower, self.upper)
         models = [LinearModel(a0[i], slope[i]) if not micro[i] else

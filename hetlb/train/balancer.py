@@ -42,6 +42,8 @@ from hetlb.ranks.agreement import Peers, agree_at_start, make_side_group, refuse
 from hetlb.ranks.watchdog import Watchdog
 from hetlb.train.config import check_arguments, check_rule_fits_loader, model_device, start_bounds
 from hetlb.train.losses import FinishedStep
+from hetlb.train.micro import MicroWays
+from hetlb.train.recompute import Recompute
 from hetlb.train.model_hooks import (BatchDim, has_balancer, layer_list, single_sample_layers,
                                      ModelHooks)
 from hetlb.train.runlog import RunLog, open_runlog
@@ -201,6 +203,10 @@ class Balancer:
             :meth:`micro_steps`: a batch beyond it runs as several micro-steps, so a fast rank
             with little memory still takes its share (a profile's out-of-memory limit then does
             not cap ``upper``). Ranks may differ; not with ``accumulate > 1``.
+        recompute: this rank's :class:`hetlb.Recompute` (opt-in, with ``micro_batch`` and
+            ``profile``): each step, :meth:`micro_steps` runs the rank's share recomputing the
+            named modules' activations in the backward (larger micro-batches, a second forward)
+            where its two profiles say that is faster. Ranks may differ.
         log_dir: write the world's telemetry of every step there (rank 0 only; every rank holds
             the same table): ``run.jsonl`` and, with ``tensorboard``, TensorBoard scalars (see
             :mod:`hetlb.train.runlog`). Default: the ``HETLB_LOG_DIR`` environment variable, else no log.
@@ -237,7 +243,8 @@ class Balancer:
                  native_hook: bool = True, log_dir: Optional[str] = None,
                  tensorboard: Optional[bool] = None, watchdog: Optional[Watchdog] = None,
                  exchange_every: Optional[int] = None, adaptive_exchange: Optional[bool] = None,
-                 defer_hook: bool = True, micro_batch: Optional[int] = None) -> None:
+                 defer_hook: bool = True, micro_batch: Optional[int] = None,
+                 recompute: Optional[Recompute] = None) -> None:
         # A rank refusing its arguments tells the others at the start-up exchange, so every rank
         # raises rather than waiting in the collective until its timeout.
         try:
@@ -248,7 +255,7 @@ class Balancer:
                                   native_hook=native_hook, log_dir=log_dir, tensorboard=tensorboard,
                                   watchdog=watchdog, exchange_every=exchange_every,
                                   adaptive_exchange=adaptive_exchange, defer_hook=defer_hook,
-                                  micro_batch=micro_batch)
+                                  micro_batch=micro_batch, recompute=recompute)
             self.distributed, self.world, self.rank = cfg.distributed, cfg.world, cfg.rank
             self.accumulate, self.max_bad_steps = cfg.accumulate, cfg.max_bad_steps
             self.exchange_every, self.adaptive_exchange = cfg.exchange_every, cfg.adaptive_exchange
@@ -278,7 +285,7 @@ class Balancer:
                     "asked": {"lower": lower_given, "upper": upper},
                     "micro_batch": cfg.micro_batch,
                     **start_bounds(lower, upper, profile, global_batch, self.device,
-                                   capped=cfg.micro_batch is None)}
+                                   capped=cfg.micro_batch is None, recompute=cfg.recompute)}
             self._exchanged = True  # (a later error is every rank's: no second exchange)
             everyone = agree_at_start(mine, side, self.world, self.distributed, "Balancer",
                                       [("config", "Balancer"),
@@ -288,7 +295,8 @@ class Balancer:
                               [e["upper"] for e in everyone],
                               hardware=[e["hardware"] for e in everyone],
                               profiles=[e["profile"] for e in everyone],
-                              micro_batch=[e["micro_batch"] for e in everyone])
+                              micro_batch=[e["micro_batch"] for e in everyone],
+                              recompute=[e["recompute"] for e in everyone])
             have = [r for r, e in enumerate(everyone) if e["profile"] is not None]
             if 0 < len(have) < self.world:  # a policy needs every rank's model to use any
                 log.warning("profile= given on ranks %s only (not on %s): the policy cannot use "
@@ -351,7 +359,7 @@ class Balancer:
                                      route=self.route, watchdog=watchdog,
                                      runlog=open_runlog(log_dir, tensorboard, self.rank),
                                      peers=self.peers)
-            self.driver.micro_limit = cfg.micro_batch
+            self.driver.micro = MicroWays(cfg.micro_batch, cfg.recompute, context, self.rank)
             # The bound loader's configuration (a value: the loader holds this Balancer, not the
             # other way round), or None before a loader is bound.
             self._loader_config: Optional[Dict[str, Any]] = None

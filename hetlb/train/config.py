@@ -60,6 +60,8 @@ class BalancerConfig:
     defer_hook: bool
     #: This rank's largest micro-batch (None: a step's batch in one forward and backward).
     micro_batch: Optional[int]
+    #: This rank's recomputation (:class:`hetlb.train.recompute.Recompute`) or None.
+    recompute: Any
     exchange_every: int
     adaptive_exchange: bool
     # the run log
@@ -73,7 +75,8 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
                     batch_dim: BatchDim, transport: Optional[str], native_hook: bool,
                     log_dir: Optional[str], tensorboard: Optional[bool], watchdog: Any,
                     exchange_every: Optional[int], adaptive_exchange: Optional[bool],
-                    defer_hook: bool, micro_batch: Optional[int] = None) -> BalancerConfig:
+                    defer_hook: bool, micro_batch: Optional[int] = None,
+                    recompute: Any = None) -> BalancerConfig:
     """:class:`hetlb.Balancer`'s arguments checked, with their defaults resolved: a wrong type raises
     ``TypeError``, a wrong value ``ValueError``, each naming the argument, the value received and
     what is accepted. Touches neither the model nor the process group, but for what the
@@ -136,6 +139,8 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
     world = dist.get_world_size(group) if distributed else 1
     rank = dist.get_rank(group) if distributed else 0
     wrapper = wrapper_of(model, world)
+    if recompute is not None:
+        _check_recompute(recompute, model, micro_batch, profile)
     if micro_batch is not None and accumulate > 1:
         raise ValueError(f"micro_batch={micro_batch} splits each step into micro-steps of its own; "
                          f"it does not combine with accumulate={accumulate} (leave one out)")
@@ -185,8 +190,27 @@ def check_arguments(model: torch.nn.Module, global_batch: Optional[int], policy:
         accumulate=accumulate, batch_dim=batch_dim, history=history, max_bad_steps=max_bad_steps,
         transport=transport, native_hook=native_hook, defer_hook=defer_hook,
         exchange_every=exchange_every, adaptive_exchange=adaptive_exchange, micro_batch=micro_batch,
+        recompute=recompute,
         log_dir=log_dir,
         tensorboard=tensorboard)
+
+
+def _check_recompute(recompute: Any, model: torch.nn.Module, micro_batch: Optional[int],
+                     profile: Any) -> None:
+    """``recompute=``: a Recompute of the model's own modules, with the two profiles and the
+    plain micro-batch a rank chooses its way by."""
+    from hetlb.train.recompute import Recompute
+
+    checks.instance(recompute, "recompute", Recompute, "a hetlb.Recompute or None")
+    if micro_batch is None or profile is None:
+        raise ValueError("recompute= chooses, per step, between micro-steps of at most micro_batch "
+                         "samples and recomputing ones, by their profiled times: pass micro_batch= "
+                         "and profile= (both measured without recomputation) too")
+    mine = {id(m) for m in model.modules()}
+    stray = [i for i, m in enumerate(recompute.modules) if id(m) not in mine]
+    if stray:
+        raise ValueError(f"recompute: modules {stray} are not modules of the Balancer's model")
+    recompute.entry()  # (its profile is checked here, before the start-up agreement)
 
 
 def check_rule_fits_loader(d: Any, loader: BalancedLoader, global_batch: int) -> None:
@@ -225,10 +249,11 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def start_bounds(lower: int, upper: Optional[int], profile: Any, global_batch: int,
-                 device: torch.device, capped: bool = True) -> Dict[str, Any]:
+                 device: torch.device, capped: bool = True,
+                 recompute: Any = None) -> Dict[str, Any]:
     """This rank's entry of the start-up agreement: its bounds on a batch (``upper`` capped by a
     profile's out-of-memory limit unless not ``capped``: micro-steps take a larger batch), its
-    hardware and its profile's fitted models."""
+    hardware, its profile's fitted models and its recomputing profile's."""
     up = global_batch if upper is None else checks.integer(upper, "upper", 0)
     prof: Optional[Dict[str, Any]] = None
     if profile is not None:
@@ -236,4 +261,5 @@ def start_bounds(lower: int, upper: Optional[int], profile: Any, global_batch: i
             up = min(up, int(profile.limit))  # only a real out-of-memory bound caps the batch
         prof = {"model": profile.fit("cubic"), "linear": profile.fit("linear"),
                 "limit": int(profile.limit), "oom_at": getattr(profile, "oom_at", None)}
-    return {"lower": int(lower), "upper": up, "hardware": hardware_info(device), "profile": prof}
+    return {"lower": int(lower), "upper": up, "hardware": hardware_info(device), "profile": prof,
+            "recompute": None if recompute is None else recompute.entry()}

@@ -10,11 +10,15 @@ holds the gradient on the rank but for the last micro-step, whose backward reduc
 The numbers differ between ranks: the transport's micro window makes the step communicate as
 one pass does (DDP: nothing under ``no_sync()``; FSDP2: the parameters gathered once, before the
 first forward, and kept until the last backward reduces).
+
+A rank with a :class:`hetlb.Recompute` runs a share recomputing, in micro-batches of its
+recomputing limit, where its profiles say that is faster (:class:`MicroWays`).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,16 +33,36 @@ def micro_bounds(b: int, limit: Optional[int]) -> List[Tuple[int, int]]:
     return [(edges[j], edges[j + 1]) for j in range(k)]
 
 
+@dataclass(frozen=True)
+class MicroWays:
+    """How this rank runs its share of a step: in micro-batches of at most ``limit`` (None: one
+    pass), or, with ``recompute``, recomputing in micro-batches of its recomputing limit where
+    the start-up ``context`` says that is faster (:meth:`hetlb.policies.Context.recomputes`,
+    the rule the policies allocate by)."""
+
+    limit: Optional[int] = None
+    recompute: Any = None
+    context: Any = None
+    rank: int = 0
+
+    def way(self, b: int) -> Tuple[Optional[int], bool]:
+        """``(largest micro-batch, recompute?)`` for a share of ``b`` samples."""
+        if self.recompute is None or not self.context.recomputes(self.rank, b):
+            return self.limit, False
+        return self.context.micro_limit(self.rank, b), True
+
+
 def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan: Any,
-                    limit: Optional[int], rank: int, *, core: Any, transport: Any,
+                    ways: MicroWays, rank: int, *, core: Any, transport: Any,
                     expect: Callable[[Optional[int]], None]) -> torch.Tensor:
     """Run ``fn`` on each micro-step's slice of ``batch`` (this rank's of the open step's
-    ``plan``) in micro-steps of at most ``limit`` samples and their weighted backwards (see the
-    module docstring); returns this rank's mean loss over its batch (detached; NaN when it has
-    no samples)."""
+    ``plan``) in micro-steps of at most the limit ``ways`` gives its size, and their weighted
+    backwards (see the module docstring); returns this rank's mean loss over its batch
+    (detached; NaN when it has no samples)."""
     if plan is None:
         raise RuntimeError("hetlb: bal.micro_steps(...) outside a balanced step; call it for a "
                            "batch of the Balancer's loader, or inside `with bal.step():`")
+    limit, again = ways.way(int(plan.sizes[rank]))
     bounds = micro_bounds(int(plan.sizes[rank]), limit)
     weight = core.weight
     total = sum(hi - lo for lo, hi in bounds)
@@ -48,7 +72,8 @@ def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan:
                              f"{total} samples along its first dimension, got shape "
                              f"{tuple(t.shape)}")
     try:
-        with transport.micro_window():
+        with transport.micro_window(), (ways.recompute.on(again) if ways.recompute is not None
+                                        else contextlib.nullcontext()):
             mean = _run(fn, batch, bounds, total, core, transport, weight, expect)
     finally:
         core.quiet = False

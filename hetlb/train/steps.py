@@ -35,7 +35,7 @@ from hetlb.policies.loop import DecisionLoop
 from hetlb.ranks.agreement import Peers
 from hetlb.ranks.watchdog import FLUSHING, WAITING
 from hetlb.train.losses import FinishedStep, LossLog, global_loss
-from hetlb.train.micro import run_micro_steps
+from hetlb.train.micro import MicroWays, run_micro_steps
 from hetlb.train.model_hooks import ModelHooks, not_syncing, unattached_message
 from hetlb.train.runlog import RunLog
 from hetlb.train.verify import RECORD_COLS, verify_table
@@ -182,8 +182,8 @@ class StepDriver:
         self.accumulate, self.exchange_every = accumulate, exchange_every
         self.adaptive_exchange, self.route = adaptive_exchange, route
         self.watchdog, self.runlog, self.peers = watchdog, runlog, peers
-        #: This rank's largest micro-batch (None: no limit; :meth:`micro_steps`), set at start-up.
-        self.micro_limit: Optional[int] = None
+        #: How this rank runs a share in micro-steps (:meth:`micro_steps`), set at start-up.
+        self.micro = MicroWays()
         #: Whether a loader is bound (it hands out the steps' batches).
         self.bound = False
         #: Seconds the driver itself spent in the latest step (row, table check, record,
@@ -415,7 +415,7 @@ class StepDriver:
 
     def micro_steps(self, fn: Any, batch: Tuple[Any, ...]) -> torch.Tensor:
         """:meth:`hetlb.Balancer.micro_steps`."""
-        return run_micro_steps(fn, batch, self._open and self._open.plan, self.micro_limit,
+        return run_micro_steps(fn, batch, self._open and self._open.plan, self.micro,
                                self.rank, core=self.telemetry.core, transport=self.gradients,
                                expect=self.hooks.expect)
 
