@@ -214,10 +214,17 @@ def test_batch_dim_option_for_other_layouts():
     bal3 = hetlb.Balancer(m3, 4, policy=Fixed([4]), batch_dim=None)  # the opt-out
     with bal3.step():
         m3(seq).sum().backward()
-    # dict inputs: the first tensor found; eval and no_grad forwards are not checked
+    # no_grad forwards are not checked, nor eval() ones between steps; inside `with bal.step():`
+    # a forward with gradients trains in eval() mode too, and is checked
     m.eval()
+    m(torch.zeros(5, 9, 2))
+    with pytest.raises(hetlb.BatchSizeError, match=r"eval\(\) mode inside"):
+        with bal.step():
+            m(torch.zeros(5, 9, 2)).sum().backward()
     with bal.step():
-        m(torch.zeros(5, 9, 2)).sum().backward()
+        with torch.no_grad():
+            m(torch.zeros(5, 9, 2))
+        m(seq).sum().backward()
     m.train()
     with torch.no_grad():
         m(torch.zeros(5, 9, 2))

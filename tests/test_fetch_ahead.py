@@ -257,6 +257,30 @@ def test_a_model_trained_in_eval_mode_is_told_why_no_step_opened():
     assert len(bal.history) == 4
 
 
+def test_inside_a_step_a_forward_in_eval_mode_is_checked_as_the_steps():
+    """Inside `with bal.step():` a forward with gradients in eval() mode trains: its batch is
+    checked against the plan (a wrong one would be weighted as the planned one); an evaluation
+    there under torch.no_grad() is left alone."""
+    model = torch.nn.Linear(1, 1).double().eval()
+    bal = hetlb.Balancer(model, 2, policy=hetlb.Uniform())
+    loader = bal.loader(torch.arange(8.0, dtype=torch.float64)[:, None])
+    x = next(iter(loader))
+    with pytest.raises(hetlb.BatchSizeError, match=r"eval\(\) mode inside `with bal.step\(\):`.*"
+                                                    r"torch.no_grad\(\)"):
+        with bal.step():
+            model(torch.cat([x, x])).sum().backward()
+    model.zero_grad()
+    for x in loader:
+        with bal.step():
+            with torch.no_grad():
+                model(torch.zeros(5, 1, dtype=torch.float64))  # (an evaluation: not checked)
+            model(x).sum().backward()
+        assert model.weight.grad.item() == x.sum().item()
+        model.zero_grad()
+    with torch.enable_grad():  # between steps an eval() forward is an evaluation
+        model(torch.zeros(5, 1, dtype=torch.float64))
+
+
 def test_the_sampler_copies_without_the_balancer():
     import copy
     import pickle

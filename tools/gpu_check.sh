@@ -3,7 +3,8 @@
 # raise an error message (a miscompiled one crashes there), runs the CUDA test grid (kernels,
 # opcheck; and the argument fuzzing, where CUDA devices are valid input), the distributed
 # CUDA/NCCL checks (tools/gpu_check.py), the kernel benchmark and hetlb's per-step cost on CUDA
-# (bench/bench_gpu_overhead.py; GPU_CHECK_TRACE=DIR adds profiler traces), then prints one summary.
+# (bench/bench_gpu_overhead.py; GPU_CHECK_TRACE=DIR adds profiler traces) and recomputation against
+# plain micro-steps (bench/bench_recompute.py), then prints one summary.
 # Without a CUDA device it says so and exits 0 (CI runs it). Uses $PYTHON, else `python`, else
 # `python3`.
 set -uo pipefail
@@ -48,9 +49,13 @@ step gpu_overhead "$PY" bench/bench_gpu_overhead.py --interleave step --variants
   --rounds 3 --steps 100 ${GPU_CHECK_TRACE:+--trace "$GPU_CHECK_TRACE"}
 step gpu_overhead_workers "$PY" bench/bench_gpu_overhead.py --interleave step --workers 2 \
   --variants plain plain#2 default default/1 --rounds 3 --steps 100
+# Per-rank recomputation against plain micro-steps on one GPU (bench/RESULTS.md 15.4 is the CPU's).
+step bench_recompute "$PY" bench/bench_recompute.py --device cuda --seq 256 --budget-mb 512 \
+  --shares 32,64,128,256 --rounds 5
 echo "=== gpu_check summary"
 failed=0
-for name in build extension error_message cuda_tests gpu_checks bench_kernels gpu_overhead gpu_overhead_workers; do
+for name in build extension error_message cuda_tests gpu_checks bench_kernels gpu_overhead gpu_overhead_workers \
+    bench_recompute; do
   printf '%-14s %s\n' "$name" "${result[$name]:-not run}"
   [ "${result[$name]:-}" = PASS ] || failed=1
 done

@@ -91,6 +91,9 @@ class StepGate:
         self._want = 0
         #: A micro-step's size, expected instead of the plan's entry (None: the plan's).
         self.expect: Optional[int] = None
+        #: Inside ``with bal.step():`` (set by the step driver): a forward with gradients there
+        #: is the step's in eval() mode too (an evaluation inside it runs under no_grad()).
+        self.marked = False
         #: One process: the handle of the same Balancer's :class:`hetlb.comm.local.BackwardEnd` hooks, removed
         #: with this gate when a new Balancer takes the module over.
         self.ends = ends
@@ -98,8 +101,9 @@ class StepGate:
     @never_compiled
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         plan = self.board.current
-        if plan is None or not module.training or not torch.is_grad_enabled():
-            return
+        if plan is None or not torch.is_grad_enabled() or \
+                not (module.training or self.marked or self.expect is not None):
+            return  # (an evaluation: a forward in eval() mode outside a marked step)
         off = self._no_sync_on(module)
         if self.expect is not None:
             pass  # (a micro-step of bal.micro_steps, which switches the no-sync itself)
@@ -119,10 +123,10 @@ class StepGate:
             n = self._size(args, kwargs)
             want = self._planned(plan.sizes) if self.expect is None else self.expect
             if n is not None and n != want:
-                raise BatchSizeError(self._wrong_size(plan, n))
+                raise BatchSizeError(self._wrong_size(plan, n, module.training))
         self.telemetry.restart_clock()
 
-    def _wrong_size(self, plan: StepPlan, n: int) -> str:
+    def _wrong_size(self, plan: StepPlan, n: int, training: bool = True) -> str:
         """What a batch of ``n`` samples against ``plan`` most likely means, and what to do."""
         rank, want = self.board.rank, self._planned(plan.sizes)
         if self.expect is not None:
@@ -132,6 +136,10 @@ class StepGate:
         head = (f"hetlb: rank {rank} gave the model a batch of {n} samples, but the Balancer "
                 f"planned {want} for it in step {plan.step} of epoch {plan.epoch} (sizes "
                 f"{plan.sizes.tolist()}). ")
+        if not training:
+            head += ("The model is in eval() mode inside `with bal.step():`, where a forward with "
+                     "gradients is taken for the step's: run an evaluation there under "
+                     "torch.no_grad(), or outside the step. ")
         last = self.board.last_sizes
         if last is not None and n == int(last[rank]):
             return head + (
@@ -345,6 +353,11 @@ class ModelHooks:
         """The forward check expects ``n`` samples (a micro-step's) instead of the plan's entry
         for this rank, until called with None."""
         self._gate_check.expect = n
+
+    def mark(self, inside: bool) -> None:
+        """Whether a ``with bal.step():`` block runs: the forward check then takes a forward with
+        gradients in eval() mode for the step's (checked, and its clock started)."""
+        self._gate_check.marked = inside
 
     def remove(self) -> None:
         """Take the forward check off (a Balancer refused after making it)."""

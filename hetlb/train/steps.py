@@ -112,6 +112,12 @@ def rebalance(part: Partition, loop: DecisionLoop, epoch: int, world: int) -> No
     log.info("epoch %d: rebalancing moves %d of %d samples", epoch, len(moves), part.home.size)
 
 
+def epoch_last(plan: StepPlan, steps_per_epoch: Optional[int]) -> bool:
+    """Whether ``plan`` is the last step of its epoch (``steps_per_epoch``: the bound loader's;
+    None without one, where epochs have no end)."""
+    return steps_per_epoch is not None and plan.step + 1 >= steps_per_epoch
+
+
 def plan_without_loader(d: Any, k: int, steps: int, micro: int) -> StepPlan:
     """The plan of a step without a loader (``bal.step()`` on batches of the script's own):
     the decision's sizes, micro-step ``micro`` of window ``steps`` of ``k``."""
@@ -324,7 +330,8 @@ class StepDriver:
             data = (self.window.data + data) / plan.window_len
         offset = 0.0 if first else max(float(self.telemetry.core.compute), 0.0)
         pos = len(self._block)
-        ship = ships(pos, self._block_len, restarted=self._ship_next, epoch_last=self._epoch_last(plan),
+        spe = self.board.steps_per_epoch if self.bound else None
+        ship = ships(pos, self._block_len, restarted=self._ship_next, epoch_last=epoch_last(plan, spe),
                      epoch_first=plan.step == 0 and self.bound)
         tele = self.telemetry
         predicted = self.loop.predict(self.rank, tele.probe.memory()) if self.loop.predictors \
@@ -337,11 +344,6 @@ class StepDriver:
         if self.watchdog is not None:
             self.watchdog.beat(self._step, self.telemetry)
         self._spent += time.perf_counter() - t
-
-    def _epoch_last(self, plan: StepPlan) -> bool:
-        """Whether ``plan`` is the last step of its epoch (known with a loader only)."""
-        spe = self.board.steps_per_epoch if self.bound else None
-        return spe is not None and plan.step + 1 >= spe
 
     @contextlib.contextmanager
     def step(self, owner: Any) -> Iterator[Any]:
@@ -368,6 +370,7 @@ class StepDriver:
             self.board.hand_own(plan)
         self._begin(plan, explicit=True)
         self._in_with = True
+        self.hooks.mark(True)
         try:
             self.window.check(plan, self.model)
             with contextlib.nullcontext() if plan.window_end else self.gradients.local():
@@ -376,6 +379,7 @@ class StepDriver:
         except BaseException:
             self.window.leave(failed=True)
             self._in_with = False
+            self.hooks.mark(False)
             self._discard()
             # The batch is given up, as a loop that skips it after an error does; the next step
             # takes the next batch (a window missing a micro-step cannot end exactly: refused).
@@ -384,6 +388,7 @@ class StepDriver:
                 self._broken = plan
             raise
         self._in_with = False
+        self.hooks.mark(False)
         self._consumed = plan
         if self.bound:  # (without one, batch_sizes says the next step's)
             self._ended = plan.sizes
@@ -570,7 +575,8 @@ class StepDriver:
             if plan.window_len != 1:
                 cols[COL["compute"]] /= plan.window_len
             self._last = (done, plan, cols, table)  # (made a FinishedStep when it is read)
-            records.append(StepRecord(step=done, epoch=plan.epoch, epoch_end=self._epoch_last(plan),
+            spe = self.board.steps_per_epoch if self.bound else None
+            records.append(StepRecord(step=done, epoch=plan.epoch, epoch_end=epoch_last(plan, spe),
                                       batch=plan.sizes, compute=cols[COL["compute"]],
                                       data=cols[COL["data"]], memory=cols[COL["memory"]],
                                       cpu=cols[COL["cpu"]], predicted=cols[COL["predicted"]],
