@@ -6,8 +6,8 @@ largest plain micro-batch and, inside ``rc.on()``, the largest recomputing one (
 activations recomputed in the backward). For each share ``b`` the step runs three ways, rounds
 rotating, medians: plain micro-steps (``micro_batch=`` the plain limit), recomputation forced
 (micro-steps of the recomputing limit), and hetlb's choice (``recompute=rc``: the way the two
-profiles predict is faster). Reported: each median, recomputing / plain, the way chosen and
-whether it was the faster one measured.
+profiles predict is faster). Reported: each median, recomputing / plain, the two ways' predicted
+times (what the rule compares), the way chosen and whether it was the faster one measured.
 
     python bench/bench_recompute.py [--seq 64] [--budget-mb 48] [--shares 8,16,32,64] [--rounds 7]
         [--device cpu|cuda]
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from report import emit
 
 import hetlb
+from hetlb.core.models import micro_step_model
 
 
 class Net(torch.nn.Module):
@@ -161,15 +162,19 @@ def main() -> None:
     lines = [f"plain limit {m} samples, recomputing limit {mr} ({where}, d {args.width}, seq "
              f"{args.seq}, {DEVICE}{f', FSDP2 on {world} ranks' if args.fsdp else ''}); medians "
              f"of {args.rounds} rounds, ms", "",
-             "| share | plain (k) | recomputing (k) | recomputing / plain | hetlb's choice | "
-             "choice ms | faster way chosen |", "|---:|---:|---:|---:|---|---:|---|"]
+             "| share | plain (k) | recomputing (k) | recomputing / plain | predicted plain, "
+             "recomputing | hetlb's choice | choice ms | faster way chosen |",
+             "|---:|---:|---:|---:|---:|---|---:|---|"]
     for b in shares:
         tp, tr, tc = (statistics.median(times[(n, b)]) * 1e3 for n in ("plain", "recompute", "choice"))
         kp, kr = -(-b // m), -(-b // mr)
+        # (the time models the rule compares: k passes of each profile's fitted model)
+        pp, pr = (float(micro_step_model(p.fit("cubic"), lim, b * world).time(b)) * 1e3
+                  for p, lim in ((plain, m), (again, mr)))
         way = "recompute" if chosen[b] else "plain"
         right = (tr < tp) == chosen[b]
-        lines.append(f"| {b} | {tp:.1f} ({kp}) | {tr:.1f} ({kr}) | {tr / tp:.2f} | {way} | "
-                     f"{tc:.1f} | {'yes' if right else 'no'} |")
+        lines.append(f"| {b} | {tp:.1f} ({kp}) | {tr:.1f} ({kr}) | {tr / tp:.2f} | {pp:.1f}, "
+                     f"{pr:.1f} | {way} | {tc:.1f} | {'yes' if right else 'no'} |")
     emit(lines, args.out)
 
 
