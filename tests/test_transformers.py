@@ -1,7 +1,8 @@
 """hetlb.integrations.transformers under a real Hugging Face Trainer (DDP, 2 Gloo ranks on CPU,
 launched by torchrun): each step's gradient is the gradient over the step's samples under the
 Trainer's loss normalisations (a Llama whose loss the Trainer divides by the step's global label
-count; a module whose loss is its batch's mean, with an idle rank), the sizes change between
+count, also with the Trainer's gradient checkpointing; a module whose loss is its batch's mean,
+with an idle rank), the sizes change between
 steps, the Trainer evaluates between steps, and a checkpoint taken mid-way through the second
 epoch resumes the rest of that epoch with the Trainer's step count right. In one process: the
 refusals and their messages."""
@@ -30,12 +31,15 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformers_
 #: its batch's mean: weighed as the token mean ("world"), its steps were the mean of the ranks'
 #: means (windows of 2 with a short one, LBB at emulated 1:2); "mean", a loss of the worker's
 #: trainer's own (the short window's scaling does not rely on the Trainer's compute_loss) with
-#: rank 0 idle in window 1.
+#: rank 0 idle in window 1; "checkpointed", the token means with the Trainer's
+#: gradient_checkpointing (the Llama's layers recomputed in the backward, transformers'
+#: non-reentrant checkpoint).
 WINDOWS = ("--samples", 54, "--accumulate", 2, "--check", "0,1,2")
 RUNS = {"first": ("--case", "tokens", "--epochs", 3, "--check", "0,1,5", "--stop-at", 6),
         "accumulated": ("--case", "tokens", *WINDOWS, "--own-token-means"),
         "classify": ("--case", "classify", *WINDOWS),
-        "mean": ("--case", "mean", *WINDOWS, "--idle")}
+        "mean": ("--case", "mean", *WINDOWS, "--idle"),
+        "checkpointed": ("--case", "tokens", *WINDOWS, "--checkpointing")}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +101,15 @@ def test_accumulated_mean_losses_with_an_idle_rank(runs):
     assert sorted(r["errors"]) == ["0", "1", "2"]
     assert max(r["errors"].values()) < 1e-6, r["errors"]
     assert "make a new BalancedTrainer with model=trainer.model" in r["again"]
+
+
+def test_gradient_checkpointing_trains_the_same_gradients(runs):
+    r = runs[0]["checkpointed"]
+    assert r["checkpointing"] and not runs[0]["accumulated"]["checkpointing"]
+    assert r["weighting"] == "world" and r["global_step"] == r["steps"] == 3
+    assert sorted(r["errors"]) == ["0", "1", "2"]
+    assert max(r["errors"].values()) < 1e-5, r["errors"]
+    assert sorted(i for rank in r["trained"] for _, idx in rank for i in idx) == list(range(54))
 
 
 def one_process(tmp_path, model, trainer_kwargs=None, **args):

@@ -146,6 +146,7 @@ def run(argv):
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--own-token-means", action="store_true",
                    help="average_tokens_across_devices=False")
+    p.add_argument("--checkpointing", action="store_true", help="gradient_checkpointing=True")
     a = p.parse_args(argv)
     rank = int(os.environ["RANK"])
     data = sequences(a.samples)
@@ -161,6 +162,7 @@ def run(argv):
                              num_train_epochs=a.epochs, max_steps=a.max_steps, learning_rate=0.05,
                              gradient_accumulation_steps=a.accumulate,
                              average_tokens_across_devices=not a.own_token_means,
+                             gradient_checkpointing=a.checkpointing,
                              use_cpu=True, report_to=[], save_strategy="no",
                              remove_unused_columns=False, disable_tqdm=True, seed=3,
                              ddp_timeout=120, logging_strategy="no",
@@ -188,6 +190,7 @@ def run(argv):
             json.dump({"trained": everyone, "steps": bal.steps,
                        "global_step": trainer.state.global_step,
                        "weighting": bal.weighting, "again": again,
+                       "checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
                        "sizes": [r.batch.tolist() for r in bal.history],
                        "errors": union_gradient_errors(make, watch.kept, everyone, loss_of)}, f)
     del trainer, bal, watch
