@@ -265,20 +265,21 @@ def test_inside_a_step_a_forward_in_eval_mode_is_checked_as_the_steps():
     bal = hetlb.Balancer(model, 2, policy=hetlb.Uniform())
     loader = bal.loader(torch.arange(8.0, dtype=torch.float64)[:, None])
     x = next(iter(loader))
+    other = torch.zeros(5, 1, dtype=torch.float64)
+    model(other)  # (a step handed out, outside the block: an evaluation, not checked)
     with pytest.raises(hetlb.BatchSizeError, match=r"eval\(\) mode inside `with bal.step\(\):`.*"
                                                     r"torch.no_grad\(\)"):
         with bal.step():
             model(torch.cat([x, x])).sum().backward()
     model.zero_grad()
     for x in loader:
+        model(other)  # (after the block that raised, too)
         with bal.step():
             with torch.no_grad():
-                model(torch.zeros(5, 1, dtype=torch.float64))  # (an evaluation: not checked)
+                model(other)  # (an evaluation: not checked)
             model(x).sum().backward()
         assert model.weight.grad.item() == x.sum().item()
         model.zero_grad()
-    with torch.enable_grad():  # between steps an eval() forward is an evaluation
-        model(torch.zeros(5, 1, dtype=torch.float64))
 
 
 def test_the_sampler_copies_without_the_balancer():

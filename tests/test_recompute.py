@@ -76,6 +76,35 @@ def test_lbb_allocates_by_the_faster_way():
     assert lbb.micro_limits(np.array([9, 9])).tolist() == [8, 2]
 
 
+def test_lbbs_rough_models_keep_the_way_each_rank_takes():
+    """The rapid-tune's model of a rank that may recompute, measured running 2 samples plainly
+    (0.24 s, twice its profile's 0.12 s): both ways scaled by 2, the lesser at every share, so
+    at 24 samples it is the recomputing way's (not 12 plain micro-steps')."""
+    from hetlb.core.telemetry import StepRecord
+    lbb = hetlb.LBB()
+    lbb.start(_context())
+    rec = StepRecord(step=0, epoch=0, batch=np.array([2, 22]), compute=np.array([0.24, 1.0]),
+                     data=np.array([2.0, 22.0]), memory=np.zeros(2), cpu=np.zeros(2),
+                     predicted=np.full(2, np.nan))
+    rough = lbb.recomputing_models(rec)
+    assert list(rough) == [0]  # (rank 1 cannot recompute)
+    for b in (1, 2, 3, 9, 24):
+        plain = 0.1 * -(-b // 2) + 0.01 * b
+        again = 0.1 * -(-b // 8) + 0.013 * b
+        assert rough[0].time(b) == pytest.approx(2 * min(plain, again), rel=1e-9)
+
+
+def test_recompute_is_made_under_no_grad_and_not_of_the_whole_model():
+    net = _Net()
+    plain, again = _profiles()
+    with torch.no_grad():
+        rc = hetlb.Recompute([net.hidden], profile=again)
+    assert not rc.enabled
+    with pytest.raises(ValueError, match="the Balancer's model itself"):
+        hetlb.Balancer(net, 8, recompute=hetlb.Recompute([net], profile=again), micro_batch=2,
+                       profile=plain)
+
+
 def test_bad_recompute_arguments_are_refused():
     net = _Net()
     plain, again = _profiles()

@@ -295,18 +295,20 @@ def micro_step_model(base: TimeModel, limit: int, total: int) -> PiecewiseModel:
 
 
 def lesser_model(a: TimeModel, b: TimeModel, points: Sequence[float]) -> PiecewiseModel:
-    """``min(a(x), b(x))`` as a :class:`PiecewiseModel`, exact at every integer ``x`` where ``a``
-    and ``b`` are both linear between consecutive ``points`` (e.g. the union of two
-    :func:`micro_step_model` models' batch sizes): between two points the lesser of two lines
-    changes line once, so its integers on either side of the crossing are added.
+    """``min(a(x), b(x))`` as a :class:`PiecewiseModel`, exact at every integer ``x`` from the
+    least to the greatest of ``points`` (numbers >= 1) where ``a`` and ``b`` are both linear
+    between consecutive points (e.g. the union of two :func:`micro_step_model` models' batch
+    sizes): between two points the lesser of two lines changes line once, so its integers on
+    either side of the crossing are added. Beyond the points it extends the last segment.
 
     The time of a rank that may run its batch in either of two ways (plainly or recomputing,
     :class:`hetlb.train.recompute.Recompute`) and takes the faster one."""
     x = np.unique(np.asarray(points, dtype=np.float64))
-    if x.size == 0 or not np.all(np.isfinite(x)):
-        raise ValueError(f"lesser_model: points must be finite numbers, got {points!r}")
+    if x.size == 0 or not np.all(np.isfinite(x)) or x[0] < 1:
+        raise ValueError(f"lesser_model: points must be finite numbers >= 1, got {points!r}")
     d = a.time(x) - b.time(x)  # (linear on each segment: one root where the sign changes)
-    flip = np.nonzero(d[:-1] * d[1:] < 0)[0]
+    sign = np.sign(d)
+    flip = np.nonzero(sign[:-1] * sign[1:] < 0)[0]
     root = x[flip] + (x[flip + 1] - x[flip]) * (d[flip] / (d[flip] - d[flip + 1]))
     x = np.unique(np.concatenate([x, np.floor(root), np.ceil(root)]))
     return PiecewiseModel(x, np.minimum(a.time(x), b.time(x)))

@@ -15,6 +15,7 @@ state conversions the Balancer applies to every policy.
 from __future__ import annotations
 
 import copy
+import math
 import inspect
 import numbers
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import torch
 
 from hetlb.core.checks import integer, optional_integer
 from hetlb.core.decisions import ScheduleRule
-from hetlb.core.models import TimeModel, lesser_model, micro_step_model
+from hetlb.core.models import PiecewiseModel, TimeModel, lesser_model, micro_step_model
 from hetlb.core.solve import allocate_proportional
 from hetlb.core.telemetry import History, StepRecord, require_progress
 
@@ -126,6 +127,9 @@ class Context:
                                  f"{'micro_batch' if self.micro_batch[r] is None else 'profile'}: "
                                  f"it chooses between its two ways from both")
             integer(rc["micro_batch"], f"Context: recompute[{r}]['micro_batch']", 1)
+            if not all(isinstance(rc[k], TimeModel) for k in ("model", "linear")):
+                raise ValueError(f"Context: recompute[{r}]'s 'model' and 'linear' must be hetlb "
+                                 f"time models, got {rc!r}")
 
     @classmethod
     def simple(cls, world: int, global_batch: int, lower: int = 1,
@@ -149,11 +153,12 @@ class Context:
             elif rc is None:
                 out.append(micro_step_model(p[kind], m, self.global_batch))
             else:
-                out.append(lesser_model(*self._two_ways(r, kind)))
+                plain, again = self.two_ways(r, kind)
+                out.append(lesser_model(plain, again, self._ways[(r, kind)][2]))
         return out
 
-    def _two_ways(self, rank: int, kind: str = "model") -> Tuple[TimeModel, TimeModel, np.ndarray]:
-        """A recomputing rank's plain and recomputing micro-step models and their points."""
+    def two_ways(self, rank: int, kind: str = "model") -> Tuple[PiecewiseModel, PiecewiseModel]:
+        """A recomputing rank's plain and recomputing micro-step models (of profile ``kind``)."""
         key = (rank, kind)
         if key not in self._ways:
             rc = self.recompute[rank]
@@ -161,14 +166,14 @@ class Context:
                                      self.global_batch)
             again = micro_step_model(rc[kind], int(rc["micro_batch"]), self.global_batch)
             self._ways[key] = (plain, again, np.concatenate([plain.batch_sizes, again.batch_sizes]))
-        return self._ways[key]
+        return self._ways[key][:2]
 
     def recomputes(self, rank: int, b: int) -> bool:
         """Whether ``rank`` runs a share of ``b`` samples recomputing: where its recomputing
         micro-steps' time (profile kind "model") is less than its plain ones'. Ties run plain."""
         if self.recompute[rank] is None:
             return False
-        plain, again, _ = self._two_ways(rank)
+        plain, again = self.two_ways(rank)
         return bool(again.time(b) < plain.time(b))
 
     def micro_limit(self, rank: int, b: int) -> Optional[int]:
@@ -443,8 +448,9 @@ class SizedPolicy(Policy):
     #: Each rank's largest micro-batch, 0 for none (set by :meth:`_setup`; none before).
     _micro: Optional[np.ndarray] = None
 
-    #: The start-up context where a rank may recompute (its limit then depends on its share).
-    _ways: Optional[Context] = None
+    #: The start-up context where a rank may recompute (its limit then depends on its share);
+    #: configuration, like ``_micro``.
+    _choices: Optional[Context] = None
 
     def micro_batches(self) -> np.ndarray:
         """Each rank's largest micro-batch (``Context.micro_batch``; 0: none), int64 ``[world]``."""
@@ -453,10 +459,29 @@ class SizedPolicy(Policy):
     def micro_limits(self, b: np.ndarray) -> np.ndarray:
         """Each rank's largest micro-batch for shares ``b`` (0: none): a rank that may recompute
         runs a share in micro-batches of the way it takes for it (:meth:`Context.micro_limit`)."""
-        if self._ways is None:
+        if self._choices is None:
             return self.micro_batches()
-        return np.array([self._ways.micro_limit(r, int(b[r])) or 0 for r in range(self.world)],
+        return np.array([self._choices.micro_limit(r, int(b[r])) or 0 for r in range(self.world)],
                         np.int64)
+
+    def recomputing_models(self, measured: StepRecord) -> Dict[int, TimeModel]:
+        """For each rank that may recompute and ran ``measured``'s step, the lesser of its two
+        ways' micro-step models, both scaled by the measured time over the predicted time of the
+        way it ran (so a rough model keeps the choice the rank makes at every share)."""
+        ctx, out = self._choices, {}
+        if ctx is None:
+            return out
+        for r in range(self.world):
+            b, t = int(measured.batch[r]), float(measured.compute[r])
+            if ctx.recompute[r] is None or b <= 0 or not math.isfinite(t) or t <= 0:
+                continue
+            plain, again = ctx.two_ways(r)
+            ran = float((again if ctx.recomputes(r, b) else plain).time(b))
+            f = t / ran if ran > 0 else 1.0
+            out[r] = lesser_model(PiecewiseModel(plain.batch_sizes, f * plain.times),
+                                  PiecewiseModel(again.batch_sizes, f * again.times),
+                                  np.concatenate([plain.batch_sizes, again.batch_sizes]))
+        return out
 
     def _setup(self, ctx: Context) -> None:
         if not isinstance(ctx, Context):
@@ -469,7 +494,7 @@ class SizedPolicy(Policy):
         self.last = np.zeros(self.world, np.int64)
         #: Each rank's largest micro-batch (0: none); configuration, not state (the start-up's).
         self._micro = np.array([m or 0 for m in ctx.micro_batch], np.int64)
-        self._ways = ctx if any(rc is not None for rc in ctx.recompute) else None
+        self._choices = ctx if any(rc is not None for rc in ctx.recompute) else None
 
     def _context(self) -> Context:
         """The context for :func:`check_sizes`; rebuilt from state after a restore."""

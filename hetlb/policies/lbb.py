@@ -237,6 +237,8 @@ class LBB(SizedPolicy):
         models = [LinearModel(a0[i], slope[i]) if not micro[i] else
                   micro_step_model(LinearModel(a0[i], slope[i]), int(micro[i]), self.global_batch)
                   for i in range(self.world)]
+        for i, model in self.recomputing_models(rec).items():  # (either way, by its share)
+            models[i] = model
         return allocate(models, self.global_batch, self.lower, self.upper)
 
     def _fine_tune(self, history: History, rec: StepRecord) -> Optional[np.ndarray]:

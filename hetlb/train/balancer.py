@@ -58,7 +58,8 @@ _FORMAT = 2
 _SECOND_LOADER = ("this Balancer already drives a loader; iterate that one every epoch "
                   "(loader.set_epoch(epoch)). A loader for evaluation is a hetlb.DataLoader "
                   "bound to no Balancer, or a plain torch.utils.data.DataLoader (run it under "
-                  "torch.no_grad() or model.eval(): the Balancer checks only training batches)")
+                  "torch.no_grad(), or in model.eval() between steps: the Balancer checks only "
+                  "training batches)")
 
 
 def _check_rule_bounds(everyone: List[Dict[str, Any]], global_batch: int, policy: str) -> None:
@@ -571,8 +572,9 @@ class Balancer:
             yield owner
 
     def micro_steps(self, fn: Any, *batch: Any) -> torch.Tensor:
-        """This rank's batch of the step as micro-steps of at most ``micro_batch`` samples
-        (docs/balancer.md, "Micro-steps"): ``fn(*chunk)`` returns the mean loss over a chunk
+        """This rank's batch of the step as micro-steps of at most ``micro_batch`` samples (or,
+        where a ``recompute=`` rank recomputes, of its recomputing limit; docs/balancer.md,
+        "Micro-steps" and "Recomputation"): ``fn(*chunk)`` returns the mean loss over a chunk
         (tensors of ``batch`` sliced along their first dimension), the Balancer runs its
         weighted backward. Every rank calls it in every step. Returns this rank's mean loss."""
         return self.driver.micro_steps(fn, batch)

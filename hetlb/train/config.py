@@ -210,6 +210,11 @@ def _check_recompute(recompute: Any, model: torch.nn.Module, micro_batch: Option
     stray = [i for i, m in enumerate(recompute.modules) if id(m) not in mine]
     if stray:
         raise ValueError(f"recompute: modules {stray} are not modules of the Balancer's model")
+    root = {id(model), id(wrapper_of(model, 1).inner(model))}
+    whole = [i for i, m in enumerate(recompute.modules) if id(m) in root]
+    if whole:  # (its recomputation would run the Balancer's own forward checks in the backward)
+        raise ValueError(f"recompute: modules {whole} are the Balancer's model itself; name the "
+                         f"modules inside it to recompute (e.g. its layers)")
     recompute.entry()  # (its profile is checked here, before the start-up agreement)
 
 

@@ -38,8 +38,9 @@ def _load_checkpoint_machinery() -> None:
     against its first batch size."""
     from torch.utils.checkpoint import checkpoint as run_checkpointed
 
-    t = torch.ones(1, requires_grad=True)
-    run_checkpointed(torch.sin, t, use_reentrant=False).backward()
+    with torch.inference_mode(False), torch.enable_grad():  # (made under no_grad() too)
+        t = torch.ones(1, requires_grad=True)
+        run_checkpointed(torch.sin, t, use_reentrant=False).backward()
 
 
 class Recompute:
