@@ -32,27 +32,11 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from bench_fsdp2 import Net  # (the same small transformer)
 from report import emit
 
 import hetlb
 from hetlb.core.models import micro_step_model
-
-
-class Net(torch.nn.Module):
-    def __init__(self, d: int = 256, vocab: int = 1000, layers: int = 4, classes: int = 10) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(vocab, d)
-        self.layers = torch.nn.ModuleList(
-            torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
-            for _ in range(layers))
-        self.head = torch.nn.Linear(d, classes)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h.mean(dim=1))
 
 
 DEVICE = torch.device("cpu")
@@ -70,7 +54,8 @@ def _sync() -> None:
 
 
 def _build(d: int, fsdp: bool) -> Net:
-    model = Net(d).to(DEVICE)
+    torch.manual_seed(0)  # (the same weights in every build)
+    model = Net(d=d).to(DEVICE)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
         for layer in model.layers:
