@@ -7,7 +7,8 @@ namespace hetlb {
 // Host algorithms on NumPy arrays (csrc/solve/bindings.cpp).
 void bind_solve(pybind11::module& m);
 
-// What the module says about its tensor ops (csrc/ops/ops.cpp): `has_cuda`.
+// The tensor ops' eager calls and whether the CUDA kernels were built, `has_cuda`
+// (csrc/ops/calls.cpp).
 void bind_ops(pybind11::module& m);
 
 // The step core, the weighted DDP hook and the per-step fast calls (csrc/hook/bindings.cpp).

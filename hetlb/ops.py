@@ -7,6 +7,11 @@ here so that the ops trace under ``torch.compile`` / ``torch.export`` without ru
 All tensors of one call must share one dtype among float32, float64, float16 and bfloat16, and one
 device; half and bfloat16 are computed in float32, float64 in float64. Violations raise
 ``RuntimeError`` naming the offending argument.
+
+In eager mode ``scale_`` and ``delay_compensate_`` hand their lists to ``hetlb._C`` directly, which
+calls the same op through the dispatcher (torch.ops' argument parsing costs more host time than a
+GPU takes to run them on a model's gradients); under ``torch.compile``, for tensor subclasses other
+than ``Parameter`` and under a torch function mode, they call ``torch.ops.hetlb``.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from hetlb import _C  # noqa: F401  (registers torch.ops.hetlb.*)
+from hetlb import _C  # (registers torch.ops.hetlb.*; scale_call and delay_compensate_call)
 
 
 __all__ = ["scale_", "flatten_scaled", "unflatten_", "delay_compensate_"]
@@ -33,7 +38,8 @@ def scale_(tensors: Sequence[Tensor], weight: float) -> None:
     if not tensors:
         # The dispatcher cannot route a call without tensor arguments; nothing to do anyway.
         return
-    torch.ops.hetlb.scale_.default(tensors, float(weight))
+    if torch.compiler.is_compiling() or not _C.scale_call(tensors, float(weight)):
+        torch.ops.hetlb.scale_.default(tensors, float(weight))
 
 
 def flatten_scaled(tensors: Sequence[Tensor], weight: float,
@@ -75,7 +81,7 @@ def delay_compensate_(grad: Union[Tensor, Sequence[Tensor]], param: Union[Tensor
     ``grad += lam * grad * grad * (param - prev_param)``.
 
     Takes one tensor each or equally long lists (a model's gradients in one call: on CUDA one
-    launch per 36 tensors instead of one per tensor).
+    launch per 512 tensors instead of one per tensor; per 36 with a CUDA older than 12.1).
 
     Args:
         grad: gradient, or a list of them, overwritten.
@@ -91,7 +97,8 @@ def delay_compensate_(grad: Union[Tensor, Sequence[Tensor]], param: Union[Tensor
     grads, params, prevs = ([t] if s else list(t) for t, s in zip((grad, param, prev_param), single))
     if not grads and not params and not prevs:
         return  # the dispatcher cannot route a call without tensor arguments; nothing to do anyway
-    torch.ops.hetlb.delay_compensate_.default(grads, params, prevs, float(lam))
+    if torch.compiler.is_compiling() or not _C.delay_compensate_call(grads, params, prevs, float(lam)):
+        torch.ops.hetlb.delay_compensate_.default(grads, params, prevs, float(lam))
 
 
 # Fake implementations: shapes and dtypes only, mirroring the argument checks that decide them.

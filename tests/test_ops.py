@@ -374,3 +374,68 @@ def test_torch_compile_fullgraph():
     close(out, ref_flatten_scaled(g_ref, 1.0, torch.ones(1)), torch.float32)
     for a, b in zip(grads, g_ref):
         close(a, b, torch.float32)
+
+
+# ---- the eager calls (hetlb._C.scale_call, delay_compensate_call) --------------------------------
+
+
+class _Counted(torch.Tensor):
+    """A subclass that takes part in __torch_function__: its calls must reach torch.ops."""
+
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _Recorder(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_run_the_op_with_plain_tensors_and_parameters():
+    # The direct call runs the same op: the results are the references', lists in order.
+    grads = make_list(torch.float32, "cpu")
+    params = [torch.nn.Parameter(rand(s, torch.float32, "cpu")) for s in SHAPES]
+    prevs = make_list(torch.float32, "cpu")
+    want = [g.clone() for g in grads]
+    for g, p, q in zip(want, params, prevs):
+        ref_delay_compensate_(g, p.detach(), q, 0.3)
+    ref_scale_(want, -0.7)
+    from hetlb import _C
+    assert _C.delay_compensate_call(grads, params, prevs, 0.3) is True
+    assert _C.scale_call(grads, -0.7) is True
+    for a, b in zip(grads, want):
+        close(a, b, torch.float32)
+
+
+def test_eager_calls_leave_subclasses_and_modes_to_torch_ops():
+    from hetlb import _C
+    t = torch.ones(3).as_subclass(_Counted)
+    _Counted.seen.clear()
+    assert _C.scale_call([torch.ones(2), t], 2.0) is False  # nothing run
+    assert torch.equal(t.as_subclass(torch.Tensor), torch.ones(3))
+    ops.scale_([t], 2.0)
+    assert torch.ops.hetlb.scale_.default in _Counted.seen
+    assert torch.equal(t.as_subclass(torch.Tensor), torch.full((3,), 2.0))
+    g, p, q = torch.ones(2), torch.ones(2), torch.zeros(2)
+    with _Recorder() as mode:
+        assert _C.delay_compensate_call([g], [p], [q], 1.0) is False
+        ops.delay_compensate_([g], [p], [q], 1.0)
+        ops.scale_([g], 3.0)
+    assert mode.seen == [torch.ops.hetlb.delay_compensate_.default, torch.ops.hetlb.scale_.default]
+    assert torch.equal(g, torch.full((2,), 6.0))  # (1 + 1 * 1 * 1 * 1) * 3
+
+
+def test_eager_calls_refuse_a_non_tensor_naming_it():
+    with pytest.raises(TypeError, match=r"hetlb.ops.scale_: tensors\[1\] must be a Tensor, got float"):
+        ops.scale_([torch.ones(2), 1.0], 2.0)
+    with pytest.raises(TypeError, match=r"delay_compensate_: prev_param\[0\] must be a Tensor, got str"):
+        ops.delay_compensate_([torch.ones(2)], [torch.ones(2)], ["x"], 2.0)

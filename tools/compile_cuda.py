@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Compile every csrc/**/*.cu (the kernels in csrc/ops/cuda) object-only against the installed torch
-headers.
+"""Compile every csrc/**/*.cu (the kernels in csrc/ops/cuda) and bench/**/*.cu (the tile sweep of
+bench/bench_tiles.py) object-only against the installed torch headers.
 
 Runs where there is no GPU and even where torch is a CPU build (its wheel ships the ATen/cuda and
 c10/cuda headers): it checks that the CUDA kernels compile, it does not link or run them. Objects go
@@ -61,9 +61,10 @@ def main() -> int:
     if nvcc is None:
         print("compile_cuda: nvcc not found (set CUDA_HOME or put nvcc on PATH); skipping")
         return 0
-    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
+    sources = sorted(src for top in ("csrc", "bench")
+                     for src in glob.glob(os.path.join(ROOT, top, "**", "*.cu"), recursive=True))
     if not sources:
-        print("compile_cuda: no csrc/**/*.cu files")
+        print("compile_cuda: no csrc/**/*.cu or bench/**/*.cu files")
         return 0
     base = [nvcc, "-c", "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC"]
     if args.arch:

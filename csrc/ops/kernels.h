@@ -40,7 +40,12 @@ inline void check_dtype(const char* op, const char* name, const at::Tensor& t) {
 }
 
 // Every tensor of a call must match the first one: mixed dtypes would need a cast per element and
-// mixed devices cannot be reached by one kernel. The message names the offending index.
+// mixed devices cannot be reached by one kernel. The message names the offending index. The
+// names are built only for a message: a model's 400 tensors are checked on every call.
+inline bool same_kind(const at::Tensor& t, const at::Tensor& ref) {
+  return t.defined() && t.scalar_type() == ref.scalar_type() && t.device() == ref.device();
+}
+
 inline void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
                        const at::Tensor& ref) {
   check_dtype(op, name, t);
@@ -49,13 +54,17 @@ inline void check_same(const char* op, const char* name, const at::Tensor& t, co
               " but ", name, " is ", describe(t));
 }
 
+inline std::string indexed(const char* list_name, size_t i) {
+  return std::string(list_name) + "[" + std::to_string(i) + "]";
+}
+
 inline void check_list(const char* op, const char* list_name, at::TensorList tensors) {
   if (tensors.empty()) return;
-  check_dtype(op, (std::string(list_name) + "[0]").c_str(), tensors[0]);
-  const std::string ref = std::string(list_name) + "[0]";
+  check_dtype(op, indexed(list_name, 0).c_str(), tensors[0]);
   for (size_t i = 1; i < tensors.size(); ++i) {
-    const std::string name = std::string(list_name) + "[" + std::to_string(i) + "]";
-    check_same(op, name.c_str(), tensors[i], ref.c_str(), tensors[0]);
+    if (same_kind(tensors[i], tensors[0])) continue;
+    check_same(op, indexed(list_name, i).c_str(), tensors[i], indexed(list_name, 0).c_str(),
+               tensors[0]);
   }
 }
 
@@ -84,10 +93,9 @@ inline void check_unflatten(const at::Tensor& flat, at::TensorList tensors) {
   const char* op = "hetlb::unflatten_";
   check_dtype(op, "flat", flat);
   TORCH_CHECK(flat.dim() == 1, op, ": flat must be 1-D, got ", describe(flat));
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const std::string name = "tensors[" + std::to_string(i) + "]";
-    check_same(op, name.c_str(), tensors[i], "flat", flat);
-  }
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (!same_kind(tensors[i], flat))
+      check_same(op, indexed("tensors", i).c_str(), tensors[i], "flat", flat);
   const int64_t need = total_numel(tensors);
   TORCH_CHECK(flat.numel() >= need, op, ": flat has ", flat.numel(),
               " elements but the tensors need ", need, " (", tensors.size(), " tensors)");
@@ -101,14 +109,15 @@ inline void check_delay_compensate(at::TensorList grads, at::TensorList params,
               ", ", params.size(), " and ", prevs.size());
   check_list(op, "grads", grads);
   for (size_t i = 0; i < grads.size(); ++i) {
-    const std::string at_i = "[" + std::to_string(i) + "]";
-    const std::string g = "grads" + at_i, p = "params" + at_i, q = "prev_params" + at_i;
-    check_same(op, p.c_str(), params[i], g.c_str(), grads[i]);
-    check_same(op, q.c_str(), prevs[i], g.c_str(), grads[i]);
-    TORCH_CHECK(params[i].sizes() == grads[i].sizes() && prevs[i].sizes() == grads[i].sizes(), op,
-                ": ", g, ", ", p, " and ", q, " must have the same shape, got ", g, " ",
-                describe(grads[i]), ", ", p, " ", describe(params[i]), ", ", q, " ",
-                describe(prevs[i]));
+    const at::Tensor &g = grads[i], &p = params[i], &q = prevs[i];
+    if (same_kind(p, g) && same_kind(q, g) && p.sizes() == g.sizes() && q.sizes() == g.sizes())
+      continue;
+    const std::string gn = indexed("grads", i), pn = indexed("params", i),
+                      qn = indexed("prev_params", i);
+    check_same(op, pn.c_str(), p, gn.c_str(), g);
+    check_same(op, qn.c_str(), q, gn.c_str(), g);
+    TORCH_CHECK(false, op, ": ", gn, ", ", pn, " and ", qn, " must have the same shape, got ", gn,
+                " ", describe(g), ", ", pn, " ", describe(p), ", ", qn, " ", describe(q));
   }
 }
 
@@ -229,10 +238,17 @@ inline void delay_compensate_with(at::TensorList grads, at::TensorList params,
       g = g.contiguous();
       write_back.emplace_back(grads[i], g);
     }
-    at::Tensor p = params[i].contiguous(), q = prevs[i].contiguous();
-    triples.push_back({g.data_ptr(), p.const_data_ptr(), q.const_data_ptr(), g.numel()});
-    keep.push_back(std::move(p));
-    keep.push_back(std::move(q));
+    const void* in[2];
+    for (int j = 0; j < 2; ++j) {
+      const at::Tensor& t = j == 0 ? params[i] : prevs[i];
+      if (t.is_contiguous()) {
+        in[j] = t.const_data_ptr();
+      } else {
+        keep.push_back(t.contiguous());
+        in[j] = keep.back().const_data_ptr();
+      }
+    }
+    triples.push_back({g.data_ptr(), in[0], in[1], g.numel()});
   }
   if (triples.empty()) return;
   run(grads[0].scalar_type(), triples, lam);

@@ -3,23 +3,9 @@
 // Weights are host floats: batch sizes are decided on the host, so no device sync is needed.
 #include <torch/library.h>
 
-#include "bindings.h"
-
 TORCH_LIBRARY(hetlb, m) {
   m.def("scale_(Tensor(a!)[] tensors, float weight) -> ()");
   m.def("flatten_scaled(Tensor[] tensors, float weight, Tensor? extra=None) -> Tensor");
   m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
   m.def("delay_compensate_(Tensor(a!)[] grads, Tensor[] params, Tensor[] prev_params, float lam) -> ()");
 }
-
-namespace hetlb {
-
-void bind_ops(pybind11::module& m) {
-#ifdef HETLB_WITH_CUDA
-  m.attr("has_cuda") = true;
-#else
-  m.attr("has_cuda") = false;
-#endif
-}
-
-}  // namespace hetlb

@@ -2,7 +2,8 @@
 // random list of items is executed block by block and thread by thread, as the kernel's grid would,
 // and each output is compared bit for bit with the op applied element by element; the elements
 // around every array must stay untouched. Pointers are offset from 16-byte alignment one at a time
-// (the scalar path), items sized around the vector width and the tile, lists longer than a launch.
+// (the scalar path), items sized around the vector width and the tile, lists longer than a launch
+// of either batch size (512 items, and the small batches of 48 and 36).
 // Prints "ok <cases>" and exits 0, or the first failures and exits 1. Built and run by
 // tests/test_cuda_tiles.py.
 #include <c10/util/BFloat16.h>
@@ -96,7 +97,7 @@ const char* name_of(c10::Half) { return "float16"; }
 const char* name_of(c10::BFloat16) { return "bfloat16"; }
 
 // scale: out of place (flatten_scaled) or in place (scale_), offsets per pointer.
-template <typename T>
+template <typename T, typename Batch>
 void scale_case(std::mt19937_64& rng, int items, bool in_place, int misalign, int blocks, int lanes,
                 bool reverse, int& cases) {
   constexpr int V = kVectorBytes / sizeof(T);
@@ -118,7 +119,7 @@ void scale_case(std::mt19937_64& rng, int items, bool in_place, int misalign, in
     for (int64_t e = 0; e < src[i].n; ++e) want[i].push_back(op(&src[i].data[e]));
     segs.push_back({out.data, src[i].data, src[i].n});
   }
-  emulate<SegmentBatch>(segs, [](const Seg& s) { return std::array<const void*, 2>{s.dst, s.src}; },
+  emulate<Batch>(segs, [](const Seg& s) { return std::array<const void*, 2>{s.dst, s.src}; },
                         op, blocks, lanes, reverse);
   for (int i = 0; i < items; ++i) {
     const Array<T>& out = in_place ? src[i] : dst[i];
@@ -135,7 +136,7 @@ void scale_case(std::mt19937_64& rng, int items, bool in_place, int misalign, in
 }
 
 // delay compensation: grad updated in place from (grad, param, prev).
-template <typename T>
+template <typename T, typename Batch>
 void triple_case(std::mt19937_64& rng, int items, int misalign, int blocks, int lanes, bool reverse,
                  int& cases) {
   constexpr int V = kVectorBytes / sizeof(T);
@@ -161,7 +162,7 @@ void triple_case(std::mt19937_64& rng, int items, int misalign, int blocks, int 
     }
     tris.push_back({g[i].data, p[i].data, q[i].data, g[i].n});
   }
-  emulate<TripleBatch>(tris, [](const Tri& t) { return std::array<const void*, 3>{t.g, t.p, t.q}; },
+  emulate<Batch>(tris, [](const Tri& t) { return std::array<const void*, 3>{t.g, t.p, t.q}; },
                        op, blocks, lanes, reverse);
   for (int i = 0; i < items; ++i) {
     bool ok = g[i].guards_intact() && p[i].guards_intact() && q[i].guards_intact();
@@ -181,9 +182,15 @@ void dtype_cases(std::mt19937_64& rng, int rounds, int& cases) {
   const int shapes[][2] = {{256, 7}, {256, 1}, {32, 3}, {256, 1000}};  // (lanes, blocks)
   for (int r = 0; r < rounds; ++r) {
     const auto& s = shapes[r % 4];
-    const int items = r % 5 == 4 ? 100 : 1 + static_cast<int>(rng() % 12);
-    scale_case<T>(rng, items, r % 2 == 0, r % 3, s[1], s[0], r % 7 == 3, cases);
-    triple_case<T>(rng, items, r % 3, s[1], s[0], r % 7 == 5, cases);
+    // 100 items: longer than a small launch; 530: longer than a large one.
+    const int items = r == 9 ? 530 : r % 5 == 4 ? 100 : 1 + static_cast<int>(rng() % 12);
+    if (items == 530 || (items != 100 && r % 2 == 0)) {
+      scale_case<T, SegmentBatch>(rng, items, r % 4 == 0, r % 3, s[1], s[0], r % 7 == 3, cases);
+      triple_case<T, TripleBatch>(rng, items, r % 3, s[1], s[0], r % 7 == 5, cases);
+    } else {
+      scale_case<T, SmallSegmentBatch>(rng, items, r % 4 == 1, r % 3, s[1], s[0], r % 7 == 3, cases);
+      triple_case<T, SmallTripleBatch>(rng, items, r % 3, s[1], s[0], r % 7 == 5, cases);
+    }
   }
 }
 

@@ -61,6 +61,23 @@ void launch(const Batch& batch, const Op& op, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether launches may carry more than 4 KB of argument (tiles.cuh, SegmentBatch): built by a
+// CUDA >= 12.1 compiler and run on a driver that supports it.
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
+constexpr bool kLargeArgumentsBuilt = true;
+#else
+constexpr bool kLargeArgumentsBuilt = false;
+#endif
+
+bool large_arguments() {
+  static const bool ok = [] {
+    int version = 0;
+    return kLargeArgumentsBuilt && cudaDriverGetVersion(&version) == cudaSuccess && version >= 12010;
+  }();
+  return ok;
+}
+
 template <typename Batch, typename Item, typename Pointers, typename Op>
 void run_batched(const std::vector<Item>& items, Pointers pointers, const Op& op) {
   if (items.empty()) return;
@@ -68,9 +85,18 @@ void run_batched(const std::vector<Item>& items, Pointers pointers, const Op& op
   for_each_batch<Batch>(items, pointers, [&](const Batch& batch) { launch(batch, op, stream); });
 }
 
+// run_batched with the large batch where launches can carry it, else the small one.
+template <typename Large, typename Small, typename Item, typename Pointers, typename Op>
+void run_items(const std::vector<Item>& items, Pointers pointers, const Op& op) {
+  if constexpr (kLargeArgumentsBuilt) {
+    if (large_arguments()) return run_batched<Large>(items, pointers, op);
+  }
+  run_batched<Small>(items, pointers, op);
+}
+
 void run_segments(at::ScalarType st, const std::vector<Segment>& segs, double weight) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "hetlb_scale_segments_cuda", [&] {
-    run_batched<SegmentBatch>(
+    run_items<SegmentBatch, SmallSegmentBatch>(
         segs, [](const Segment& s) { return std::array<const void*, 2>{s.dst, s.src}; },
         ScaleOp<scalar_t>{static_cast<at::opmath_type<scalar_t>>(weight)});
   });
@@ -96,7 +122,7 @@ void unflatten_cuda(const at::Tensor& flat, at::TensorList tensors, double scale
 
 void run_triples(at::ScalarType st, const std::vector<Triple>& triples, double lam) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "hetlb_delay_compensate_cuda", [&] {
-    run_batched<TripleBatch>(
+    run_items<TripleBatch, SmallTripleBatch>(
         triples, [](const Triple& t) { return std::array<const void*, 3>{t.g, t.p, t.q}; },
         DelayCompensateOp<scalar_t>{static_cast<at::opmath_type<scalar_t>>(lam)});
   });

@@ -28,9 +28,20 @@
 
 namespace hetlb::kernels {
 
-constexpr int64_t kTile = 8192;  // elements per block per step: 32 per thread at 256 threads
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;       // loads in flight per thread and input
+// The HETLB_TILE_* macros exist for bench/bench_tiles.py, which builds the kernels with other
+// shapes to measure them side by side; the extension never sets them.
+#ifndef HETLB_TILE_ELEMENTS
+#define HETLB_TILE_ELEMENTS 8192
+#endif
+#ifndef HETLB_TILE_THREADS
+#define HETLB_TILE_THREADS 256
+#endif
+#ifndef HETLB_TILE_UNROLL
+#define HETLB_TILE_UNROLL 4
+#endif
+constexpr int64_t kTile = HETLB_TILE_ELEMENTS;  // elements per block per step (32 a thread at 256)
+constexpr int kThreads = HETLB_TILE_THREADS;
+constexpr int kUnroll = HETLB_TILE_UNROLL;       // loads in flight per thread and input
 constexpr int kVectorBytes = 16;
 
 // Up to kMax items of kPtrs pointers each, cut into tiles; travels by value in the kernel argument.
@@ -44,13 +55,17 @@ struct ItemBatch {
   int count;
 };
 
-// The item that tile `tile` (< the batch's tiles) belongs to. At most kCapacity steps, uniform
-// across a block: cheaper than a per-element search.
+// The item that tile `tile` (< the batch's tiles) belongs to: the last whose first tile is at or
+// before it (an empty item shares its first tile with the next one, so it is never the last). A
+// binary search, uniform across a block: a launch carries up to 512 items.
 template <typename Batch>
 HETLB_HD int item_of(const Batch& batch, int64_t tile) {
-  int k = 0;
-  while (batch.tile_start[k + 1] <= tile) ++k;
-  return k;
+  int lo = 0, hi = batch.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  return lo;
 }
 
 template <typename T, int N>
@@ -154,8 +169,15 @@ void for_each_batch(const std::vector<Item>& items, Pointers pointers, const Lau
   if (batch.count > 0) launch(batch);
 }
 
-using SegmentBatch = ItemBatch<2, 48>;  // (dst, src): 48 a launch, about 1.5 KB of argument
-using TripleBatch = ItemBatch<3, 36>;   // (grad, param, prev): 36 a launch
+// Items a launch carries in its argument. A model's 400 tensors in one launch instead of a
+// dozen: each launch's ramp and tail cost about 4 us on an H200, a third of a 50 M-element
+// scale_ (bench/RESULTS.md, "CUDA, H200"). 512 items take 16 KB (pairs) and 20 KB (triples) of
+// argument, which CUDA 12.1's 32 KB kernel parameters allow; the Small batches fit the 4 KB of
+// older toolkits and drivers.
+using SegmentBatch = ItemBatch<2, 512>;     // (dst, src)
+using TripleBatch = ItemBatch<3, 512>;      // (grad, param, prev)
+using SmallSegmentBatch = ItemBatch<2, 48>;  // about 1.5 KB of argument
+using SmallTripleBatch = ItemBatch<3, 36>;
 
 // dst = src * w, in the op math type (float for half and bfloat16).
 template <typename scalar_t>
@@ -165,7 +187,8 @@ struct ScaleOp {
   HETLB_HD scalar_t operator()(const scalar_t* x) const {
     return static_cast<scalar_t>(static_cast<opmath_t>(x[0]) * w);
   }
-  HETLB_HD void operator()(const SegmentBatch& b, int k, int64_t begin, int64_t end, int lane,
+  template <int kMax>
+  HETLB_HD void operator()(const ItemBatch<2, kMax>& b, int k, int64_t begin, int64_t end, int lane,
                            int lanes) const {
     tile_elements<scalar_t, false>(b, k, begin, end, lane, lanes, *this);
   }
@@ -182,7 +205,8 @@ struct DelayCompensateOp {
     const opmath_t d = static_cast<opmath_t>(x[1]) - static_cast<opmath_t>(x[2]);
     return static_cast<scalar_t>(gv + lam * gv * gv * d);
   }
-  HETLB_HD void operator()(const TripleBatch& b, int k, int64_t begin, int64_t end, int lane,
+  template <int kMax>
+  HETLB_HD void operator()(const ItemBatch<3, kMax>& b, int k, int64_t begin, int64_t end, int lane,
                            int lanes) const {
     tile_elements<scalar_t, true>(b, k, begin, end, lane, lanes, *this);
   }
