@@ -1,7 +1,8 @@
 """GPU checks of hetlb that no CPU machine can run (called by tools/gpu_check.sh).
 
 Each check prints ``PASS name: detail`` or ``FAIL name: error``; the exit code is the number of
-failures. Run from the repository root with the extension built in place (``PYTHONPATH=.``):
+failures. Run from the repository root with the extension built in place (``PYTHONPATH=.``);
+arguments name the checks to run (prefixes of their names), none runs them all:
 
 * ``nccl_premul``: the hook's NCCL path on a one-rank NCCL group: PREMUL_SUM with a tensor factor
   in float32/bfloat16/float16, a weight-0 bucket holding NaN (zeroed before it is sent), and the
@@ -19,6 +20,11 @@ failures. Run from the repository root with the extension built in place (``PYTH
 * ``fsdp2_micro_memory``: under a memory cap (``set_per_process_memory_fraction``) a batch whose
   one pass runs out of CUDA memory trains as micro-steps (``k = 8``) of an FSDP2 model on one
   NCCL rank, with the one-pass gradient of an unsharded copy.
+* ``fsdp2_clock``: three Gloo ranks with CUDA tensors sharing the GPU, an FSDP2 model, emulated
+  speeds 1:2:6 spread over the layers: the device's compute times leave out FSDP's waits (events
+  around each wait on the stream) and follow the speeds; LBB reaches the proportional split.
+* ``fsdp2_profile``: two such ranks profile an FSDP2 model together on the device's clock (CUDA
+  events); the fast rank's waits for the slow one's host sleeps are left out.
 * ``profile_oom``: ``hetlb.profile`` stops at a real CUDA out-of-memory and frees it.
 * ``probe``: the memory probe sees another allocation on the device.
 """
@@ -230,6 +236,77 @@ def fsdp2_micro_memory_worker(rank, world):
     return {"cap_mib": round(1.2 * peak / 2**20), "err": err, "one_pass_oom": oom}
 
 
+SPEEDS = [1.0, 2.0, 6.0]
+
+
+def _fsdp2_cuda_net():
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.Tanh(), torch.nn.Linear(64, 1)).cuda()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def fsdp2_clock_worker(rank, world, steps):
+    """tests/test_fsdp2.py's emulated 1:2:6 cluster with CUDA tensors: the compute column is the
+    device's, read one step late, with FSDP's waits on the stream left out."""
+    from hetlb.sim.emulate import Emulator
+    model = _fsdp2_cuda_net()
+    # One step before the Balancer: the first on a GPU also creates cuBLAS's handle and FSDP's
+    # buffers (140 ms more on the fastest rank: a measured first step LBB would trust).
+    model(torch.randn(4, 16, device="cuda")).sum().backward()
+    model.zero_grad()
+    emu = Emulator.for_rank(rank, SPEEDS, model=hetlb.LinearModel(0.0, 0.02))
+    bal = hetlb.Balancer(model, 90, policy=hetlb.LBB(), emulator=emu)
+    for _ in range(steps):
+        with bal.step():
+            bal.backward(model(torch.randn(int(bal.batch_sizes[rank]), 16, device="cuda")).sum())
+    bal.flush()
+    return {"sizes": [r.batch.tolist() for r in bal.history],
+            "compute": [r.compute.tolist() for r in bal.history], "lag": bal.telemetry.lag}
+
+
+def check_fsdp2_clock():
+    res = unwrap(run(fsdp2_clock_worker, 3, 16, timeout=300))[0]
+    rows = [(s, c) for s, c in zip(res["sizes"], res["compute"]) if all(np.isfinite(c))]
+    sizes, first = rows[0]
+    assert sizes == [30, 30, 30], res
+    # 600, 300 and 100 ms of emulated compute; counting the waits, all three would be about 600
+    assert 1.5 < first[0] / first[1] < 2.7 and 4.0 < first[0] / first[2] < 8.0, res
+    want = np.array([10, 20, 60])
+    for sizes in res["sizes"][-5:]:
+        assert np.abs(np.array(sizes) - want).max() <= 0.05 * 90, res
+    return {"first_ms": [round(1e3 * c, 1) for c in first], "last_sizes": res["sizes"][-1],
+            "lag": res["lag"]}
+
+
+def fsdp2_profile_worker(rank, world):
+    import time
+    model = _fsdp2_cuda_net()
+    if rank == 1:  # a slower rank: the other waits for it in FSDP's collectives
+        model[0].register_forward_hook(lambda m, a, o: time.sleep(0.005 * a[0].shape[0]))
+
+    def step_fn(b):
+        model(torch.randn(b, 16, device="cuda")).sum().backward()
+        model.zero_grad()
+
+    p = hetlb.profile(step_fn, model=model, batch_sizes=[4, 8, 16], repeats=3, trim=0,
+                      device="cuda")
+    return {"times": p.times, "sizes": p.batch_sizes}
+
+
+def check_fsdp2_profile():
+    fast, slow = unwrap(run(fsdp2_profile_worker, 2, timeout=300))
+    assert fast["sizes"] == slow["sizes"] == [4, 8, 16], (fast, slow)
+    for f, s, b in zip(fast["times"], slow["times"], fast["sizes"]):
+        assert s >= 0.005 * b and f < 0.5 * s, (fast, slow)
+    return {"fast_ms": [round(1e3 * t, 2) for t in fast["times"]],
+            "slow_ms": [round(1e3 * t, 2) for t in slow["times"]]}
+
+
 def delayed_worker(rank, world, device):
     """DelayedSync (deterministic mode) on ``device``: the update must not depend on the device."""
     torch.manual_seed(0)
@@ -299,11 +376,16 @@ def main() -> int:
         "fsdp2 (nccl, micro-steps)": lambda: unwrap(run(fsdp2_worker, 1, backend="nccl", timeout=300))[0],
         "fsdp2_micro_memory (nccl)": lambda: unwrap(run(fsdp2_micro_memory_worker, 1, backend="nccl",
                                                         timeout=300))[0],
+        "fsdp2_clock (gloo, cuda tensors, 1:2:6)": check_fsdp2_clock,
+        "fsdp2_profile (gloo, cuda tensors)": check_fsdp2_profile,
         "profile_oom": check_profile_oom,
         "probe": check_probe,
     }
+    only = sys.argv[1:]  # names (prefixes) of the checks to run; default: all
     failures = 0
     for name, fn in checks.items():
+        if only and not any(name.startswith(o) for o in only):
+            continue
         try:
             detail = fn()
             print(f"PASS {name}: {detail}", flush=True)

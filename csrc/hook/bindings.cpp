@@ -217,6 +217,11 @@ void bind_step_core(py::module& m) {
       .def("add_wait", &StepCore::add_wait, py::arg("seconds"),
            "Seconds this step waited for the other ranks in the wrapper's own collectives, left "
            "out of its compute time (reset by start/begin).")
+      .def("device_wait_begins", &StepCore::device_wait_begins,
+           "A wait in the wrapper's collectives begins on the device's current stream: until "
+           "device_wait_ends, its time is left out of the device clock's step (no-op on CPU).")
+      .def("device_wait_ends", &StepCore::device_wait_ends,
+           "The wait begun by device_wait_begins ends here on the device's current stream.")
       .def_property_readonly("waited", &StepCore::waited)
       .def_property("quiet", &StepCore::quiet, &StepCore::set_quiet,
                     "While True a backward does not end the step (a micro-step before the step's "

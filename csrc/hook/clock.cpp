@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -58,25 +59,47 @@ bool CpuLoad::sample(uint64_t& busy, uint64_t& total) {
 DeviceClock::DeviceClock(c10::Device device)
     : device_(device), impl_(device.type()), last_(std::numeric_limits<double>::quiet_NaN()) {}
 
+c10::Event DeviceClock::event_now() {
+  c10::Event e(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+  e.record(impl_.getStream(device_));
+  return e;
+}
+
 void DeviceClock::begin() {
-  start_.emplace(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
-  start_->record(impl_.getStream(device_));
+  start_.emplace(event_now());
+  waits_.clear();
+  wait_start_.reset();
+}
+
+void DeviceClock::wait_begins() { wait_start_.emplace(event_now()); }
+
+void DeviceClock::wait_ends() {
+  if (!wait_start_) return;
+  waits_.emplace_back(std::move(*wait_start_), event_now());
+  wait_start_.reset();
 }
 
 double DeviceClock::end_and_read() {
+  wait_start_.reset();
   if (!start_) {
-    if (!ended_.empty()) ended_.back().second.record(impl_.getStream(device_));
+    if (!ended_.empty()) {
+      Ended& last = ended_.back();
+      last.span.second.record(impl_.getStream(device_));
+      for (auto& w : waits_) last.waits.push_back(std::move(w));
+    }
+    waits_.clear();
     return last_;
   }
-  c10::Event end(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
-  end.record(impl_.getStream(device_));
-  ended_.emplace_back(std::move(*start_), std::move(end));
+  ended_.push_back(Ended{Pair(std::move(*start_), event_now()), std::move(waits_)});
+  waits_.clear();  // (moved from: valid, unspecified)
   start_.reset();
   last_ = std::numeric_limits<double>::quiet_NaN();
   if (static_cast<int64_t>(ended_.size()) > depth_) {
-    auto& [s, e] = ended_.front();
-    e.synchronize();
-    last_ = s.elapsedTime(e) / 1e3;
+    Ended& step = ended_.front();
+    step.span.second.synchronize();
+    double ms = step.span.first.elapsedTime(step.span.second);
+    for (auto& [a, b] : step.waits) ms -= a.elapsedTime(b);
+    last_ = std::max(ms, 0.0) / 1e3;
     ended_.pop_front();
   }
   return last_;

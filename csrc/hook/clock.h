@@ -10,6 +10,7 @@
 #include <deque>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace hetlb {
 
@@ -57,6 +58,13 @@ class DeviceClock {
   // end read.
   double end_and_read();
 
+  // A wait of the wrapper's own begins or ends on the device's current stream (FSDP2: the
+  // compute stream waiting for an all-gather or the reduce-scatters, or stalled while the host
+  // waits): the time between the two events is left out of the step's time when it is read. A
+  // wait that began and did not end by the step's end is not counted.
+  void wait_begins();
+  void wait_ends();
+
   int64_t depth() const { return depth_; }
 
   // Before the first step only: the steps already ended would be read at the wrong lag.
@@ -67,8 +75,15 @@ class DeviceClock {
   c10::impl::VirtualGuardImpl impl_;
   int64_t depth_ = 1;
   double last_;
-  std::optional<c10::Event> start_;
-  std::deque<std::pair<c10::Event, c10::Event>> ended_;  // (start, end) of steps not read yet
+  using Pair = std::pair<c10::Event, c10::Event>;
+  struct Ended {
+    Pair span;               // the step's (start, end)
+    std::vector<Pair> waits;  // the wrapper's waits inside it
+  };
+  c10::Event event_now();
+  std::optional<c10::Event> start_, wait_start_;
+  std::vector<Pair> waits_;  // of the step not ended yet
+  std::deque<Ended> ended_;  // steps not read yet
 };
 
 }  // namespace hetlb

@@ -112,6 +112,14 @@ class StepCore {
   // collectives (FSDP2's all-gathers and reduce-scatters), left out of its compute time. Reset
   // by open().
   void add_wait(double seconds) { waited_.store(waited() + seconds, std::memory_order_relaxed); }
+  // The same waits on the device's stream, where a device clock times the step (DeviceClock's
+  // wait_begins and wait_ends; nothing on the host clock, which add_wait serves).
+  void device_wait_begins() {
+    if (clock_) clock_->wait_begins();
+  }
+  void device_wait_ends() {
+    if (clock_) clock_->wait_ends();
+  }
   // While set, a backward does not end the step (the watch of a deferred hook or of FSDP2 skips
   // it): the micro-steps of a step before its last. Reset by open().
   bool quiet() const { return quiet_.load(std::memory_order_relaxed); }

@@ -85,7 +85,7 @@ class DDPTransport:
                                        route=settings.route, micro_steps=settings.micro_steps)}
 
     @staticmethod
-    def trial(model: torch.nn.Module) -> None:
+    def trial(model: torch.nn.Module, device: torch.device) -> None:
         raise ValueError("hetlb.profile: profile a DistributedDataParallel model's module "
                          "(step_fn on ddp.module, model=None): its forward and backward alone "
                          "communicate nothing, and each rank's profile is its own")

@@ -143,8 +143,8 @@ class FSDP2Transport:
         return model  # (fully_shard changes the module's class in place)
 
     @staticmethod
-    def trial(model: torch.nn.Module) -> Any:
-        return FSDP2Trial(model)
+    def trial(model: torch.nn.Module, device: torch.device) -> Any:
+        return FSDP2Trial(model, device)
 
     def __init__(self, model: torch.nn.Module, telemetry: StepTelemetry, settings: WrapperSettings,
                  *, deferred: bool = False) -> None:

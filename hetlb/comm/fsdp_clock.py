@@ -17,8 +17,12 @@ the rank's own compute so far reaches ``factor * measured + extra * share`` (``s
 segments done over the previous step's count; the first step holds the rest at its end), so the
 other ranks wait for it in every layer's collectives, as they would for a slower device.
 
-Host time: on CPU (Gloo) FSDP's waits block the host. On CUDA the waits are on the device streams
-and the compute times still include them.
+Where a step is timed by device events (CUDA: :class:`hetlb.comm.hook.StepTelemetry`'s device
+clock), each wait is also bracketed by two events on the device's current stream
+(``device_wait_begins`` and ``device_wait_ends``), and the time between them is left out of the
+device's step time: under NCCL the host does not wait in FSDP's hooks, the compute stream does
+(for an all-gather, for the reduce-scatters at the end of the backward), and a stall of the host
+in a collective (Gloo with CUDA tensors) is an idle gap of the stream between the same events.
 """
 from __future__ import annotations
 
@@ -40,7 +44,13 @@ class WaitCore(Protocol):
     quiet: bool
 
     def add_wait(self, seconds: float) -> None:
-        """Leave ``seconds`` of waiting out of the step's compute time."""
+        """Leave ``seconds`` of waiting out of the step's compute time (the host's clock)."""
+
+    def device_wait_begins(self) -> None:
+        """A wait begins on the device's current stream (a no-op where the host's clock times)."""
+
+    def device_wait_ends(self) -> None:
+        """The wait begun by :meth:`device_wait_begins` ends on the device's current stream."""
 
 
 class ClockHost(Protocol):
@@ -136,12 +146,14 @@ class LayerClock:
         if self.emulated:
             now = self._hold(now, final=False)
         self._t_wait = now
+        self.core.device_wait_begins()
 
     def wait_ends(self) -> None:
         """FSDP's wait is over: its time is left out of the compute."""
         t = self._t_wait
         if t is None or not self._counting():
             return
+        self.core.device_wait_ends()
         self._t_wait = None
         waited = time.perf_counter() - t
         self._waits += waited
@@ -173,6 +185,7 @@ class LayerClock:
             if self.emulated:
                 now = self._hold(now, final=True)
             self._t_wait = now
+            self.core.device_wait_begins()
 
     def _final_end(self) -> None:
         """An autograd callback after FSDP's end of backward and before the compute's stamp (the

@@ -12,7 +12,7 @@ for the third (FSDP's waits left out of each timed step).
 from __future__ import annotations
 
 import zlib
-from typing import List
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,27 +23,53 @@ from hetlb.comm.fsdp_state import all_param_groups, data_parallel_ranks, fsdp_mo
 
 class _Waits:
     """The clock's host while profiling (:class:`hetlb.comm.fsdp_clock.ClockHost`): always
-    counting, no emulator; it sums the waits."""
+    counting, no emulator; it sums the waits, on the host or, where the profile times a CUDA
+    device by events, between events on its current stream."""
 
     emulator = None
     hold_at_end = False
     hold = (1.0, 0.0)
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.core = self
         self.open = self.restarted = True
         self.quiet = False
+        self.on_device = device.type == "cuda"
         self.total = 0.0
+        self._pairs: List[Tuple[Any, Any]] = []
+        self._begun: Optional[Any] = None
+
+    def clear(self) -> None:
+        self.total, self._pairs, self._begun = 0.0, [], None
 
     def add_wait(self, seconds: float) -> None:
         self.total += seconds
+
+    def device_wait_begins(self) -> None:
+        if self.on_device:
+            self._begun = torch.cuda.Event(enable_timing=True)
+            self._begun.record()
+
+    def device_wait_ends(self) -> None:
+        if self._begun is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pairs.append((self._begun, end))
+            self._begun = None
+
+    def seconds(self) -> float:
+        """The waits since :meth:`clear`: the device's (its events have completed: the profile's
+        timer waited for the step's end) or the host's."""
+        if self.on_device:
+            return sum(a.elapsed_time(b) for a, b in self._pairs) / 1e3
+        return self.total
 
 
 class FSDP2Trial:
     """:class:`hetlb.comm.gradients.ProfileTrial` of a ``fully_shard`` model whose mesh is the
     whole world (a process group of the world's ranks)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         world = dist.get_world_size()
         ranks = data_parallel_ranks(model)
         if ranks is not None and ranks != list(range(world)):
@@ -53,7 +79,7 @@ class FSDP2Trial:
                       if hasattr(p, "device_mesh")), (world,))
         forward = sorted({g.post_forward_mesh_info is not None for g in all_param_groups(model)})
         self.key = f"FSDP2 mesh {shape}, reshard after forward {forward}"
-        self._waits = _Waits()
+        self._waits = _Waits(device)
         self._clock = LayerClock(self._waits, fsdp_modules(model))
 
     def same_sizes(self, sizes: List[int]) -> None:
@@ -72,11 +98,11 @@ class FSDP2Trial:
         return bool(t.item())
 
     def start(self) -> None:
-        self._waits.total = 0.0
+        self._waits.clear()
         self._clock.new_step()
 
     def waited(self) -> float:
-        return self._waits.total
+        return self._waits.seconds()
 
     def close(self) -> None:
         self._clock.remove()

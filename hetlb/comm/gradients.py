@@ -82,11 +82,12 @@ class Wrapper(Protocol):
         """The user's module inside the wrapper (its layers are the ones trained)."""
 
     @staticmethod
-    def trial(model: torch.nn.Module) -> Optional["ProfileTrial"]:
+    def trial(model: torch.nn.Module, device: torch.device) -> Optional["ProfileTrial"]:
         """What :func:`hetlb.profile` (``model=``) needs to time a step of ``model`` whose
         collectives bind the ranks, or None where a step of it communicates nothing (one
-        process). Raises ``ValueError`` where profiling the wrapped model is the wrong thing
-        (DDP: profile its ``module``)."""
+        process). ``device`` is the one the profile times (a CUDA device by events on its
+        stream: the waits are timed there too). Raises ``ValueError`` where profiling the
+        wrapped model is the wrong thing (DDP: profile its ``module``)."""
 
     @staticmethod
     def no_sync_on(model: torch.nn.Module) -> Optional[str]:
@@ -118,7 +119,8 @@ class ProfileTrial(Protocol):
 
     def waited(self) -> float:
         """Seconds this rank waited for the others in the model's collectives since
-        :meth:`start`."""
+        :meth:`start`, on the profile's clock (the device's stream where it times a CUDA device;
+        read after the step's end was waited for)."""
 
     def close(self) -> None:
         """Remove what the trial put on the model."""

@@ -35,7 +35,7 @@ class LocalTransport:
         return {"carry": none, "carry_penalty": None, "defer": none}
 
     @staticmethod
-    def trial(model: torch.nn.Module) -> None:
+    def trial(model: torch.nn.Module, device: torch.device) -> None:
         return None  # (one process: nothing to agree on)
 
     @staticmethod

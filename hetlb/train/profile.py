@@ -368,7 +368,7 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
             start) on any rank, since an out-of-memory inside FSDP's collectives would leave the
             others waiting there; after each size's first call they stop if it went over on
             any rank. Each rank times its own compute, FSDP's waits for the others left out
-            (on the host: on CUDA the waits on the device's streams still count). Only a rank
+            (on the host; with ``device`` a CUDA device, between events on its stream). Only a rank
             that ran out records ``oom_at``; the others stop with it at their largest size.
             The limit depends on the number of ranks and the resharding, which the cache's
             key includes.
@@ -392,7 +392,7 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
         raise ValueError(f"step_fn must be callable, got {step_fn!r}")
     sizes = _sizes(batch_sizes, max_batch)
     dev = _resolve_device(device)
-    trial = _trial(model)
+    trial = _trial(model, dev)
     try:
         return _profile(step_fn, sizes, repeats, trim, warmup, dev, memory_limit, cache, trial)
     finally:
@@ -400,7 +400,7 @@ def profile(step_fn: Callable[[int], Any], batch_sizes: Optional[Iterable[int]] 
             trial.close()
 
 
-def _trial(model: Optional[torch.nn.Module]) -> Optional[ProfileTrial]:
+def _trial(model: Optional[torch.nn.Module], dev: torch.device) -> Optional[ProfileTrial]:
     """The model's :class:`hetlb.comm.gradients.ProfileTrial` (None: this process alone)."""
     if model is None:
         return None
@@ -408,7 +408,7 @@ def _trial(model: Optional[torch.nn.Module]) -> Optional[ProfileTrial]:
         raise ValueError(f"profile: model must be the torch.nn.Module step_fn trains, got "
                          f"{type(model).__name__}")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return wrapper_of(model, world).trial(model)
+    return wrapper_of(model, world).trial(model, dev)
 
 
 def _predict(fitted: List[int], memory: List[Optional[int]], b: int) -> Optional[float]:
