@@ -13,7 +13,9 @@ micro-steps; else equal batches), and reported beside it as "ideal + real".
 Part (a): equal batches (Uniform) against LBB, both through the Balancer.
 Part (b): the fastest rank's memory holds a quarter of its fair share (``cap = B * s_3 / sum(s)
 / 4`` samples): equal batches (that rank in micro-steps of ``cap``), LBB with ``upper=cap`` on
-it, and LBB with ``micro_batch=cap`` on it (``bal.micro_steps``), which takes the fair share.
+it, and LBB with ``micro_batch=cap`` on it (``bal.micro_steps``), which takes the fair share,
+with the step's reduction in the last micro-step (the default) and after them
+(``reduce="after"``: an empty micro-step on every rank reduces).
 
     python bench/bench_fsdp2.py [--steps N] [--warmup N] [--out FILE] [--only NAME]
 """
@@ -89,7 +91,8 @@ def run(rank: int, args: argparse.Namespace, job: Dict[str, Any]) -> Dict[str, A
         x, y = tokens[lo:lo + int(b[rank])], labels[lo:lo + int(b[rank])]
         with bal.step():
             if job.get("cap") in ("micro", "micro-equal"):
-                bal.micro_steps(lambda xb, yb: torch.nn.functional.cross_entropy(model(xb), yb), x, y)
+                bal.micro_steps(lambda xb, yb: torch.nn.functional.cross_entropy(model(xb), yb), x, y,
+                                reduce=job.get("reduce", "last"))
             else:
                 bal.backward(torch.nn.functional.cross_entropy(model(x), y))
         opt.step()
@@ -152,11 +155,15 @@ def main() -> None:
          "split": True},
         {"name": "split, micro-steps, no emulation (real)", "policy": "Uniform", "emulate": False,
          "split": True, "cap": "micro"},
+        {"name": "split, micro-steps, reduce after, no emulation (real)", "policy": "Uniform",
+         "emulate": False, "split": True, "cap": "micro", "reduce": "after"},
         {"name": "(a) equal", "policy": "Uniform", "emulate": True},
         {"name": "(a) LBB", "policy": "LBB", "emulate": True},
         {"name": "(b) equal, micro-steps", "policy": "Uniform", "emulate": True, "cap": "micro-equal"},
         {"name": "(b) LBB, upper=cap", "policy": "LBB", "emulate": True, "cap": "upper"},
         {"name": "(b) LBB, micro_batch=cap", "policy": "LBB", "emulate": True, "cap": "micro"},
+        {"name": "(b) LBB, micro_batch=cap, reduce after", "policy": "LBB", "emulate": True,
+         "cap": "micro", "reduce": "after"},
     ]
     if args.only:
         jobs = [j for j in jobs if args.only in j["name"]]
@@ -184,7 +191,8 @@ def main() -> None:
         t = statistics.median(r["times"])
         # The real work of the run's split (the proportional one, one pass or micro-steps),
         # else of equal batches.
-        at = "split, micro-steps" if job.get("cap") == "micro" else "split" \
+        at = ("split, micro-steps, reduce after" if job.get("reduce") == "after"
+              else "split, micro-steps") if job.get("cap") == "micro" else "split" \
             if r["sizes"] == args.split else "equal"
         extra = real[f"{at}, no emulation (real)"]
         base = statistics.median(res["(a) equal" if job["name"].startswith("(a)")

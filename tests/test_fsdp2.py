@@ -544,7 +544,7 @@ def test_a_dcp_checkpoint_taken_on_4_ranks_resumes_on_3(tmp_path):
 MICRO = [2, 5, 4, 9]  # with micro_batch=2 on every rank: 1, 3, 2 and 5 micro-steps, unequal
 
 
-def micro_worker(rank: int, world: int, wrapper: str):
+def micro_worker(rank: int, world: int, wrapper: str, reduce=("last",) * 4):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     import hetlb
@@ -569,7 +569,8 @@ def micro_worker(rank: int, world: int, wrapper: str):
         return torch.nn.functional.mse_loss(model(xb), yb)
 
     with bal.step():
-        mean = bal.micro_steps(fn, x[lo:lo + MICRO[rank]], y[lo:lo + MICRO[rank]])
+        mean = bal.micro_steps(fn, x[lo:lo + MICRO[rank]], y[lo:lo + MICRO[rank]],
+                               reduce=reduce[rank])
     got = [p.grad.full_tensor() if wrapper != "ddp" else p.grad for p in model.parameters()]
     ref = _net()
     torch.nn.functional.mse_loss(ref(x), y).backward()
@@ -600,6 +601,30 @@ def test_micro_steps_that_differ_between_ranks_train_the_one_large_batch_gradien
             # default resharding would gather the two layers again in every backward).
             assert out["gathers"] == 3, (r, out)
             assert out["resharded"] and out["forward"] == [True, True, False], (r, out)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_micro_steps_reducing_after_them_train_the_one_large_batch_gradient(wrapper):
+    """reduce="after" on ranks 0 and 2: their micro-steps with samples run under no-sync and an
+    empty one after them reduces; ranks 1 and 3 reduce in their last micro-step as before."""
+    res = unwrap(run(micro_worker, 4, wrapper, ("after", "last", "after", "last"), timeout=120))
+    for r, out in enumerate(res):
+        assert out["rel"] < 1e-6, (r, out)
+        assert abs(out["mean"][0] - out["mean"][1]) < 1e-6, (r, out)
+        assert out["forwards"] == [[2, 0], [1, 2, 2], [2, 2, 0], [1, 2, 2, 2, 2]][r], (r, out)
+        if wrapper != "ddp":
+            assert out["gathers"] == 3, (r, out)
+
+
+def test_micro_steps_refuse_an_unknown_reduce():
+    import hetlb
+    net = _net()
+    bal = hetlb.Balancer(net, 4, policy=Scripted([[4]]), micro_batch=2)
+    x, y = _data(0)
+    with pytest.raises(ValueError, match="reduce must be 'last'.*or 'after'.*got 'end'"):
+        with bal.step():
+            bal.micro_steps(lambda xb, yb: torch.nn.functional.mse_loss(net(xb), yb),
+                            x[:4], y[:4], reduce="end")
 
 
 def profile_worker(rank: int, world: int, case: str):

@@ -14,8 +14,9 @@ remains is the rank's own compute.
 It also carries an :class:`hetlb.sim.emulate.Emulator` where FSDP2 would see a slow rank: the
 step's hold is spread over its compute segments (the stretches between waits), each held until
 the rank's own compute so far reaches ``factor * measured + extra * share`` (``share``: the
-segments done over the previous step's count; the first step holds the rest at its end), so the
-other ranks wait for it in every layer's collectives, as they would for a slower device.
+segments done over the previous step's count, and at least the samples that the step's earlier
+micro-steps ran; the first step holds the rest at its end), so the other ranks wait for it in
+every layer's collectives, as they would for a slower device.
 
 Where a step is timed by device events (CUDA: :class:`hetlb.comm.hook.StepTelemetry`'s device
 clock), each wait is also bracketed by two events on the device's current stream
@@ -62,6 +63,8 @@ class ClockHost(Protocol):
     emulator: Any
     #: Whether the emulator holds the step at its end (set False: the clock spreads the hold).
     hold_at_end: bool
+    #: The fraction of the step's samples run by micro-steps before the current one.
+    done: float
 
     @property
     def hold(self) -> Tuple[float, float]:
@@ -165,8 +168,11 @@ class LayerClock:
         factor, extra = self.telemetry.hold
         own = now - self._start - self._waits  # this step's compute so far, holds included
         measured = own - self._held
-        share = 1.0 if final else (min(self._segments / self._last_segments, 1.0)
-                                   if self._last_segments else 0.0)
+        # The segments' share of the previous step's; at least the samples the micro-steps
+        # before this one ran (a micro-step whose backward reduces is, to the emulated device,
+        # only its own samples' work: an empty one after them, none).
+        share = 1.0 if final else max(min(self._segments / self._last_segments, 1.0)
+                                      if self._last_segments else 0.0, self.telemetry.done)
         hold = factor * measured + extra * share - own
         if hold > 0.0:
             sleep_until(now + hold, 0.0)

@@ -29,6 +29,7 @@ class _Waits:
     emulator = None
     hold_at_end = False
     hold = (1.0, 0.0)
+    done = 0.0
 
     def __init__(self, device: torch.device) -> None:
         self.core = self

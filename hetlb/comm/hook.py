@@ -167,6 +167,10 @@ class StepTelemetry:
         #: Whether the emulator's hold ends the step's compute (DDP's last bucket); False where
         #: the gradient transport spreads it over the step itself (FSDP2's layers).
         self.hold_at_end = True
+        #: The fraction of this rank's samples of the open step that its micro-steps before the
+        #: current one ran (``bal.micro_steps`` sets it; 0 in a step of one pass): a hold spread
+        #: over the step holds at least this fraction by the current micro-step's first wait.
+        self.done = 0.0
         if emulator is not None and getattr(emulator, "bandwidth", None):
             self.core.seconds_per_byte = 1.0 / float(emulator.bandwidth)
 
@@ -232,6 +236,7 @@ class StepTelemetry:
         # compute) filling a row array and converting it cost ~20 us more.
         self._begin(weight, offset, new_window, pos, ship, batch, data, predicted, checksum, plan,
                     step % EXACT_INT, epoch % EXACT_INT, self.probe.memory(), loss)
+        self.done = 0.0
         emu = self.emulator
         if emu is not None:
             if getattr(emu, "by", "batch") == "data":

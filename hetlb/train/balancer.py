@@ -571,13 +571,14 @@ class Balancer:
         with self.driver.step(self) as owner:
             yield owner
 
-    def micro_steps(self, fn: Any, *batch: Any) -> torch.Tensor:
-        """This rank's batch of the step as micro-steps of at most ``micro_batch`` samples (or,
-        where a ``recompute=`` rank recomputes, of its recomputing limit; docs/balancer.md,
-        "Micro-steps" and "Recomputation"): ``fn(*chunk)`` returns the mean loss over a chunk
-        (tensors of ``batch`` sliced along their first dimension), the Balancer runs its
-        weighted backward. Every rank calls it in every step. Returns this rank's mean loss."""
-        return self.driver.micro_steps(fn, batch)
+    def micro_steps(self, fn: Any, *batch: Any, reduce: str = "last") -> torch.Tensor:
+        """This rank's batch of the step as micro-steps of at most ``micro_batch`` samples (or a
+        ``recompute=`` rank's recomputing limit; docs/balancer.md, "Micro-steps"): ``fn(*chunk)``
+        returns the mean loss over a chunk of ``batch`` (sliced along the first dimension), the
+        Balancer runs its weighted backward; every rank calls it every step. The step reduces in
+        the last micro-step's backward, or with ``reduce="after"`` in an empty one after them
+        (FSDP2 on Gloo: docs/fsdp2.md, "Micro-steps"). Returns this rank's mean loss."""
+        return self.driver.micro_steps(fn, batch, reduce)
 
     def backward(self, loss: torch.Tensor, gradient: Optional[torch.Tensor] = None,
                  **kwargs: Any) -> None:

@@ -11,6 +11,12 @@ The numbers differ between ranks: the transport's micro window makes the step co
 one pass does (DDP: nothing under ``no_sync()``; FSDP2: the parameters gathered once, before the
 first forward, and kept until the last backward reduces).
 
+With ``reduce="after"`` every micro-step with samples runs under no-sync and one empty micro-step
+after them reduces: no backward with samples waits in a collective. Where collectives block the
+host (FSDP2 on Gloo) a rank whose one pass holds its whole backward otherwise waits, layer by
+layer, for a rank in micro-steps to reach each layer's reduce-scatter in its last micro-step,
+and then holds the rest of its backward while that rank waits for it at the next layer.
+
 A rank with a :class:`hetlb.Recompute` runs a share recomputing, in micro-batches of its
 recomputing limit, where its profiles say that is faster (:class:`MicroWays`).
 """
@@ -52,19 +58,30 @@ class MicroWays:
         return self.context.micro_limit(self.rank, b), True
 
 
+REDUCE = ("last", "after")
+
+
 def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan: Any,
-                    ways: MicroWays, rank: int, *, core: Any, transport: Any,
-                    expect: Callable[[Optional[int]], None]) -> torch.Tensor:
+                    ways: MicroWays, rank: int, *, telemetry: Any, transport: Any,
+                    expect: Callable[[Optional[int]], None], reduce: str = "last") -> torch.Tensor:
     """Run ``fn`` on each micro-step's slice of ``batch`` (this rank's of the open step's
     ``plan``) in micro-steps of at most the limit ``ways`` gives its size, and their weighted
-    backwards (see the module docstring); returns this rank's mean loss over its batch
-    (detached; NaN when it has no samples)."""
+    backwards, reducing in the last one's or (``reduce="after"``) in an empty one after them
+    (see the module docstring); returns this rank's mean loss over its batch (detached; NaN when
+    it has no samples)."""
+    if reduce not in REDUCE:
+        raise ValueError(f"bal.micro_steps: reduce must be 'last' (the last micro-step's backward "
+                         f"reduces) or 'after' (an empty micro-step after them does), got "
+                         f"{reduce!r}")
     if plan is None:
         raise RuntimeError("hetlb: bal.micro_steps(...) outside a balanced step; call it for a "
                            "batch of the Balancer's loader, or inside `with bal.step():`")
     limit, again = ways.way(int(plan.sizes[rank]))
     bounds = micro_bounds(int(plan.sizes[rank]), limit)
+    core = telemetry.core
     weight = core.weight
+    if reduce == "after" and bounds[-1][1] > bounds[-1][0]:
+        bounds.append((bounds[-1][1], bounds[-1][1]))
     total = sum(hi - lo for lo, hi in bounds)
     for t in batch:
         if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != total):
@@ -74,7 +91,7 @@ def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan:
     try:
         with transport.micro_window(), (ways.recompute.on(again) if ways.recompute is not None
                                         else contextlib.nullcontext()):
-            mean = _run(fn, batch, bounds, total, core, transport, weight, expect)
+            mean = _run(fn, batch, bounds, total, telemetry, transport, weight, expect)
     finally:
         core.quiet = False
         expect(None)
@@ -82,14 +99,15 @@ def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan:
 
 
 def _run(fn: Callable[..., torch.Tensor], batch: Sequence[Any], bounds: List[Tuple[int, int]],
-         total: int, core: Any, transport: Any, weight: float,
+         total: int, telemetry: Any, transport: Any, weight: float,
          expect: Callable[[Optional[int]], None]) -> Optional[torch.Tensor]:
     """The micro-steps of :func:`run_micro_steps`; the weighted sum of their mean losses."""
     mean: Optional[torch.Tensor] = None
     for j, (lo, hi) in enumerate(bounds):
         last = j == len(bounds) - 1
         share = (hi - lo) / total if total else 0.0
-        core.quiet = not last  # (the step ends with the last micro-step's backward)
+        telemetry.core.quiet = not last  # (the step ends with the last micro-step's backward)
+        telemetry.done = lo / total if total else 0.0
         expect(hi - lo)
         with contextlib.nullcontext() if last else transport.local():
             loss = fn(*[t[lo:hi] if isinstance(t, torch.Tensor) else t for t in batch])

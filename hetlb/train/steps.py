@@ -418,11 +418,11 @@ class StepDriver:
         self.gradients.backward(loss, gradient, self.telemetry.core.weight,
                                 window=self.accumulate > 1, **kwargs)
 
-    def micro_steps(self, fn: Any, batch: Tuple[Any, ...]) -> torch.Tensor:
+    def micro_steps(self, fn: Any, batch: Tuple[Any, ...], reduce: str) -> torch.Tensor:
         """:meth:`hetlb.Balancer.micro_steps`."""
         return run_micro_steps(fn, batch, self._open and self._open.plan, self.micro,
-                               self.rank, core=self.telemetry.core, transport=self.gradients,
-                               expect=self.hooks.expect)
+                               self.rank, telemetry=self.telemetry, transport=self.gradients,
+                               expect=self.hooks.expect, reduce=reduce)
 
     def log_loss(self, loss: Any) -> None:
         """:meth:`hetlb.Balancer.log_loss`."""
