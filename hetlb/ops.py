@@ -10,8 +10,9 @@ device; half and bfloat16 are computed in float32, float64 in float64. Violation
 
 In eager mode ``scale_`` and ``delay_compensate_`` hand their lists to ``hetlb._C`` directly, which
 calls the same op through the dispatcher (torch.ops' argument parsing costs more host time than a
-GPU takes to run them on a model's gradients); under ``torch.compile``, for tensor subclasses other
-than ``Parameter`` and under a torch function mode, they call ``torch.ops.hetlb``.
+GPU takes to run them on a model's gradients); under ``torch.compile``, for lists with anything but
+plain tensors and ``Parameter``s (a tensor subclass, a wrong type) and under a torch function mode
+they call ``torch.ops.hetlb``.
 """
 from __future__ import annotations
 

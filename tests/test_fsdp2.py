@@ -616,6 +616,25 @@ def test_micro_steps_reducing_after_them_train_the_one_large_batch_gradient(wrap
             assert out["gathers"] == 3, (r, out)
 
 
+def test_a_model_that_refuses_the_empty_micro_step_is_told_to_reduce_last():
+    import hetlb
+    net = _net()
+    bal = hetlb.Balancer(net, 4, policy=Scripted([[4]]), micro_batch=2)
+    x, y = _data(0)
+
+    def fn(xb, yb):
+        if len(xb) == 0:
+            raise RuntimeError("no empty batches here")
+        return torch.nn.functional.mse_loss(net(xb), yb)
+
+    with pytest.raises(RuntimeError, match="no empty batches") as e:
+        with bal.step():
+            bal.micro_steps(fn, x[:4], y[:4], reduce="after")
+    assert "needs reduce='last'" in "".join(getattr(e.value, "__notes__", [])), e.value
+    with bal.step():  # the default never runs an empty micro-step on a rank with samples
+        bal.micro_steps(fn, x[:4], y[:4])
+
+
 def test_micro_steps_refuse_an_unknown_reduce():
     import hetlb
     net = _net()

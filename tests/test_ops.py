@@ -434,8 +434,16 @@ def test_eager_calls_leave_subclasses_and_modes_to_torch_ops():
     assert torch.equal(g, torch.full((2,), 6.0))  # (1 + 1 * 1 * 1 * 1) * 3
 
 
-def test_eager_calls_refuse_a_non_tensor_naming_it():
-    with pytest.raises(TypeError, match=r"hetlb.ops.scale_: tensors\[1\] must be a Tensor, got float"):
+def test_eager_calls_leave_a_non_tensor_to_torch_ops():
+    from hetlb import _C
+    assert _C.scale_call([torch.ones(2), 1.0], 2.0) is False
+    assert _C.delay_compensate_call([torch.ones(2)], [torch.ones(2)], ["x"], 2.0) is False
+    with pytest.raises(RuntimeError, match=r"Expected a value of type 'List\[Tensor\]'"):
         ops.scale_([torch.ones(2), 1.0], 2.0)
-    with pytest.raises(TypeError, match=r"delay_compensate_: prev_param\[0\] must be a Tensor, got str"):
-        ops.delay_compensate_([torch.ones(2)], [torch.ones(2)], ["x"], 2.0)
+
+
+def test_eager_calls_raise_torch_errors_without_the_cpp_backtrace():
+    from hetlb import _C
+    with pytest.raises(RuntimeError) as e:
+        _C.scale_call([torch.zeros(2), torch.zeros(3, dtype=torch.float64)], 1.0)
+    assert "tensors[1] is Double[3]" in str(e.value) and "Exception raised from" not in str(e.value)

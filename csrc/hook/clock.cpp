@@ -98,7 +98,10 @@ double DeviceClock::end_and_read() {
     Ended& step = ended_.front();
     step.span.second.synchronize();
     double ms = step.span.first.elapsedTime(step.span.second);
-    for (auto& [a, b] : step.waits) ms -= a.elapsedTime(b);
+    for (auto& [a, b] : step.waits) {
+      b.synchronize();  // (on the end's stream it has completed; on another it may not have)
+      ms -= a.elapsedTime(b);
+    }
     last_ = std::max(ms, 0.0) / 1e3;
     ended_.pop_front();
   }

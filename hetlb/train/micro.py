@@ -12,7 +12,9 @@ one pass does (DDP: nothing under ``no_sync()``; FSDP2: the parameters gathered 
 first forward, and kept until the last backward reduces).
 
 With ``reduce="after"`` every micro-step with samples runs under no-sync and one empty micro-step
-after them reduces: no backward with samples waits in a collective. Where collectives block the
+after them reduces: no backward with samples waits in a collective. Its mean loss is NaN and
+weighted 0, as an idle rank's: a model whose empty forward leaves a NaN in an intermediate that a
+parameter's gradient reads (a mean over the batch feeding a layer) would spread it. Where collectives block the
 host (FSDP2 on Gloo) a rank whose one pass holds its whole backward otherwise waits, layer by
 layer, for a rank in micro-steps to reach each layer's reduce-scatter in its last micro-step,
 and then holds the rest of its backward while that rank waits for it at the next layer.
@@ -60,6 +62,12 @@ class MicroWays:
 
 REDUCE = ("last", "after")
 
+#: Added to the error of fn on the empty micro-step of ``reduce="after"``.
+AFTER_REFUSED = (
+    "hetlb: bal.micro_steps(..., reduce='after') reduces in an empty micro-step after this "
+    "rank's own, and fn failed on its empty chunks; a model that cannot take an empty batch "
+    "needs reduce='last' (the default)")
+
 
 def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan: Any,
                     ways: MicroWays, rank: int, *, telemetry: Any, transport: Any,
@@ -94,6 +102,7 @@ def run_micro_steps(fn: Callable[..., torch.Tensor], batch: Sequence[Any], plan:
             mean = _run(fn, batch, bounds, total, telemetry, transport, weight, expect)
     finally:
         core.quiet = False
+        telemetry.done = 0.0
         expect(None)
     return mean if mean is not None else torch.tensor(float("nan"))
 
@@ -110,7 +119,12 @@ def _run(fn: Callable[..., torch.Tensor], batch: Sequence[Any], bounds: List[Tup
         telemetry.done = lo / total if total else 0.0
         expect(hi - lo)
         with contextlib.nullcontext() if last else transport.local():
-            loss = fn(*[t[lo:hi] if isinstance(t, torch.Tensor) else t for t in batch])
+            try:
+                loss = fn(*[t[lo:hi] if isinstance(t, torch.Tensor) else t for t in batch])
+            except Exception as e:
+                if last and lo == hi and total:  # (the empty micro-step of reduce="after")
+                    e.add_note(AFTER_REFUSED)
+                raise
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"bal.micro_steps: fn must return the mean loss over its "
                                 f"samples (a one-element tensor), got {loss!r}")

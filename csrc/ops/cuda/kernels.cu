@@ -61,15 +61,10 @@ void launch(const Batch& batch, const Op& op, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether launches may carry more than 4 KB of argument (tiles.cuh, SegmentBatch): built by a
-// CUDA >= 12.1 compiler and run on a driver that supports it.
-#if defined(__CUDACC_VER_MAJOR__) && \
-    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
-constexpr bool kLargeArgumentsBuilt = true;
-#else
-constexpr bool kLargeArgumentsBuilt = false;
-#endif
+constexpr bool kLargeArgumentsBuilt = large_arguments_built();
 
+// Whether launches may carry more than 4 KB of argument (tiles.cuh, SegmentBatch): the build
+// allows it and the driver supports it (CUDA >= 12.1).
 bool large_arguments() {
   static const bool ok = [] {
     int version = 0;
@@ -85,11 +80,13 @@ void run_batched(const std::vector<Item>& items, Pointers pointers, const Op& op
   for_each_batch<Batch>(items, pointers, [&](const Batch& batch) { launch(batch, op, stream); });
 }
 
-// run_batched with the large batch where launches can carry it, else the small one.
+// run_batched with the large batch for lists longer than a small one where launches can carry
+// it, else the small one.
 template <typename Large, typename Small, typename Item, typename Pointers, typename Op>
 void run_items(const std::vector<Item>& items, Pointers pointers, const Op& op) {
   if constexpr (kLargeArgumentsBuilt) {
-    if (large_arguments()) return run_batched<Large>(items, pointers, op);
+    if (items.size() > static_cast<size_t>(Small::kCapacity) && large_arguments())
+      return run_batched<Large>(items, pointers, op);
   }
   run_batched<Small>(items, pointers, op);
 }

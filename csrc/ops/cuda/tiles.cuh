@@ -172,12 +172,30 @@ void for_each_batch(const std::vector<Item>& items, Pointers pointers, const Lau
 // Items a launch carries in its argument. A model's 400 tensors in one launch instead of a
 // dozen: each launch's ramp and tail cost about 4 us on an H200, a third of a 50 M-element
 // scale_ (bench/RESULTS.md, "CUDA, H200"). 512 items take 16 KB (pairs) and 20 KB (triples) of
-// argument, which CUDA 12.1's 32 KB kernel parameters allow; the Small batches fit the 4 KB of
-// older toolkits and drivers.
+// argument, which CUDA 12.1's 32 KB kernel parameters allow on Volta (sm_70) and newer; the
+// Small batches fit the 4 KB of older toolkits, drivers and GPUs, and carry short lists (a
+// launch copies its whole argument).
 using SegmentBatch = ItemBatch<2, 512>;     // (dst, src)
 using TripleBatch = ItemBatch<3, 512>;      // (grad, param, prev)
 using SmallSegmentBatch = ItemBatch<2, 48>;  // about 1.5 KB of argument
 using SmallTripleBatch = ItemBatch<3, 36>;
+
+#if defined(__CUDACC__)
+// Whether this build may launch the large batches: a CUDA >= 12.1 compiler, and every
+// architecture it compiles for (nvcc's __CUDA_ARCH_LIST__, in the host pass too) sm_70 or newer
+// (ptxas refuses more than 4 KB of parameters below). The driver is checked at run time.
+constexpr bool large_arguments_built() {
+#if defined(__CUDACC_VER_MAJOR__) && defined(__CUDA_ARCH_LIST__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
+  constexpr int archs[] = {__CUDA_ARCH_LIST__};
+  for (int a : archs)
+    if (a < 700) return false;
+  return true;
+#else
+  return false;
+#endif
+}
+#endif
 
 // dst = src * w, in the op math type (float for half and bfloat16).
 template <typename scalar_t>
