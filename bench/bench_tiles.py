@@ -4,9 +4,8 @@
 Builds ``bench/native/tiles_sweep.cu`` once per tile shape (elements per tile, threads per block,
 loads in flight: the ``HETLB_TILE_*`` macros of ``csrc/ops/cuda/tiles.cuh``), in parallel, then runs
 each binary in turn on the same GPU. Each binary times ``scale_`` (in place) and
-``delay_compensate_`` over bench_kernels.py's 407 tensors with the extension's items per launch
-(48 and 36, found by a linear scan) and with up to 512 (a binary search), at several blocks per
-SM, against ``cudaMemcpyAsync`` of the same bytes: CUDA events over back-to-back launches, the
+``delay_compensate_`` over bench_kernels.py's 407 tensors with the small batches' items per
+launch (48 and 36) and the large ones' (512), at several blocks per SM, against ``cudaMemcpyAsync`` of the same bytes: CUDA events over back-to-back launches, the
 device's time only. Prints a table sorted per op, best first, and writes the rows as CSV.
 
     python bench/bench_tiles.py --shapes 8192x256x4 16384x512x4 --csv /tmp/tiles.csv
@@ -57,23 +56,23 @@ def main() -> None:
             for line in out.splitlines():
                 tiles, case, figures = (part.split() for part in line.split("|"))
                 rows.append({"tile": int(tiles[1]), "threads": int(tiles[2]), "unroll": int(tiles[3]),
-                             "op": case[0], "items": int(case[1]), "search": int(case[2]),
-                             "blocks_per_sm": int(case[3]), "ms": float(figures[0]),
+                             "op": case[0], "items": int(case[1]),
+                             "blocks_per_sm": int(case[2]), "ms": float(figures[0]),
                              "gbs": float(figures[1]), "pct_copy": float(figures[2])})
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    print("| op | tile | threads | unroll | items/launch | search | blocks/SM | ms | GB/s | % of copy |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| op | tile | threads | unroll | items/launch | blocks/SM | ms | GB/s | % of copy |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for op in ("copy", "scale", "delay"):
         best = sorted((r for r in rows if r["op"] == op), key=lambda r: r["ms"])
         for r in best[: (3 if op == "copy" else 12)]:
-            print(f"| {op} | {r['tile']} | {r['threads']} | {r['unroll']} | {r['items']} | {r['search']} | "
+            print(f"| {op} | {r['tile']} | {r['threads']} | {r['unroll']} | {r['items']} | "
                   f"{r['blocks_per_sm']} | {r['ms']:.4f} | {r['gbs']:.0f} | {r['pct_copy']:.1f} % |")
-    cur = [r for r in rows if (r["tile"], r["threads"], r["unroll"], r["blocks_per_sm"], r["search"])
-           == (8192, 256, 4, 8, 0)]
+    cur = [r for r in rows if (r["tile"], r["threads"], r["unroll"], r["blocks_per_sm"], r["items"])
+           == (8192, 256, 4, 8, 512)]
     for r in cur:
         print(f"extension's shape now: {r['op']} {r['ms']:.4f} ms, {r['pct_copy']:.1f} % of copy")
 

@@ -1,5 +1,5 @@
 // The CUDA kernels' tiling (csrc/ops/cuda/tiles.cuh) measured in other shapes, side by side in one
-// process: items per launch (the extension's 48 and 36, or up to 512 found by a binary search),
+// process: items per launch (the small batches' 48 and 36, or the large ones' 512),
 // blocks per SM, and, through the HETLB_TILE_* macros this file is built with, the tile, threads
 // and loads in flight. Built and run by bench/bench_tiles.py, one binary per tile shape.
 //
@@ -8,7 +8,7 @@
 // when repeated), delay_compensate_ on (grad, param, prev). Every figure is the median of 9 samples
 // of 20 back-to-back launches of the whole op, timed by CUDA events: the device's time, not the
 // host's (bench_kernels.py times the op as Python calls it). Prints one line per case:
-//   tiles TILE THREADS UNROLL | op ITEMS SEARCH BLOCKS_PER_SM | ms GB/s pct_of_copy
+//   tiles TILE THREADS UNROLL | op ITEMS BLOCKS_PER_SM | ms GB/s pct_of_copy
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -32,17 +32,6 @@ namespace {
     }                                                                                   \
   } while (0)
 
-// The item of `tile` by binary search over the prefix sums (the extension scans them linearly).
-template <typename Batch>
-__device__ __forceinline__ int item_search(const Batch& b, int64_t tile) {
-  int lo = 0, hi = b.count - 1;  // the last k with tile_start[k] <= tile
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (b.tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 template <bool kReadsOut, typename F>
 struct TileOp {
   F f;
@@ -53,19 +42,12 @@ struct TileOp {
   }
 };
 
-template <bool kSearch, typename Batch, typename Op>
+// csrc/ops/cuda/kernels.cu's tiled_kernel, built here with this file's tile shape.
+template <typename Batch, typename Op>
 __global__ void __launch_bounds__(kThreads) sweep_kernel(Batch batch, Op op) {
   const int64_t ntiles = batch.tile_start[batch.count];
-  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    if (kSearch) {
-      const int k = item_search(batch, tile);
-      const int64_t begin = (tile - batch.tile_start[k]) * kTile;
-      const int64_t end = begin + kTile < batch.numel[k] ? begin + kTile : batch.numel[k];
-      op(batch, k, begin, end, threadIdx.x, blockDim.x);
-    } else {
-      run_tile(batch, op, tile, threadIdx.x, blockDim.x);
-    }
-  }
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x)
+    run_tile(batch, op, tile, threadIdx.x, blockDim.x);
 }
 
 struct Item {
@@ -140,7 +122,7 @@ double median_ms(Fn fn) {
   return ms[ms.size() / 2];
 }
 
-template <int kMax, bool kSearch>
+template <int kMax>
 double time_scale(const std::vector<Item>& items, int blocks_per_sm) {
   using B = ItemBatch<2, kMax>;
   const int max_blocks = sms() * blocks_per_sm;
@@ -150,12 +132,12 @@ double time_scale(const std::vector<Item>& items, int blocks_per_sm) {
                       [&](const B& b) {
                         const int64_t t = b.tile_start[b.count];
                         const int blocks = static_cast<int>(std::min<int64_t>(t, max_blocks));
-                        sweep_kernel<kSearch><<<blocks, kThreads>>>(b, op);
+                        sweep_kernel<<<blocks, kThreads>>>(b, op);
                       });
   });
 }
 
-template <int kMax, bool kSearch>
+template <int kMax>
 double time_delay(const std::vector<Item>& items, int blocks_per_sm) {
   using B = ItemBatch<3, kMax>;
   const int max_blocks = sms() * blocks_per_sm;
@@ -166,7 +148,7 @@ double time_delay(const std::vector<Item>& items, int blocks_per_sm) {
                       [&](const B& b) {
                         const int64_t t = b.tile_start[b.count];
                         const int blocks = static_cast<int>(std::min<int64_t>(t, max_blocks));
-                        sweep_kernel<kSearch><<<blocks, kThreads>>>(b, op);
+                        sweep_kernel<<<blocks, kThreads>>>(b, op);
                       });
   });
 }
@@ -175,8 +157,8 @@ double time_delay(const std::vector<Item>& items, int blocks_per_sm) {
 template <bool kLarge, typename Row>
 void large_rows(const std::vector<Item>& items, int bps, const Row& row) {
   if constexpr (kLarge) {
-    row("scale", 512, 1, bps, time_scale<512, true>(items, bps), 2);
-    row("delay", 512, 1, bps, time_delay<512, true>(items, bps), 4);
+    row("scale", 512, bps, time_scale<512>(items, bps), 2);
+    row("delay", 512, bps, time_delay<512>(items, bps), 4);
   }
 }
 
@@ -199,20 +181,18 @@ int main(int argc, char** argv) {
   const double copy_gbs = 2.0 * n * 4 / copy / 1e6;
   const char* tiles_fmt = "tiles %lld %d %d | ";
   std::printf(tiles_fmt, static_cast<long long>(kTile), kThreads, kUnroll);
-  std::printf("copy %zu 0 0 | %.4f %.1f 100.0\n", sizes.size(), copy, copy_gbs);
-  auto row = [&](const char* op, int items_max, int search, int bps, double ms, int bytes) {
+  std::printf("copy %zu 0 | %.4f %.1f 100.0\n", sizes.size(), copy, copy_gbs);
+  auto row = [&](const char* op, int items_max, int bps, double ms, int bytes) {
     const double gbs = static_cast<double>(bytes) * n * 4 / ms / 1e6;
     std::printf(tiles_fmt, static_cast<long long>(kTile), kThreads, kUnroll);
-    std::printf("%s %d %d %d | %.4f %.1f %.1f\n", op, items_max, search, bps, ms, gbs,
+    std::printf("%s %d %d | %.4f %.1f %.1f\n", op, items_max, bps, ms, gbs,
                 100.0 * gbs / copy_gbs);
   };
   for (int bps : {2, 4, 8, 16, 32}) {
     if (bps * kThreads > 2048) continue;  // more threads than an SM holds: the rest wait
-    row("scale", 48, 0, bps, time_scale<48, false>(items, bps), 2);
-    row("scale", 48, 1, bps, time_scale<48, true>(items, bps), 2);
+    row("scale", 48, bps, time_scale<48>(items, bps), 2);
+    row("delay", 36, bps, time_delay<36>(items, bps), 4);
     large_rows<large_arguments_built()>(items, bps, row);
-    row("delay", 36, 0, bps, time_delay<36, false>(items, bps), 4);
-    row("delay", 36, 1, bps, time_delay<36, true>(items, bps), 4);
   }
   return 0;
 }
