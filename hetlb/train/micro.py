@@ -12,12 +12,13 @@ one pass does (DDP: nothing under ``no_sync()``; FSDP2: the parameters gathered 
 first forward, and kept until the last backward reduces).
 
 With ``reduce="after"`` every micro-step with samples runs under no-sync and one empty micro-step
-after them reduces: no backward with samples waits in a collective. Its mean loss is NaN and
-weighted 0, as an idle rank's: a model whose empty forward leaves a NaN in an intermediate that a
-parameter's gradient reads (a mean over the batch feeding a layer) would spread it. Where collectives block the
+after them reduces: no backward with samples waits in a collective. Where collectives block the
 host (FSDP2 on Gloo) a rank whose one pass holds its whole backward otherwise waits, layer by
 layer, for a rank in micro-steps to reach each layer's reduce-scatter in its last micro-step,
-and then holds the rest of its backward while that rank waits for it at the next layer.
+and then holds the rest of its backward while that rank waits for it at the next layer. The
+empty micro-step's mean loss is NaN and weighted 0, as an idle rank's: a model whose empty
+forward leaves a NaN in an intermediate that a parameter's gradient reads (a mean over the batch
+feeding a layer) would spread it.
 
 A rank with a :class:`hetlb.Recompute` runs a share recomputing, in micro-batches of its
 recomputing limit, where its profiles say that is faster (:class:`MicroWays`).
